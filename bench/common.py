@@ -1,0 +1,90 @@
+"""Shared benchmark helpers: timing with medians, machine naming, BENCHMARKS.md sections.
+
+Every benchmark writes rows of (what, figure, peer or limit measured in the same run,
+ratio) into its own marked section of BENCHMARKS.md, so benchmarks can be rerun one at
+a time (``python -m bench.<name>``) or all together (``python -m bench``).
+"""
+from __future__ import annotations
+
+import os
+import platform
+import re
+import statistics
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCHMARKS_MD = os.path.join(ROOT, "BENCHMARKS.md")
+
+
+def machine() -> str:
+    """A short description of this machine: CPU model and cores, or the GPU."""
+    try:
+        import torch
+        if torch.cuda.is_available():
+            return f"{torch.cuda.get_device_name(0)} (torch {torch.__version__})"
+        tv = f", torch {torch.__version__}"
+    except ImportError:  # pragma: no cover
+        tv = ""
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"{model}, {os.cpu_count()} cores{tv}"
+
+
+def median_time(fn, *, warmup: int = 3, iters: int = 10) -> float:
+    """Median wall time of ``fn()`` in seconds after ``warmup`` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def fmt(x: float, unit: str = "") -> str:
+    if unit == "ms":
+        return f"{x * 1e3:.2f} ms"
+    if unit == "s":
+        return f"{x:.2f} s"
+    if unit == "MiB":
+        return f"{x / 2**20:.1f} MiB"
+    return f"{x:.4g}{(' ' + unit) if unit else ''}"
+
+
+def table(rows: list[dict]) -> str:
+    """Markdown table of rows with keys: what, figure, peer, peer_name, ratio, target."""
+    out = ["| what | figure | peer / limit (same run) | ratio | target |",
+           "| --- | --- | --- | --- | --- |"]
+    for r in rows:
+        out.append(f"| {r['what']} | {r['figure']} | {r['peer_name']}: {r['peer']} | "
+                   f"{r['ratio']:.3f} | {r.get('target', '')} |")
+    return "\n".join(out)
+
+
+def write_section(name: str, title: str, body: str) -> None:
+    """Replace (or append) the section ``name`` of BENCHMARKS.md with ``title`` + ``body``."""
+    start, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
+    block = f"{start}\n## {title}\n\n{body.strip()}\n\n_machine: {machine()}; " \
+            f"written {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}_\n{end}"
+    text = ""
+    if os.path.exists(BENCHMARKS_MD):
+        with open(BENCHMARKS_MD) as f:
+            text = f.read()
+    if not text:
+        text = "# Benchmarks\n\nWritten by `python -m bench`; each row compares a figure with a " \
+               "peer or limit measured in the same run.\n"
+    pattern = re.compile(re.escape(start) + ".*?" + re.escape(end), re.S)
+    if pattern.search(text):
+        text = pattern.sub(lambda _: block, text)
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    with open(BENCHMARKS_MD, "w") as f:
+        f.write(text)

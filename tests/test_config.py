@@ -1,0 +1,62 @@
+"""ParallelConfig: validation messages, dp resolution, TPKIT_* round trip."""
+import pytest
+
+from tpkit.config import ParallelConfig
+
+# (kwargs, world_size or None, text that must appear in the message)
+BAD = [
+    (dict(tp=0), None, "tp=0"),
+    (dict(cp=-2), None, "cp=-2"),
+    (dict(pp=1.5), None, "pp=1.5"),
+    (dict(tp=True), None, "tp=True"),
+    (dict(dp=0), None, "dp=0"),
+    (dict(tp=3), 8, "world size 8"),
+    (dict(tp=2, cp=2, pp=3), 8, "2*2*3"),
+    (dict(tp=2, dp=3), 8, "dp=3"),
+    (dict(tp=1, sequence_parallel=True), None, "sequence_parallel=True"),
+    (dict(tp=2, sequence_parallel="yes"), None, "sequence_parallel='yes'"),
+    (dict(cp=2, cp_comm_type="ring"), None, "cp_comm_type='ring'"),
+    (dict(cp=4, cp_comm_type="a2a+p2p"), None, "cp_a2a_size"),
+    (dict(cp=6, cp_comm_type="a2a+p2p", cp_a2a_size=4), None, "cp_a2a_size=4"),
+    (dict(cp=4, cp_comm_type="a2a+p2p", cp_a2a_size=4), None, "cp_a2a_size=4"),
+    (dict(cp=4, cp_comm_type="a2a+p2p", cp_a2a_size=1), None, "cp_a2a_size=1"),
+    (dict(cp=4, cp_comm_type="p2p", cp_a2a_size=2), None, "cp_a2a_size=2"),
+    (dict(tp=2), 0, "world_size=0"),
+]
+
+
+@pytest.mark.parametrize("kwargs,world,needle", BAD, ids=[str(b[0]) + str(b[1]) for b in BAD])
+def test_bad_configs(kwargs, world, needle):
+    with pytest.raises(ValueError) as err:
+        cfg = ParallelConfig(**kwargs)
+        cfg.validate(world)
+    assert needle in str(err.value)
+
+
+def test_dp_filled_and_checked():
+    cfg = ParallelConfig(tp=2, cp=2).validate(16)
+    assert cfg.dp == 4 and cfg.world_size == 16
+    assert ParallelConfig(tp=2, cp=2, dp=4).validate(16).dp == 4
+    with pytest.raises(ValueError, match="validate"):
+        ParallelConfig(tp=2).world_size
+
+
+def test_env_round_trip():
+    cfg = ParallelConfig(tp=2, cp=4, pp=2, dp=3, sequence_parallel=True,
+                         cp_comm_type="a2a+p2p", cp_a2a_size=2)
+    env = cfg.to_env()
+    assert env["TPKIT_TP"] == "2" and env["TPKIT_SEQUENCE_PARALLEL"] == "1"
+    assert ParallelConfig.from_env(env) == cfg
+    assert ParallelConfig.from_env({}) == ParallelConfig()
+    assert ParallelConfig.from_env(env, tp=4, sequence_parallel=False).tp == 4
+
+
+@pytest.mark.parametrize("env,needle", [
+    ({"TPKIT_TP": "two"}, "TPKIT_TP='two'"),
+    ({"TPKIT_SEQUENCE_PARALLEL": "maybe"}, "TPKIT_SEQUENCE_PARALLEL='maybe'"),
+    ({"TPKIT_CP": "2", "TPKIT_CP_COMM_TYPE": "tree"}, "cp_comm_type='tree'"),
+])
+def test_bad_env(env, needle):
+    with pytest.raises(ValueError) as err:
+        ParallelConfig.from_env(env)
+    assert needle in str(err.value)

@@ -1,0 +1,44 @@
+"""The multi-rank harness itself: results by rank, first failing traceback, hang timeout."""
+import pytest
+
+from dist import RankError, run
+
+
+def _rank_and_sum():
+    import torch
+    import torch.distributed as dist
+    t = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(t)
+    return dist.get_rank(), t.item()
+
+
+def _fail_on(bad_rank):
+    import torch.distributed as dist
+    if dist.get_rank() == bad_rank:
+        raise ZeroDivisionError(f"boom on {bad_rank}")
+    return dist.get_rank()
+
+
+def _hang_on_one():
+    import time
+    import torch.distributed as dist
+    if dist.get_rank() == 1:
+        time.sleep(60)
+    return dist.get_rank()
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+def test_results_by_rank(n):
+    assert run(_rank_and_sum, n) == [(r, float(sum(range(n)))) for r in range(n)]
+
+
+def test_first_failing_rank_traceback():
+    with pytest.raises(RankError, match=r"(?s)rank 1:.*ZeroDivisionError: boom on 1"):
+        run(_fail_on, 2, 1)
+    assert run(_rank_and_sum, 2) == [(0, 1.0), (1, 1.0)]  # pool rebuilt, usable
+
+
+def test_hang_fails_within_timeout():
+    with pytest.raises(TimeoutError, match=r"ranks \[1\]"):
+        run(_hang_on_one, 2, timeout=3)
+    assert run(_rank_and_sum, 2) == [(0, 1.0), (1, 1.0)]

@@ -1,0 +1,97 @@
+"""RNG tracker: stream seeding per layout coordinate, fork semantics, seed uniqueness."""
+import pytest
+import torch
+
+from dist import run
+from tpkit.random import MODEL_PARALLEL_RNG, RNGStatesTracker, derive_seed
+
+
+def _masks_worker():
+    import torch.nn.functional as F
+    import tpkit
+    from tpkit.random import get_rng_tracker
+    s = tpkit.init_parallel(tp=2, cp=2, dp=2, seed=42)
+    x = torch.ones(4096)
+    default = F.dropout(x, 0.5).bool()
+    with get_rng_tracker().fork():
+        forked = F.dropout(x, 0.5).bool()
+    return (s.tp_rank, s.cp_rank, s.dp_rank), default, forked
+
+
+def test_forked_masks_follow_the_layout():
+    res = run(_masks_worker, 8)
+    defaults = [d for _, d, _ in res]
+    # default stream: identical on every rank of the stage (so within every DP group)
+    assert all(torch.equal(defaults[0], d) for d in defaults)
+    by_coord = {}
+    for (t, c, d), _, forked in res:
+        by_coord.setdefault((t, c), []).append(forked)
+    # model-parallel stream: equal across DP replicas ...
+    for masks in by_coord.values():
+        assert len(masks) == 2 and torch.equal(masks[0], masks[1])
+    # ... and different for every (tp, cp) coordinate, and from the default stream
+    firsts = {k: v[0] for k, v in by_coord.items()}
+    keys = sorted(firsts)
+    for i, a in enumerate(keys):
+        assert not torch.equal(firsts[a], defaults[0])
+        for b in keys[i + 1:]:
+            assert not torch.equal(firsts[a], firsts[b]), (a, b)
+
+
+def test_fork_restores_outer_state_and_advances_inner():
+    tr = RNGStatesTracker("cpu")
+    tr.add(MODEL_PARALLEL_RNG, 7)
+    torch.manual_seed(0)
+    outer = torch.get_rng_state()
+    expected_after = torch.rand(3)
+    torch.set_rng_state(outer)
+    with tr.fork():
+        a = torch.rand(3)
+    assert torch.equal(torch.get_rng_state(), outer)
+    assert torch.equal(torch.rand(3), expected_after)
+    with tr.fork():
+        b = torch.rand(3)
+    assert not torch.equal(a, b)  # the named stream advanced
+    g = torch.Generator().manual_seed(7)
+    assert torch.equal(torch.cat([a, b]), torch.rand(6, generator=g))
+    # get_states / set_states rewind the named stream
+    saved = tr.get_states()
+    with tr.fork():
+        c = torch.rand(3)
+    tr.set_states(saved)
+    with tr.fork():
+        assert torch.equal(torch.rand(3), c)
+
+
+def test_tracker_errors():
+    tr = RNGStatesTracker("cpu")
+    tr.add("a", 1)
+    with pytest.raises(ValueError, match="seed 1"):
+        tr.add("b", 1)
+    with pytest.raises(ValueError, match="'a'"):
+        tr.add("a", 2)
+    with pytest.raises(KeyError, match="'missing'"):
+        with tr.fork("missing"):
+            pass
+    tr.reset()
+    tr.add("a", 1)  # reset frees names and seeds
+
+
+def test_seeds_unique_across_65536_ranks():
+    tp, cp, dp, pp = 8, 4, 256, 8  # 65,536 ranks
+    seen = {}
+    for p in range(pp):
+        seen[derive_seed(1234, 0, pp=p)] = ("default", p)
+        for c in range(cp):
+            for t in range(tp):
+                seen[derive_seed(1234, 1, tp=t, cp=c, pp=p)] = ("mp", t, c, p)
+    assert len(seen) == pp + pp * cp * tp
+    # every rank's pair of seeds: DP replicas share them, nothing else does
+    per_rank = set()
+    for r in range(tp * cp * dp * pp):
+        t, c, p = r % tp, (r // tp) % cp, r // (tp * cp * dp)
+        per_rank.add((derive_seed(1234, 0, pp=p), derive_seed(1234, 1, tp=t, cp=c, pp=p)))
+    assert len(per_rank) == tp * cp * pp
+    assert all(0 <= s < 2 ** 63 for s in seen)
+    with pytest.raises(ValueError, match="tp rank"):
+        derive_seed(1, 1, tp=1 << 20)

@@ -1,0 +1,166 @@
+"""ParallelConfig: the parallel layout as plain sizes and options.
+
+It is validated before any process group exists (the launcher checks it before any
+worker starts) and travels to workers as ``TPKIT_*`` environment variables.
+Every bad value raises ``ValueError`` naming the value and what would fix it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Mapping
+
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
+
+ENV_VARS = {
+    "tp": "TPKIT_TP",
+    "cp": "TPKIT_CP",
+    "pp": "TPKIT_PP",
+    "dp": "TPKIT_DP",
+    "sequence_parallel": "TPKIT_SEQUENCE_PARALLEL",
+    "cp_comm_type": "TPKIT_CP_COMM_TYPE",
+    "cp_a2a_size": "TPKIT_CP_A2A_SIZE",
+}
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off", "")
+
+
+def _check_size(name: str, value, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name}={value!r} must be an integer >= 1; pass e.g. {name}=1")
+    if value < 1:
+        raise ValueError(f"{name}={value} must be >= 1; use {name}=1 to disable this dimension")
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    """Sizes of the tp, cp, dp and pp dimensions and the options that go with them.
+
+    ``dp=None`` means "whatever is left of the world". ``sequence_parallel=True`` needs
+    ``tp >= 2``: with one TP rank there is nothing to shard, and we refuse rather than
+    silently ignore the flag (Megatron silently turns it off). ``cp_a2a_size`` is the
+    size of the inner (all-to-all) level of ``cp_comm_type="a2a+p2p"`` and is only
+    meaningful there.
+    """
+
+    tp: int = 1
+    cp: int = 1
+    pp: int = 1
+    dp: int | None = None
+    sequence_parallel: bool = False
+    cp_comm_type: str = "p2p"
+    cp_a2a_size: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "cp", "pp"):
+            _check_size(name, getattr(self, name))
+        _check_size("dp", self.dp, allow_none=True)
+        if not isinstance(self.sequence_parallel, bool):
+            raise ValueError(
+                f"sequence_parallel={self.sequence_parallel!r} must be True or False")
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError(
+                "sequence_parallel=True needs tp >= 2 (with tp=1 there is nothing to shard "
+                "the sequence over); set tp >= 2 or sequence_parallel=False")
+        if self.cp_comm_type not in CP_COMM_TYPES:
+            raise ValueError(
+                f"cp_comm_type={self.cp_comm_type!r} is unknown; use one of {CP_COMM_TYPES}")
+        if self.cp_comm_type == "a2a+p2p":
+            if self.cp_a2a_size is None:
+                raise ValueError(
+                    "cp_comm_type='a2a+p2p' needs cp_a2a_size (the size of the inner "
+                    f"all-to-all level, a divisor of cp={self.cp} between 2 and cp/2)")
+            _check_size("cp_a2a_size", self.cp_a2a_size)
+            if self.cp % self.cp_a2a_size != 0:
+                raise ValueError(
+                    f"cp_a2a_size={self.cp_a2a_size} does not divide cp={self.cp}; choose a "
+                    "divisor of cp")
+            if self.cp_a2a_size in (1, self.cp):
+                raise ValueError(
+                    f"cp_a2a_size={self.cp_a2a_size} with cp={self.cp} leaves one "
+                    "hierarchy level empty; use cp_comm_type='p2p' or 'a2a', or a "
+                    "cp_a2a_size strictly between 1 and cp")
+        elif self.cp_a2a_size is not None:
+            raise ValueError(
+                f"cp_a2a_size={self.cp_a2a_size} is only used with cp_comm_type='a2a+p2p' "
+                f"(got cp_comm_type={self.cp_comm_type!r}); drop it or change the comm type")
+
+    @property
+    def model_size(self) -> int:
+        """Ranks that hold one copy of the model: tp * cp * pp."""
+        return self.tp * self.cp * self.pp
+
+    @property
+    def cp_p2p_size(self) -> int | None:
+        return None if self.cp_a2a_size is None else self.cp // self.cp_a2a_size
+
+    def validate(self, world_size: int) -> "ParallelConfig":
+        """Check the layout against ``world_size``; return a copy with ``dp`` filled in."""
+        _check_size("world_size", world_size)
+        if world_size % self.model_size != 0:
+            raise ValueError(
+                f"world size {world_size} is not divisible by tp*cp*pp = {self.tp}*{self.cp}*"
+                f"{self.pp} = {self.model_size}; use a world size that is a multiple of "
+                f"{self.model_size} or smaller tp/cp/pp")
+        dp = world_size // self.model_size
+        if self.dp is not None and self.dp != dp:
+            raise ValueError(
+                f"dp={self.dp} is inconsistent with world size {world_size} and tp*cp*pp="
+                f"{self.model_size} (which leave dp={dp}); pass dp={dp} or leave dp unset")
+        return dataclasses.replace(self, dp=dp)
+
+    @property
+    def world_size(self) -> int:
+        if self.dp is None:
+            raise ValueError("dp is not resolved yet; call validate(world_size) first")
+        return self.model_size * self.dp
+
+    # --- environment ---------------------------------------------------------------
+    def to_env(self) -> dict[str, str]:
+        """The ``TPKIT_*`` variables that :meth:`from_env` reads back."""
+        env = {
+            ENV_VARS["tp"]: str(self.tp),
+            ENV_VARS["cp"]: str(self.cp),
+            ENV_VARS["pp"]: str(self.pp),
+            ENV_VARS["sequence_parallel"]: "1" if self.sequence_parallel else "0",
+            ENV_VARS["cp_comm_type"]: self.cp_comm_type,
+        }
+        if self.dp is not None:
+            env[ENV_VARS["dp"]] = str(self.dp)
+        if self.cp_a2a_size is not None:
+            env[ENV_VARS["cp_a2a_size"]] = str(self.cp_a2a_size)
+        return env
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides) -> "ParallelConfig":
+        """Build from ``TPKIT_*`` variables (unset ones take defaults); keyword overrides win."""
+        env = os.environ if env is None else env
+        kwargs: dict = {}
+        for field, var in ENV_VARS.items():
+            raw = env.get(var)
+            if raw is None:
+                continue
+            if field == "cp_comm_type":
+                kwargs[field] = raw
+            elif field == "sequence_parallel":
+                if raw.strip().lower() in _TRUE:
+                    kwargs[field] = True
+                elif raw.strip().lower() in _FALSE:
+                    kwargs[field] = False
+                else:
+                    raise ValueError(f"{var}={raw!r} is not a boolean; use 1 or 0")
+            else:
+                try:
+                    kwargs[field] = int(raw)
+                except ValueError:
+                    raise ValueError(f"{var}={raw!r} is not an integer; set e.g. {var}=1") from None
+        kwargs.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**kwargs)
+
+    @classmethod
+    def env_is_set(cls, env: Mapping[str, str] | None = None) -> bool:
+        env = os.environ if env is None else env
+        return any(var in env for var in ENV_VARS.values())
