@@ -42,3 +42,22 @@ def test_hang_fails_within_timeout():
     with pytest.raises(TimeoutError, match=r"ranks \[1\]"):
         run(_hang_on_one, 2, timeout=3)
     assert run(_rank_and_sum, 2) == [(0, 1.0), (1, 1.0)]
+
+
+def _count_worker():
+    import torch
+    import torch.distributed as dist
+    import tpkit
+    from commcount import count_collectives
+    s = tpkit.init_parallel(tp=2, cp=2)
+    with count_collectives() as calls:
+        t = torch.ones(2)
+        dist.all_reduce(t, group=s.tp_group)
+        dist.all_reduce(t, group=s.dp_group)
+        dist.all_reduce(t)
+    return calls.summary(), calls.count("all_reduce", min_group_size=2), dist.all_reduce.__name__
+
+
+def test_collective_counter():
+    for summary, real, name in run(_count_worker, 4):
+        assert summary == {"all_reduce": 3} and real == 2 and name == "all_reduce"

@@ -1,0 +1,69 @@
+"""Count the torch.distributed collectives a block of code really issues.
+
+``with count_collectives() as calls: ...`` patches the public collective functions of
+``torch.distributed`` (code must call them as ``dist.all_reduce(...)``, i.e. through the
+module, which tpkit does) and records one ``Call(op, group_size)`` per call. Calls on a
+group of one rank are recorded too, so a test can assert that none were made.
+``calls.count("all_reduce")`` counts by name, optionally ``min_group_size=2``.
+Pass ``group=`` by keyword: a group passed positionally is counted as the world.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import torch.distributed as dist
+
+OPS = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+       "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "broadcast", "reduce",
+       "send", "recv", "isend", "irecv", "batch_isend_irecv", "barrier", "gather", "scatter",
+       "all_gather_object", "broadcast_object_list")
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    op: str
+    group_size: int
+
+
+class Calls(list):
+    def count(self, op: str, *, min_group_size: int = 1) -> int:  # type: ignore[override]
+        return sum(1 for c in self if c.op == op and c.group_size >= min_group_size)
+
+    def summary(self, *, min_group_size: int = 1) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for c in self:
+            if c.group_size >= min_group_size:
+                out[c.op] = out.get(c.op, 0) + 1
+        return out
+
+
+def _group_of(op: str, args, kwargs):
+    if "group" in kwargs:
+        return kwargs["group"]
+    if op == "batch_isend_irecv":
+        ops = args[0] if args else kwargs.get("p2p_op_list", [])
+        return ops[0].group if ops else None
+    return None
+
+
+@contextlib.contextmanager
+def count_collectives():
+    calls = Calls()
+    originals = {op: getattr(dist, op) for op in OPS if hasattr(dist, op)}
+
+    def wrap(op, fn):
+        def inner(*args, **kwargs):
+            group = _group_of(op, args, kwargs)
+            size = dist.get_world_size(group) if group is not None else dist.get_world_size()
+            calls.append(Call(op, size))
+            return fn(*args, **kwargs)
+        return inner
+
+    for op, fn in originals.items():
+        setattr(dist, op, wrap(op, fn))
+    try:
+        yield calls
+    finally:
+        for op, fn in originals.items():
+            setattr(dist, op, fn)
