@@ -89,3 +89,72 @@ def test_collective_counts_are_the_analytical_minimum(sp):
         # g after each row layer forward, f before each column layer backward (QKV: one)
         assert fwd == {"all_reduce": 2}, fwd
         assert bwd == {"all_reduce": 2}, bwd
+
+
+def _dropout(sp):
+    import torch.distributed as dist
+    import tpkit
+    from tpkit.nn import TransformerLayer
+    from tpkit.random import MODEL_PARALLEL_RNG, get_rng_tracker
+    st = tpkit.init_parallel(tp=2, sequence_parallel=sp, seed=5)
+    torch.manual_seed(0)
+    layer = TransformerLayer(H, 32, 4, hidden_dropout=0.5, attention_dropout=0.5)
+    x = torch.randn(S, B, H)  # the same full input on both ranks
+    before = get_rng_tracker().get_states()[MODEL_PARALLEL_RNG]
+    y = layer(seq_shard(x, st, sp))
+    advanced = not torch.equal(before, get_rng_tracker().get_states()[MODEL_PARALLEL_RNG])
+    layer.eval()
+    y_eval = layer(seq_shard(x, st, sp))
+    full = [torch.empty_like(y) for _ in range(2)]
+    dist.all_gather(full, y.contiguous(), group=st.tp_group)
+    det = torch.equal(y_eval, layer(seq_shard(x, st, sp)))
+    layer.train()
+    mask = layer._dropout(torch.ones(S // 2, B, H)) == 0  # the hidden-dropout mask itself
+    return advanced, full, det, mask
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_dropout_streams(sp):
+    (adv, full, det, m0), (_, _, _, m1) = run(_dropout, 2, sp)
+    assert adv  # attention dropout drew from the model-parallel stream
+    assert det  # eval mode: no dropout
+    assert m0.any() and m1.any()
+    if not sp:
+        # replicated activations: hidden-dropout masks (default stream) agree across TP,
+        # so the layer output is identical on both ranks
+        assert torch.equal(m0, m1)
+        assert torch.equal(full[0], full[1])
+    else:
+        # SP: each rank drops its own tokens with its own (forked) stream
+        assert not torch.equal(m0, m1)
+
+
+def test_block_input_checks():
+    import types
+    from tpkit.nn import ParallelMLP, ParallelSelfAttention, TransformerLayer
+    from tpkit.random import get_rng_tracker
+    get_rng_tracker().reset()
+    get_rng_tracker().add("model-parallel-rng", 9)
+    st = types.SimpleNamespace(tp_size=2, tp_rank=0, tp_group=None, sequence_parallel=False,
+                               device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="num_attention_heads=3 is not divisible"):
+        ParallelSelfAttention(12, 3, state=st)
+    with pytest.raises(ValueError, match="num_gqa_groups=1 is not divisible"):
+        ParallelSelfAttention(16, 4, num_gqa_groups=1, state=st)
+    with pytest.raises(ValueError, match="num_gqa_groups=4"):
+        ParallelSelfAttention(24, 6, num_gqa_groups=4, state=st)
+    with pytest.raises(ValueError, match="ffn_hidden_size=5"):
+        ParallelMLP(8, 5, state=st)
+    with pytest.raises(ValueError, match="activation='tanh'"):
+        ParallelMLP(8, 8, activation="tanh", state=st)
+    with pytest.raises(ValueError, match="attn_mask_type='padding'"):
+        ParallelSelfAttention(16, 4, attn_mask_type="padding", state=st)
+    with pytest.raises(ValueError, match="normalization='BatchNorm'"):
+        TransformerLayer(16, 32, 4, normalization="BatchNorm", state=st)
+    attn = ParallelSelfAttention(16, 4, state=st)
+    with pytest.raises(ValueError, match=r"\[s, b, 16\] \(3 dims"):
+        attn(torch.zeros(8, 16))
+    mlp = ParallelMLP(16, 32, state=st)
+    with pytest.raises(ValueError, match="3 dims"):
+        mlp(torch.zeros(2, 8, 2, 16))
+    get_rng_tracker().reset()
