@@ -158,3 +158,44 @@ def test_block_input_checks():
     with pytest.raises(ValueError, match="3 dims"):
         mlp(torch.zeros(2, 8, 2, 16))
     get_rng_tracker().reset()
+
+
+def _tiny_gpt(tp, sp):
+    """Embedding -> TransformerLayer -> vocab-parallel head -> cross entropy, as in the
+    README, vs nn.Embedding / reference layer / nn.Linear / F.cross_entropy."""
+    import torch.nn.functional as F
+    import tpkit
+    from tpkit.checkpoint import load_full_state_dict
+    from tpkit.nn import (ColumnParallelLinear, RotaryEmbedding, TransformerLayer,
+                          VocabParallelEmbedding, vocab_parallel_cross_entropy)
+    st = tpkit.init_parallel(tp=tp, sequence_parallel=sp, seed=5)
+    V, G = 32, max(2, tp)
+    ref = torch.nn.ModuleDict({"emb": torch.nn.Embedding(V, H),
+                               "layer": RefTransformerLayer(H, 32, 4, G, "RMSNorm", "swiglu"),
+                               "head": torch.nn.Linear(H, V, bias=False)})
+    randomize(ref, 7)
+    par = torch.nn.ModuleDict({"emb": VocabParallelEmbedding(V, H),
+                               "layer": TransformerLayer(H, 32, 4, num_gqa_groups=G,
+                                                         normalization="RMSNorm",
+                                                         activation="swiglu"),
+                               "head": ColumnParallelLinear(H, V, bias=False)})
+    load_full_state_dict(par, ref.state_dict())
+    torch.manual_seed(8)
+    ids, target = torch.randint(0, V, (S, B)), torch.randint(0, V, (S, B))
+    target[1, 0] = -100
+    n = (target != -100).sum()
+    pos = torch.arange(S)
+    lr = F.cross_entropy(ref["head"](ref["layer"](ref["emb"](ids), pos)).view(-1, V),
+                         target.view(-1), label_smoothing=0.1)
+    logits = par["head"](par["layer"](par["emb"](ids), RotaryEmbedding(H // 4)(S)))
+    lp = vocab_parallel_cross_entropy(logits, target, label_smoothing=0.1).sum() / n
+    assert_close(lp, lr, "tiny gpt loss")
+    lr.backward()
+    lp.backward()
+    check_weight_grads(par, ref, st, "tiny gpt")
+    return True
+
+
+@pytest.mark.parametrize("tp,sp", [(2, True), (4, False)])
+def test_tiny_gpt_end_to_end(tp, sp):
+    assert run(_tiny_gpt, tp, tp, sp) == [True] * tp
