@@ -58,7 +58,7 @@ def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     if freqs.shape[0] < s or d > t.shape[-1]:
         raise ValueError(f"freqs {tuple(freqs.shape)} do not cover t {tuple(t.shape)}: need at "
                          f"least {s} positions and at most {t.shape[-1]} channels")
-    freqs = freqs[:s]
+    freqs = freqs[:s].to(t.device)
     cos, sin = freqs.cos().to(t.dtype), freqs.sin().to(t.dtype)
     rot, rest = t[..., :d], t[..., d:]
     out = rot * cos + _rotate_half(rot) * sin
