@@ -66,7 +66,7 @@ def test_blocks_match_reference(tp, sp):
 
 def _counts(sp):
     import tpkit
-    from tpkit.nn import ParallelMLP, ParallelSelfAttention
+    from tpkit.nn import ParallelMLP, ParallelSelfAttention, TransformerLayer
     st = tpkit.init_parallel(tp=2, sequence_parallel=sp, seed=5)
     mlp, attn = ParallelMLP(H, 32), ParallelSelfAttention(H, 4, num_gqa_groups=2)
     x = torch.randn(S // 2 if sp else S, B, H, requires_grad=True)
@@ -75,6 +75,13 @@ def _counts(sp):
     with count_collectives() as bwd:
         y.sum().backward()
     assert x.grad is not None and st.tp_size == 2
+    layer = TransformerLayer(H, 32, 4, num_gqa_groups=2)
+    with count_collectives() as lfwd:
+        y = layer(x)
+    with count_collectives() as lbwd:
+        y.sum().backward()
+    # the norms, residuals and dropout add nothing: same counts for the whole layer
+    assert (lfwd.summary(), lbwd.summary()) == (fwd.summary(), bwd.summary())
     return fwd.summary(), bwd.summary()
 
 
