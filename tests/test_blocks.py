@@ -206,3 +206,24 @@ def _tiny_gpt(tp, sp):
 @pytest.mark.parametrize("tp,sp", [(2, True), (4, False)])
 def test_tiny_gpt_end_to_end(tp, sp):
     assert run(_tiny_gpt, tp, tp, sp) == [True] * tp
+
+
+def _deepcopy():
+    import copy
+    import tpkit
+    from tpkit.nn import TransformerLayer
+    st = tpkit.init_parallel(tp=2, sequence_parallel=True, seed=5)
+    layer = TransformerLayer(H, 32, 4)
+    twin = copy.deepcopy(layer)  # EMA / framework copies: groups are shared, not copied
+    assert twin.state is st and twin.self_attention.linear_qkv.group is st.tp_group
+    assert twin.mlp.linear_fc1.weight is not layer.mlp.linear_fc1.weight
+    assert twin.mlp.linear_fc1.weight.tp_partition_dim == 0
+    assert twin.input_layernorm.weight.sequence_parallel
+    assert twin.self_attention.linear_proj.bias.sequence_parallel
+    assert twin.self_attention.linear_qkv.weight.tp_partition_sizes == (16, 16, 16)
+    x = torch.randn(S // 2, B, H)
+    return torch.equal(twin(x), layer(x))
+
+
+def test_deepcopy_shares_the_parallel_state():
+    assert run(_deepcopy, 2) == [True, True]

@@ -2,9 +2,11 @@
 checks with clear messages, parameter tagging and deterministic shard initialisation."""
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
+from torch import nn
 
 
 def resolve_state(state):
@@ -12,6 +14,50 @@ def resolve_state(state):
         from ..topology import get_parallel_state
         state = get_parallel_state()
     return state
+
+
+class SharedRef:
+    """Holds a ParallelState: its process groups can be neither pickled nor copied, so a
+    deep copy of a model (EMA, Lightning) shares the state, as the copy shares the groups."""
+    __slots__ = ("obj",)
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __copy__(self):
+        return self
+
+
+TP_PARAM_ATTRS = ("tp_partition_dim", "tp_partition_sizes", "sequence_parallel")
+
+
+class ParallelModule(nn.Module):
+    """Base of the layers bound to a ParallelState (``state``; ``group`` is its TP group).
+
+    ``copy.deepcopy`` keeps the state shared and the params' TP tags (Parameter's own
+    deepcopy drops Python attributes, which would silently unshard checkpoints)."""
+
+    state = property(lambda self: self._state_ref.obj)
+    group = property(lambda self: self._state_ref.obj.tp_group)
+
+    def _bind_state(self, state):
+        self._state_ref = SharedRef(resolve_state(state))
+        return self.state
+
+    def __deepcopy__(self, memo):
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        for k, v in self.__dict__.items():
+            new.__dict__[k] = copy.deepcopy(v, memo)
+        for name, p in self._parameters.items():
+            if p is not None:
+                for attr in TP_PARAM_ATTRS:
+                    if hasattr(p, attr):
+                        setattr(new._parameters[name], attr, getattr(p, attr))
+        return new
 
 
 def resolve_sp(sequence_parallel, state) -> bool:

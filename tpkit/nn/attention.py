@@ -9,9 +9,8 @@ the contract the context-parallel DotProductAttention follows).
 from __future__ import annotations
 
 import torch
-from torch import nn
 
-from ._common import check_sbh, divide, resolve_sp, resolve_state
+from ._common import ParallelModule, check_sbh, divide, resolve_sp
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .rope import apply_rotary_pos_emb
 from .sdpa import SDPAttention
@@ -19,7 +18,7 @@ from .sdpa import SDPAttention
 __all__ = ["ParallelSelfAttention"]
 
 
-class ParallelSelfAttention(nn.Module):
+class ParallelSelfAttention(ParallelModule):
     """Multi-head / grouped-query self-attention on ``[s, b, h]`` (``[s/tp, b, h]`` under
     SP). ``num_gqa_groups`` is TE's: the number of kv heads (None = num_attention_heads)."""
 
@@ -29,7 +28,7 @@ class ParallelSelfAttention(nn.Module):
                  sequence_parallel: bool | None = None, init_method=None,
                  output_layer_init_method=None, state=None, device=None, dtype=None):
         super().__init__()
-        self.state = resolve_state(state)
+        self._bind_state(state)
         tp = self.state.tp_size
         self.sequence_parallel = resolve_sp(sequence_parallel, self.state)
         groups = num_attention_heads if num_gqa_groups is None else num_gqa_groups

@@ -11,19 +11,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import mappings
-from ._common import divide, init_shard, resolve_sp, resolve_state, set_tp_attrs
+from ._common import ParallelModule, divide, init_shard, resolve_sp, set_tp_attrs
 
 __all__ = ["VocabParallelEmbedding"]
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(ParallelModule):
     """nn.Embedding with the vocabulary sharded over TP (weight ``[V/tp, h]``)."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, init_method=None,
                  sequence_parallel: bool | None = None, state=None, device=None, dtype=None):
         super().__init__()
-        self.state = resolve_state(state)
-        self.tp_size, self.group = self.state.tp_size, self.state.tp_group
+        self._bind_state(state)
+        self.tp_size = self.state.tp_size
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         divide(embedding_dim, 1, "embedding_dim")
         local = divide(num_embeddings, self.tp_size, "num_embeddings (vocab size)")

@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import mappings
-from ._common import (check_last_dim, divide, init_shard, resolve_sp, resolve_state,
-                      set_tp_attrs)
+from ._common import (ParallelModule, check_last_dim, divide, init_shard,
+                      resolve_sp, set_tp_attrs)
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "linear_fn"]
 
@@ -32,12 +32,11 @@ def linear_fn(layer: nn.Module, x: torch.Tensor, weight: torch.Tensor,
     return F.linear(x, weight, bias)
 
 
-class _ParallelLinearBase(nn.Module):
+class _ParallelLinearBase(ParallelModule):
     def _setup(self, in_features, out_features, bias, skip_bias_add, return_bias,
                sequence_parallel, state, device, dtype):
-        self.state = resolve_state(state)
+        self._bind_state(state)
         self.tp_size = self.state.tp_size
-        self.group = self.state.tp_group
         self.in_features, self.out_features = in_features, out_features
         self.sequence_parallel = resolve_sp(sequence_parallel, self.state)
         self.return_bias = bool(skip_bias_add or return_bias)

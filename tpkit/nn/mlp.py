@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._common import check_sbh, divide, resolve_sp, resolve_state
+from ._common import ParallelModule, check_sbh, divide, resolve_sp
 from .linear import ColumnParallelLinear, RowParallelLinear
 
 __all__ = ["ParallelMLP", "ACTIVATIONS"]
@@ -21,7 +21,7 @@ _GATED = {"swiglu": F.silu, "geglu": F.gelu}
 ACTIVATIONS = tuple(_PLAIN) + tuple(_GATED)
 
 
-class ParallelMLP(nn.Module):
+class ParallelMLP(ParallelModule):
     """``fc2(act(fc1(x)))`` on ``[s, b, h]`` (``[s/tp, b, h]`` under SP). "gelu" is the
     exact (erf) GELU, ``F.gelu``."""
 
@@ -32,7 +32,7 @@ class ParallelMLP(nn.Module):
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation={activation!r} is not supported; use one of "
                              f"{ACTIVATIONS}")
-        self.state = resolve_state(state)
+        self._bind_state(state)
         self.sequence_parallel = resolve_sp(sequence_parallel, self.state)
         self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
         divide(hidden_size, 1, "hidden_size")

@@ -13,15 +13,15 @@ import torch.nn.functional as F
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from ._common import divide, resolve_sp, resolve_state, set_tp_attrs
+from ._common import ParallelModule, divide, resolve_sp, resolve_state, set_tp_attrs
 
 __all__ = ["LayerNorm", "RMSNorm", "sync_sequence_parallel_grads"]
 
 
-class _Norm(nn.Module):
+class _Norm(ParallelModule):
     def __init__(self, hidden_size, eps, bias, sequence_parallel, state, device, dtype):
         super().__init__()
-        state = resolve_state(state)
+        state = self._bind_state(state)
         divide(hidden_size, 1, "hidden_size")
         self.hidden_size, self.eps = hidden_size, eps
         self.sequence_parallel = resolve_sp(sequence_parallel, state)

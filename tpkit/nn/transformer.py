@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._common import check_sbh, resolve_sp, resolve_state
+from ._common import ParallelModule, check_sbh, resolve_sp
 from .attention import ParallelSelfAttention
 from .mlp import ParallelMLP
 from .norm import LayerNorm, RMSNorm
@@ -22,7 +22,7 @@ __all__ = ["TransformerLayer"]
 _NORMS = {"LayerNorm": LayerNorm, "RMSNorm": RMSNorm}
 
 
-class TransformerLayer(nn.Module):
+class TransformerLayer(ParallelModule):
     """One pre-norm transformer block (self-attention + MLP), TE-like arguments."""
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, num_attention_heads: int, *,
@@ -38,7 +38,7 @@ class TransformerLayer(nn.Module):
                              f"{tuple(_NORMS)}")
         if not 0.0 <= hidden_dropout < 1.0:
             raise ValueError(f"hidden_dropout={hidden_dropout} must be in [0, 1)")
-        self.state = resolve_state(state)
+        self._bind_state(state)
         self.sequence_parallel = resolve_sp(sequence_parallel, self.state)
         self.hidden_size, self.hidden_dropout = hidden_size, hidden_dropout
         common = dict(sequence_parallel=self.sequence_parallel, state=self.state,
