@@ -135,6 +135,8 @@ def _cross_entropy(tp):
             ref_mean.backward()
             mean.backward()
             assert_close(lp.grad, shard(lr.grad, -1, st), f"ce grad eps={eps} ignore={ignore}")
+    with pytest.raises(ValueError, match=rf"\[0, {vocab}\) .* got \[{vocab}, {vocab}\]"):
+        vocab_parallel_cross_entropy(shard(logits, -1, st), target.masked_fill(mark, vocab))
     return True
 
 

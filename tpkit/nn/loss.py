@@ -28,12 +28,19 @@ class _VocabParallelCE(torch.autograd.Function):
         vocab = v_local * n
         start = dist.get_rank(group=group) * v_local
         in_dtype = logits.dtype
+        ignored = target == ignore_index
+        bad = ~(ignored | ((target >= 0) & (target < vocab)))
+        if target.device.type == "cpu":
+            if bad.any():
+                raise ValueError(f"target ids must be in [0, {vocab}) (the global vocab) or "
+                                 f"ignore_index={ignore_index}; got {target[bad][:5].tolist()}")
+        else:  # no host sync on accelerators: fail asynchronously like F.cross_entropy
+            torch._assert_async(~bad.any())
         logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
         lmax = logits.max(dim=-1)[0]
         if n > 1:
             dist.all_reduce(lmax, op=dist.ReduceOp.MAX, group=group)
         shifted = logits - lmax.unsqueeze(-1)
-        ignored = target == ignore_index
         local_t = target - start
         outside = (local_t < 0) | (local_t >= v_local) | ignored
         local_t = local_t.masked_fill(outside, 0)
