@@ -152,7 +152,9 @@ def measure(quick: bool = False) -> dict:
 
 def main(quick: bool = False) -> dict:
     from bench.common import fmt, table, write_section
+    load_before = os.getloadavg()[0]
     res = measure(quick)
+    load_after = os.getloadavg()[0]
     rows = []
     for name, h, ffn, s, b, targets in SHAPES:
         r = res[name]
@@ -168,7 +170,10 @@ def main(quick: bool = False) -> dict:
                          peer=fmt(floor, "ms"), ratio=r["tpkit"] / floor,
                          target=f"<= {targets['floor']}x" if "floor" in targets else ""))
     body = ("Median step time (forward + backward) of one MLP at tp=2 on gloo, 2 processes "
-            "with 1 thread each, no sequence parallelism; variants interleaved in rounds.\n\n"
+            "with 1 thread each, no sequence parallelism; variants interleaved in rounds. "
+            f"1-minute load average {load_before:.1f} before, {load_after:.1f} after "
+            f"(on {os.cpu_count()} cores; waits in the synchronous gloo collectives grow "
+            "with load).\n\n"
             + table(rows))
     write_section("tp_layers", "Tensor-parallel layers (issue 3)", body)
     print(table(rows))
