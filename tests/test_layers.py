@@ -239,3 +239,31 @@ def test_input_checks_raise_clear_value_errors():
         vocab_parallel_cross_entropy(torch.zeros(2, 4), torch.zeros(2, dtype=torch.long),
                                      label_smoothing=1.5, group=object())
     get_rng_tracker().reset()
+
+
+def _linear_fn_hook():
+    import tpkit
+    import tpkit.nn.linear as lin
+    from tpkit.nn import ParallelMLP, ParallelSelfAttention
+    tpkit.init_parallel(tp=2, seed=3)
+    seen, original = [], lin.linear_fn
+
+    def spy(layer, x, weight, bias):
+        seen.append((type(layer).__name__, tuple(weight.shape)))
+        return original(layer, x, weight, bias)
+
+    lin.linear_fn = spy
+    try:
+        x = torch.randn(4, 2, 16)
+        ParallelMLP(16, 32)(x)
+        ParallelSelfAttention(16, 4, num_gqa_groups=2)(x)
+    finally:
+        lin.linear_fn = original
+    return seen
+
+
+def test_every_parallel_matmul_goes_through_linear_fn():
+    # the single hook tpkit.fp8 patches: fc1, fc2, qkv (one fused matmul), proj
+    assert run(_linear_fn_hook, 2)[0] == [
+        ("ColumnParallelLinear", (16, 16)), ("RowParallelLinear", (16, 16)),
+        ("ColumnParallelLinear", (16, 16)), ("RowParallelLinear", (16, 8))]
