@@ -84,16 +84,20 @@ def test_mappings_values_and_gradients(tp):
 def _state_dict_roundtrip(tp):
     import tpkit
     from tpkit.checkpoint import full_state_dict, load_full_state_dict
-    from tpkit.nn import ColumnParallelLinear, LayerNorm, RowParallelLinear
+    from tpkit.nn import (ColumnParallelLinear, LayerNorm, RowParallelLinear,
+                          VocabParallelEmbedding)
     tpkit.init_parallel(tp=tp, seed=1)
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         ColumnParallelLinear(8, 16, partition_sizes=(8, 4, 4)),
-        RowParallelLinear(16, 8), LayerNorm(8))
+        RowParallelLinear(16, 8), LayerNorm(8), VocabParallelEmbedding(16, 8),
+        ColumnParallelLinear(8, 16, bias=False))
+    model[4].weight = model[3].weight  # tied input/output embedding
     full = {k: torch.randn_like(v) if k != "0.weight" else v for k, v in
             {"0.weight": torch.arange(16 * 8.).view(16, 8), "0.bias": torch.randn(16),
              "1.weight": torch.randn(8, 16), "1.bias": torch.randn(8),
              "2.weight": torch.randn(8), "2.bias": torch.randn(8)}.items()}
+    full["3.weight"] = full["4.weight"] = torch.randn(16, 8)
     load_full_state_dict(model, full)
     # fused segments: this rank holds its chunk of every segment, concatenated
     rows = model[0].weight[:, 0].long().div(8, rounding_mode="floor").tolist()

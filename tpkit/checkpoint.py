@@ -52,7 +52,7 @@ def full_state_dict(model: nn.Module, state=None) -> dict[str, torch.Tensor]:
     """The unsharded state dict, identical on every TP rank (collective over TP: every
     rank must call it). Sharded params are all-gathered; the rest is cloned."""
     state = _state(state)
-    params = dict(model.named_parameters())
+    params = dict(model.named_parameters(remove_duplicate=False))
     out = {}
     for name, t in model.state_dict(keep_vars=True).items():
         p = params.get(name)
@@ -70,7 +70,7 @@ def load_full_state_dict(model: nn.Module, sd: dict[str, torch.Tensor], state=No
     ``tp_partition_dim`` param. Keys must match exactly; shapes are checked."""
     state = _state(state)
     n, rank = state.tp_size, state.tp_rank
-    params = dict(model.named_parameters())
+    params = dict(model.named_parameters(remove_duplicate=False))
     own = model.state_dict(keep_vars=True)
     missing, unexpected = sorted(set(own) - set(sd)), sorted(set(sd) - set(own))
     if missing or unexpected:
