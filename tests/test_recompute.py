@@ -136,6 +136,28 @@ def test_checkpoint_single_process_options():
         out.sum().backward()
 
 
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_context_fn_entered_in_forward_and_recompute(reentrant):
+    import contextlib
+    from tpkit.recompute import checkpoint
+    seen = []
+
+    def ctx(tag):
+        @contextlib.contextmanager
+        def c():
+            seen.append(tag)
+            yield
+        return c()
+
+    a = torch.randn(3, requires_grad=True)
+    out = checkpoint(lambda t: t.sin() * 2, a, use_reentrant=reentrant,
+                     context_fn=lambda: (ctx("forward"), ctx("recompute")))
+    assert seen == ["forward"]
+    out.sum().backward()
+    assert seen == ["forward", "recompute"]
+    assert torch.allclose(a.grad, 2 * a.detach().cos())
+
+
 def test_te_hook_defaults_to_false():
     from tpkit.recompute import _holds_te_modules
     assert _holds_te_modules(torch.nn.Linear(2, 2)) is False

@@ -118,13 +118,14 @@ def _gather(chunk: torch.Tensor, shape: torch.Size, group) -> torch.Tensor:
 class _Checkpoint(torch.autograd.Function):
     @staticmethod
     def forward(ctx, run_function, opts, kwargs, *args):
-        distribute, get_tracker, tp_group = opts
+        distribute, get_tracker, tp_group, context_fn = opts
         ctx.run_function, ctx.kwargs, ctx.tp_group = run_function, kwargs, tp_group
+        user_forward, ctx.user_recompute = context_fn()
         ctx.rng = _RNGSnapshot(get_tracker)
         ctx.autocast = _autocast_contexts()
         fp8_forward, fp8_recompute = _fp8_contexts()
         ctx.fp8_recompute = fp8_recompute
-        with torch.no_grad(), fp8_forward():
+        with torch.no_grad(), fp8_forward(), user_forward:
             outputs = run_function(*args, **kwargs)
         ctx.distributed_index = None
         saved = list(args)
@@ -161,6 +162,7 @@ class _Checkpoint(torch.autograd.Function):
             for c in ctx.autocast:
                 stack.enter_context(c)
             stack.enter_context(ctx.fp8_recompute())
+            stack.enter_context(ctx.user_recompute)
             outputs = ctx.run_function(*detached, **ctx.kwargs)
         if torch.is_tensor(outputs):
             outputs = (outputs,)
@@ -201,17 +203,24 @@ def _non_reentrant_context_fn(get_tracker, user_context_fn):
     return forward_ctx(), recompute_ctx()
 
 
+def _noop_context_fn():
+    return contextlib.nullcontext(), contextlib.nullcontext()
+
+
 # --- public ------------------------------------------------------------------------------------------
 def checkpoint(function, *args, distribute_saved_activations: bool = False,
                get_rng_state_tracker=None, tp_group=None, use_reentrant: bool = True,
                **kwargs):
     """Recompute ``function(*args, **kwargs)`` in backward instead of saving its activations
-    (TE's ``te.distributed.checkpoint`` signature; see the module docstring)."""
+    (TE's ``te.distributed.checkpoint`` signature; see the module docstring). A
+    ``context_fn`` keyword returning (forward_ctx, recompute_ctx), as torch's and TE's
+    checkpoint take, is honoured in both modes; other keywords go to ``function``."""
     if _holds_te_modules(function):
         return _te_checkpoint(function, *args,
                               distribute_saved_activations=distribute_saved_activations,
                               get_rng_state_tracker=get_rng_state_tracker, tp_group=tp_group,
                               use_reentrant=use_reentrant, **kwargs)
+    user_context_fn = kwargs.pop("context_fn", None) or _noop_context_fn
     if get_rng_state_tracker is None:
         from .random import get_rng_tracker
         get_rng_state_tracker = get_rng_tracker
@@ -222,8 +231,6 @@ def checkpoint(function, *args, distribute_saved_activations: bool = False,
         if distribute_saved_activations:
             raise ValueError("distribute_saved_activations=True needs use_reentrant=True "
                              "(the non-reentrant checkpoint keeps its inputs itself)")
-        user_context_fn = kwargs.pop("context_fn", None) or (
-            lambda: (contextlib.nullcontext(), contextlib.nullcontext()))
         return torch.utils.checkpoint.checkpoint(
             function, *args, use_reentrant=False,
             context_fn=lambda: _non_reentrant_context_fn(get_rng_state_tracker, user_context_fn),
@@ -232,4 +239,4 @@ def checkpoint(function, *args, distribute_saved_activations: bool = False,
         from .topology import get_parallel_state
         tp_group = get_parallel_state().tp_group
     return _Checkpoint.apply(function, (distribute_saved_activations, get_rng_state_tracker,
-                                        tp_group), kwargs, *args)
+                                        tp_group, user_context_fn), kwargs, *args)
