@@ -3,6 +3,8 @@
 Loaded from its files by importlib, never through ``sys.path``, so nothing else in the
 session can import it by accident. Usable in pytest (``fake_te`` fixture) and in
 multi-rank workers (call ``install()``/``uninstall()`` inside the rank function).
+Also the ``cuda`` fixture (tpkit.te believes CUDA is there; streams are plain objects)
+and ``fake_state`` (a tp=2, cp=2, SP state of an 8-rank world on the fake process group).
 """
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ import os
 import sys
 
 import pytest
+
+import tpkit.te
 
 FAKE_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fake_te")
 NAMES = ("transformer_engine", "transformer_engine.pytorch")
@@ -47,3 +51,23 @@ def fake_te():
         yield te
     finally:
         uninstall()
+
+
+@pytest.fixture
+def cuda(monkeypatch):
+    """Pretend CUDA is available (only tpkit.te's check; no CUDA call is made)."""
+    monkeypatch.setattr(tpkit.te, "_cuda_available", lambda: True)
+    created = []
+    monkeypatch.setattr(tpkit.te, "_new_cuda_stream",
+                        lambda: created.append(object()) or created[-1])
+    return created  # the "streams" tpkit.te created
+
+
+@pytest.fixture
+def fake_state():
+    """The state rank 1 of a tp=2, cp=2, dp=2 world with SP builds, on the fake PG."""
+    from tpkit import ParallelConfig
+    from tpkit.topology import build_fake_state, destroy_fake_state
+    state = build_fake_state(ParallelConfig(tp=2, cp=2, sequence_parallel=True), 8, rank=1)
+    yield state
+    destroy_fake_state(state)

@@ -7,29 +7,10 @@ import torch
 
 import tpkit.te as tte
 from dist import run
-from te_fake import fake_te  # noqa: F401  (fixture)
+from te_fake import cuda, fake_state, fake_te  # noqa: F401  (fixtures)
 from tpkit.nn._backend import resolve_backend, te_module_or_none
 
 TE_HINT = r"pip install 'tpkit\[te\]'"
-
-
-@pytest.fixture
-def cuda(monkeypatch):
-    """Pretend CUDA is available (only tpkit.te's check; no CUDA call is made)."""
-    monkeypatch.setattr(tte, "_cuda_available", lambda: True)
-    created = []
-    monkeypatch.setattr(tte, "_new_cuda_stream", lambda: created.append(object()) or created[-1])
-    return created
-
-
-@pytest.fixture
-def fake_state():
-    """The state rank 1 of a tp=2, cp=2, dp=2 world with SP builds, on the fake PG."""
-    from tpkit import ParallelConfig
-    from tpkit.topology import build_fake_state, destroy_fake_state
-    state = build_fake_state(ParallelConfig(tp=2, cp=2, sequence_parallel=True), 8, rank=1)
-    yield state
-    destroy_fake_state(state)
 
 
 # --- resolution and errors ------------------------------------------------------------------
