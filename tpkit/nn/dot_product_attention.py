@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from .attention_math import causal_mask, from_grouped, local_attention, to_grouped
 from .context_parallel import COMM_TYPES, NO_DROPOUT, context_parallel_attention
+from .ring_attention import ring_attention
 
 MASK_TYPES = ("causal", "no_mask")
 QKV_FORMATS = ("sbhd", "bshd")
@@ -97,6 +98,14 @@ class DotProductAttention(torch.nn.Module):
             raise ValueError(f"attention_dropout={self.attention_dropout} is not supported with "
                              f"cp_comm_type={cp_comm_type!r} (its hand-written backward cannot "
                              "replay dropout masks); use 'all_gather' or 'a2a', or dropout 0")
+        if cp_comm_type in ("a2a", "a2a+p2p") and size > 1:
+            a = dist.get_world_size(cp_group[0] if cp_comm_type == "a2a+p2p" else cp_group)
+            for what, n in (("local attention heads", self.num_heads_local),
+                            ("local gqa groups", self.num_gqa_local)):
+                if n % a != 0:
+                    raise ValueError(f"cp_comm_type={cp_comm_type!r} scatters heads over {a} "
+                                     f"CP ranks, but there are {n} {what} (global count / tp);"
+                                     f" use counts divisible by {a} or cp_comm_type='p2p'")
         self.cp_group, self.cp_global_ranks = cp_group, cp_global_ranks
         self.cp_stream, self.cp_comm_type, self.cp_size = cp_stream, cp_comm_type, size
 
@@ -116,15 +125,6 @@ class DotProductAttention(torch.nn.Module):
             raise ValueError(f"local sequence length {s} is odd, but a CP shard holds two "
                              "equal chunks; shard with tpkit.data.shard_sequence (the full "
                              f"length must divide by 2*cp = {2 * self.cp_size})")
-        if self.cp_comm_type in ("a2a", "a2a+p2p") and self.cp_size > 1:
-            grp = self.cp_group[0] if self.cp_comm_type == "a2a+p2p" else self.cp_group
-            a = dist.get_world_size(grp)
-            for what, n in (("local attention heads", self.num_heads_local),
-                            ("local gqa groups", self.num_gqa_local)):
-                if n % a != 0:
-                    raise ValueError(f"cp_comm_type={self.cp_comm_type!r} scatters heads over "
-                                     f"{a} CP ranks, but there are {n} {what} (heads/tp); use "
-                                     "counts divisible by it or cp_comm_type='p2p'")
 
     def forward(self, query_layer, key_layer, value_layer, attention_mask=None):
         if attention_mask is not None:
@@ -143,10 +143,14 @@ class DotProductAttention(torch.nn.Module):
                                              stats=self.stats)
         else:
             g = k.shape[1]
-            mask = causal_mask(q.shape[2], k.shape[2], q.device) if causal else None
-            out = from_grouped(local_attention(to_grouped(q, g, False), to_grouped(k, g, True),
-                                               to_grouped(v, g, True), self.softmax_scale,
-                                               mask, dropout_p))
+            qg, kg, vg = to_grouped(q, g, False), to_grouped(k, g, True), to_grouped(v, g, True)
+            if dropout_p > 0.0:
+                mask = causal_mask(q.shape[2], k.shape[2], q.device) if causal else None
+                out = from_grouped(local_attention(qg, kg, vg, self.softmax_scale, mask,
+                                                   dropout_p))
+            else:  # saves only q, k, v, out, lse: the same kernel (and memory) as CP
+                out = from_grouped(ring_attention(qg, kg, vg, None, causal=causal,
+                                                  scale=self.softmax_scale, stats=self.stats))
         b, h, s, d = out.shape
         if self.qkv_format == "sbhd":
             return out.permute(2, 0, 1, 3).reshape(s, b, h * d)

@@ -19,6 +19,9 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+# P2POp only accepts the real isend/irecv; take them from distributed_c10d so wrappers
+# placed on the torch.distributed namespace (e.g. collective counters) do not break it.
+from torch.distributed import distributed_c10d as _c10d
 
 from .attention_math import block_backward, block_forward, merge_into
 
@@ -27,8 +30,8 @@ _KV_TAG, _DKV_TAG = 0, 1
 
 def _exchange(send: torch.Tensor, recv: torch.Tensor, group, nxt: int, prv: int, tag: int):
     """Start sending ``send`` to ``nxt`` and receiving ``recv`` from ``prv``; return the works."""
-    ops = [dist.P2POp(dist.isend, send, nxt, group=group, tag=tag),
-           dist.P2POp(dist.irecv, recv, prv, group=group, tag=tag)]
+    ops = [dist.P2POp(_c10d.isend, send, nxt, group=group, tag=tag),
+           dist.P2POp(_c10d.irecv, recv, prv, group=group, tag=tag)]
     return dist.batch_isend_irecv(ops)
 
 
@@ -62,13 +65,16 @@ def _record(stats: dict | None, q, k, rows: slice, cols: slice) -> None:
 
 class RingAttention(torch.autograd.Function):
     """Grouped q ``[b, g, r, s, d]`` and k/v ``[b, g, 1, s, d]`` (this rank's shard) ->
-    output like q. ``group`` is the ring; ``stats`` (a dict or None) counts computed blocks."""
+    output like q. ``group`` is the ring (None: no CP, just this rank); ``stats`` (a dict or None) counts computed blocks."""
 
     @staticmethod
     def forward(ctx, q, k, v, group, causal: bool, scale: float, stats):
-        n, rank = dist.get_world_size(group), dist.get_rank(group)
-        nxt = dist.get_global_rank(group, (rank + 1) % n)
-        prv = dist.get_global_rank(group, (rank - 1) % n)
+        if group is None:  # no CP: one step, no communication (memory-efficient attention)
+            n, rank, nxt, prv = 1, 0, None, None
+        else:
+            n, rank = dist.get_world_size(group), dist.get_rank(group)
+            nxt = dist.get_global_rank(group, (rank + 1) % n)
+            prv = dist.get_global_rank(group, (rank - 1) % n)
         qf = q.float()
         sq, sk = q.shape[-2], k.shape[-2]
         out = torch.zeros_like(qf)
