@@ -42,10 +42,10 @@ def _run_case(comm, mask, heads, groups, fmt, b=2, s=16, d=4):
     return {k_: e.abs().max().item() for k_, e in errs.items()}
 
 
-def _cases_worker(layouts, cases):
+def _cases_worker(plan):
     import tpkit
     results = {}
-    for (tp, cp, comm, a2a) in layouts:
+    for (tp, cp, comm, a2a), cases in plan:
         tpkit.init_parallel(tp=tp, cp=cp, cp_comm_type=comm, cp_a2a_size=a2a)
         for (mask, heads, groups, fmt) in cases:
             key = (tp, cp, comm, mask, heads, groups, fmt)
@@ -54,28 +54,22 @@ def _cases_worker(layouts, cases):
     return results
 
 
+# (mask, global heads, global gqa groups, qkv_format): MHA and GQA, both masks and formats
 CASES = [("causal", 8, 8, "sbhd"), ("causal", 8, 4, "sbhd"), ("no_mask", 8, 4, "bshd"),
-         ("no_mask", 8, 8, "sbhd"), ("causal", 8, 2, "bshd")]
-LAYOUTS_4 = [(1, 4, "p2p", None), (1, 4, "all_gather", None), (1, 4, "a2a", None),
-             (1, 4, "a2a+p2p", 2), (2, 2, "p2p", None), (2, 2, "all_gather", None),
-             (2, 2, "a2a", None), (1, 2, "p2p", None), (1, 1, "p2p", None)]
-LAYOUTS_2 = [(1, 2, "p2p", None), (1, 2, "all_gather", None), (1, 2, "a2a", None)]
+         ("no_mask", 8, 8, "sbhd")]
+GQA2 = [("causal", 8, 2, "bshd"), ("no_mask", 8, 2, "sbhd")]  # 2 groups: a2a over <= 2 ranks
+# (tp, cp, comm, cp_a2a_size) on 4 ranks: cp=4, tp=2 x cp=2, and cp=2 x dp=2
+PLAN = ([((1, 4, c, a), CASES) for c, a in (("p2p", None), ("all_gather", None),
+                                           ("a2a", None), ("a2a+p2p", 2))]
+        + [((1, 4, "p2p", None), GQA2), ((1, 4, "all_gather", None), GQA2)]
+        + [((2, 2, c, None), CASES) for c in ("p2p", "all_gather", "a2a")]
+        + [((1, 2, c, None), CASES[:2] + GQA2) for c in ("p2p", "all_gather", "a2a")]
+        + [((1, 1, "p2p", None), CASES[:2])])
 
 
-def _check(results):
-    bad = {}
-    for key, errs in results.items():
-        worst = max(errs.values())
-        if not worst <= TOL:
-            bad[key] = errs
-    assert not bad, bad
-
-
-@pytest.mark.parametrize("world,layouts", [(4, LAYOUTS_4), (2, LAYOUTS_2)], ids=["w4", "w2"])
-def test_cp_attention_matches_sdpa(world, layouts):
-    # a2a over 4 ranks needs >= 4 local gqa groups: the 2-group case runs on 2 ranks only
-    per_rank = run(_cases_worker, world, layouts,
-                   [c for c in CASES if c[2] >= 4 or world == 2])
-    for res in per_rank:
-        assert len(res) == len(layouts) * len([c for c in CASES if c[2] >= 4 or world == 2])
-        _check(res)
+def test_cp_attention_matches_sdpa():
+    n_cases = sum(len(cases) for _, cases in PLAN)
+    for res in run(_cases_worker, 4, PLAN, timeout=300):
+        assert len(res) == n_cases
+        bad = {key: errs for key, errs in res.items() if not max(errs.values()) <= TOL}
+        assert not bad, bad

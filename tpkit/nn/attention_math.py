@@ -37,29 +37,31 @@ def position_mask(q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
 
 
 def _scores(q, k, scale, causal):
-    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    s = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
     if causal:
-        s = s.masked_fill(causal_mask(s.shape[-2], s.shape[-1], s.device), float("-inf"))
+        s.masked_fill_(causal_mask(s.shape[-2], s.shape[-1], s.device), float("-inf"))
     return s
 
 
 def block_forward(q, k, v, scale: float, causal: bool):
-    """Output ``[b, g, r, sq, d]`` and LSE ``[b, g, r, sq]`` of one block (fp32 inputs)."""
+    """Output ``[b, g, r, sq, d]`` and LSE ``[b, g, r, sq]`` of one block (fp32 inputs).
+    Every row sees at least one key (a diagonal or an unmasked block). In-place ops keep
+    the memory traffic of the ``sq x sk`` scores low."""
     s = _scores(q, k, scale, causal)
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - lse.unsqueeze(-1))
-    return torch.matmul(p, v), lse
+    m = s.amax(dim=-1, keepdim=True)
+    p = s.sub_(m).exp_()
+    denom = p.sum(dim=-1, keepdim=True)
+    out = torch.matmul(p, v).div_(denom)
+    return out, (m + denom.log()).squeeze(-1)
 
 
 def block_backward(q, k, v, dout, lse, delta, scale: float, causal: bool):
     """dq, dk, dv of one block given the final LSE and ``delta = sum(dout * out, -1)``."""
-    s = _scores(q, k, scale, causal)
-    p = torch.exp(s - lse.unsqueeze(-1))
+    p = _scores(q, k, scale, causal).sub_(lse.unsqueeze(-1)).exp_()
     dv = torch.matmul(p.transpose(-1, -2), dout).sum(2, keepdim=True)
-    dp = torch.matmul(dout, v.transpose(-1, -2))
-    ds = p * (dp - delta.unsqueeze(-1))
-    dq = torch.matmul(ds, k) * scale
-    dk = torch.matmul(ds.transpose(-1, -2), q).sum(2, keepdim=True) * scale
+    ds = torch.matmul(dout, v.transpose(-1, -2)).sub_(delta.unsqueeze(-1)).mul_(p)
+    dq = torch.matmul(ds, k).mul_(scale)
+    dk = torch.matmul(ds.transpose(-1, -2), q).sum(2, keepdim=True).mul_(scale)
     return dq, dk, dv
 
 

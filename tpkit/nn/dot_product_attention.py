@@ -15,10 +15,10 @@ import math
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
-from .attention_math import causal_mask, from_grouped, local_attention, to_grouped
+from ..random import get_rng_tracker
 from .context_parallel import COMM_TYPES, NO_DROPOUT, context_parallel_attention
-from .ring_attention import ring_attention
 
 MASK_TYPES = ("causal", "no_mask")
 QKV_FORMATS = ("sbhd", "bshd")
@@ -141,16 +141,14 @@ class DotProductAttention(torch.nn.Module):
                                              group=self.cp_group, causal=causal,
                                              scale=self.softmax_scale, dropout_p=dropout_p,
                                              stats=self.stats)
-        else:
-            g = k.shape[1]
-            qg, kg, vg = to_grouped(q, g, False), to_grouped(k, g, True), to_grouped(v, g, True)
+        else:  # no CP: PyTorch's fused kernel (saves q, k, v, out, lse like the ring)
+            kw = dict(is_causal=causal, dropout_p=dropout_p, scale=self.softmax_scale,
+                      enable_gqa=q.shape[1] != k.shape[1])
             if dropout_p > 0.0:
-                mask = causal_mask(q.shape[2], k.shape[2], q.device) if causal else None
-                out = from_grouped(local_attention(qg, kg, vg, self.softmax_scale, mask,
-                                                   dropout_p))
-            else:  # saves only q, k, v, out, lse: the same kernel (and memory) as CP
-                out = from_grouped(ring_attention(qg, kg, vg, None, causal=causal,
-                                                  scale=self.softmax_scale, stats=self.stats))
+                with get_rng_tracker().fork():
+                    out = F.scaled_dot_product_attention(q, k, v, **kw)
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, **kw)
         b, h, s, d = out.shape
         if self.qkv_format == "sbhd":
             return out.permute(2, 0, 1, 3).reshape(s, b, h * d)
