@@ -27,6 +27,7 @@ SUFFIXES = ("group", "rank", "world_size", "group_ranks", "src_rank")
 TRAIN_LAYOUTS = [(2, 1, 2), (2, 2, 1), (1, 2, 2)]  # tp, cp, dp
 B, S, D, H = 4, 8, 8, 16  # global batch, sequence, hidden, ffn
 STEPS, LR = 3, 0.5
+CLIP = 0.1  # below every step's gradient norm (about 0.29-0.41), so clipping is active
 
 
 # --- models: the single-process reference and its TP version ------------------------
@@ -50,9 +51,9 @@ def batch(step):
     return torch.randn(B, S, D, generator=g), torch.randn(B, S, D, generator=g)
 
 
-def reference_run():
+def reference_run(clip=None):
     """Losses, grads (first step) and weights after every step of plain SGD on the
-    global batch with the mean-squared-error over every element."""
+    global batch with the mean-squared-error over every element (clipped to ``clip``)."""
     model = RefMLP()
     model.load_state_dict(full_weights())
     opt = torch.optim.SGD(model.parameters(), lr=LR)
@@ -64,6 +65,8 @@ def reference_run():
         loss.backward()
         if grads is None:
             grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+        if clip is not None:
+            assert torch.nn.utils.clip_grad_norm_(model.parameters(), clip) > clip
         opt.step()
         losses.append(loss.item())
         weights.append({k: v.detach().clone() for k, v in model.state_dict().items()})
@@ -211,11 +214,14 @@ def _local_batch(step, s):
     return x[sl].contiguous(), t[sl].contiguous()
 
 
-def _train(deepspeed, s, stage):
+def _train(deepspeed, s, stage, clip=None, mark=True):
     """STEPS SGD steps of TPMLP; stage None means torch DDP over tpkit's dp group."""
     import torch.distributed as dist
-    from tpkit.integrations.deepspeed import DeepSpeedMPU, sequence_share
+    from tpkit.integrations.deepspeed import (DeepSpeedMPU, mark_tensor_parallel_params,
+                                              sequence_share)
     model = TPMLP(s)
+    if mark:
+        assert mark_tensor_parallel_params(model) == 3
     if stage is None:
         assert s.cp_size == 1
         engine = torch.nn.parallel.DistributedDataParallel(model, process_group=s.dp_group)
@@ -223,7 +229,7 @@ def _train(deepspeed, s, stage):
     else:
         cfg = {"train_micro_batch_size_per_gpu": B // s.dp_size, "gradient_accumulation_steps": 1,
                "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
-               "steps_per_print": 10 ** 9}
+               "steps_per_print": 10 ** 9, "gradient_clipping": clip or 0.0}
         engine, opt, _, _ = deepspeed.initialize(
             model=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR), config=cfg,
             mpu=DeepSpeedMPU())
@@ -270,6 +276,9 @@ def _training(deepspeed, layout):
     out = {}
     for stage in ((None, 1, 2) if cp == 1 else (1, 2)):
         out["ddp" if stage is None else f"zero{stage}"] = _train(deepspeed, s, stage)
+    if tp > 1 and cp == 1:
+        out["clip"] = _train(deepspeed, s, 2, clip=CLIP)
+        out["clip_unmarked"] = _train(deepspeed, s, 2, clip=CLIP, mark=False)
     tpkit.destroy_parallel()
     return out
 
@@ -364,9 +373,11 @@ def test_zero_matches_reference_and_ddp(ds_results, layout):
     ref_losses, ref_grads, ref_weights = reference_run()
     tp, cp, dp = layout
     runs = ds_results[0]["train"][layout]
-    assert set(runs) == ({"ddp", "zero1", "zero2"} if cp == 1 else {"zero1", "zero2"})
+    names = ["ddp", "zero1", "zero2"] if cp == 1 else ["zero1", "zero2"]
+    assert set(names) <= set(runs)
     for r, res in enumerate(ds_results):
-        for name, out in res["train"][layout].items():
+        for name in names:
+            out = res["train"][layout][name]
             assert out["replicas_equal"], (r, name)  # identical across DP (and CP) replicas
             for step in range(STEPS):
                 assert _rel(out["losses"][step], ref_losses[step]) <= 1e-5, (r, name, step)
@@ -394,3 +405,21 @@ def test_missing_deepspeed_names_the_extra(monkeypatch):
                  lambda: tds.configure_activation_checkpointing(None)):
         with pytest.raises(ImportError, match=re.escape("pip install tpkit[deepspeed]")):
             call()
+
+
+def test_gradient_clipping_needs_marked_tp_params(ds_results):
+    """ZeRO clips with the global norm only when TP shards carry tensor_model_parallel
+    (mark_tensor_parallel_params); unmarked, DeepSpeed counts TP rank 0's shards only."""
+    _, _, ref_weights = reference_run(clip=CLIP)
+    _, _, unclipped = reference_run()
+    for r, res in enumerate(ds_results):
+        marked, unmarked = res["train"][(2, 1, 2)]["clip"], res["train"][(2, 1, 2)]["clip_unmarked"]
+        assert marked["replicas_equal"]
+        for step in range(STEPS):
+            for k, v in ref_weights[step].items():
+                torch.testing.assert_close(marked["weights"][step][k], v, rtol=1e-5, atol=1e-6,
+                                           msg=f"rank {r} step {step} {k}")
+        w, ref, free = (torch.cat([d[k].flatten() for k in sorted(d)])
+                        for d in (unmarked["weights"][0], ref_weights[0], unclipped[0]))
+        assert not torch.allclose(w, ref, atol=1e-4)   # a wrong norm clips differently
+        assert not torch.allclose(w, free, atol=1e-4)  # ... and clipping was on
