@@ -113,9 +113,15 @@ class TPMLP(torch.nn.Module):
         for p, dim in ((self.w1, 0), (self.b1, 0), (self.w2, 1)):
             p.tp_partition_dim = dim
 
-    def forward(self, x):
-        h = torch.tanh(torch.nn.functional.linear(_CopyToTP.apply(x, self.group), self.w1, self.b1))
-        return _ReduceFromTP.apply(torch.nn.functional.linear(h, self.w2), self.group) + self.b2
+    def forward(self, x, dropout=0.0):
+        import torch.nn.functional as F
+        from tpkit.random import get_rng_tracker
+        h = torch.tanh(F.linear(_CopyToTP.apply(x, self.group), self.w1, self.b1))
+        if dropout:
+            with get_rng_tracker().fork():  # TP-sharded activations: model-parallel stream
+                h = F.dropout(h, dropout)
+        y = _ReduceFromTP.apply(F.linear(h, self.w2), self.group) + self.b2
+        return F.dropout(y, dropout) if dropout else y  # replicated: default stream
 
     def full_state_dict(self):
         out = {}
@@ -283,9 +289,86 @@ def _training(deepspeed, layout):
     return out
 
 
+def _rng_snapshot():
+    from tpkit.random import get_rng_tracker
+    return torch.get_rng_state(), get_rng_tracker().get_states()
+
+
+def _rng_restore(snap):
+    from tpkit.random import get_rng_tracker
+    torch.set_rng_state(snap[0])
+    get_rng_tracker().set_states(snap[1])
+
+
+def _checkpointing(deepspeed):
+    """deepspeed.checkpointing.checkpoint (partitioned activations, TP=2) replays both
+    dropout streams from tpkit's tracker: outputs, grads and the streams' positions
+    afterwards equal a run without recompute."""
+    import tpkit
+    from tpkit.integrations.deepspeed import (configure_activation_checkpointing,
+                                              restore_deepspeed_rng)
+    from tpkit.random import get_rng_tracker, model_parallel_seed
+    ckpt = deepspeed.checkpointing
+    out = {}
+    s = tpkit.init_parallel(tp=1, cp=2, dp=2, seed=7)
+    try:
+        configure_activation_checkpointing(partition_activations=True)
+    except ValueError as e:
+        out["tp1_error"] = str(e)
+    tpkit.destroy_parallel()
+
+    s = tpkit.init_parallel(tp=2, dp=2, seed=7)
+    original = ckpt.get_cuda_rng_tracker
+    mpu = configure_activation_checkpointing(partition_activations=True)
+    tracker = get_rng_tracker()
+    out["one_tracker"] = (ckpt.get_cuda_rng_tracker() is tracker
+                          and ckpt._CUDA_RNG_STATE_TRACKER is tracker)
+    out["ds_mp_size"] = ckpt.mp_size
+    out["mpu_state"] = mpu.state is s
+    # DeepSpeed's seeding entry point now seeds tpkit's streams
+    ckpt.model_parallel_cuda_manual_seed(11)
+    via_ds = _rng_snapshot()
+    model_parallel_seed(11, s)
+    direct = _rng_snapshot()
+    out["seed_same"] = (torch.equal(via_ds[0], direct[0])
+                        and all(torch.equal(via_ds[1][k], direct[1][k]) for k in direct[1]))
+
+    model = TPMLP(s)
+    x0 = torch.randn(2, 4, D, generator=torch.Generator().manual_seed(3))
+    runs = {}
+    start = _rng_snapshot()
+    for name in ("plain", "checkpoint"):
+        _rng_restore(start)
+        model.zero_grad()
+        x = x0.clone().requires_grad_()
+        if name == "plain":
+            y = model(x, 0.5)
+        else:
+            # tensors only: with partition_activations DeepSpeed 0.19.8 recomputes with an
+            # extra trailing None after non-tensor arguments
+            y = ckpt.checkpoint(lambda t: model(t, 0.5), x)
+        (y * torch.arange(y.numel()).view_as(y)).sum().backward()
+        runs[name] = {"y": y.detach(), "x.grad": x.grad,
+                      **{n: p.grad.clone() for n, p in model.named_parameters()},
+                      "after": _rng_snapshot()}
+    p, c = runs["plain"], runs["checkpoint"]
+    out["dropped"] = bool((p["y"] == 0).any())  # default-stream dropout was on
+    mp = "model-parallel-rng"
+    out["forked"] = not torch.equal(p["after"][1][mp], start[1][mp])  # and the forked one
+    out["equal"] = {k: torch.equal(p[k], c[k]) for k in p if k != "after"}
+    out["streams_after_equal"] = (torch.equal(p["after"][0], c["after"][0]) and all(
+        torch.equal(p["after"][1][k], c["after"][1][k]) for k in p["after"][1]))
+    restore_deepspeed_rng()
+    out["restored"] = ckpt.get_cuda_rng_tracker is original
+    tpkit.destroy_parallel()
+    return out
+
+
 def _worker():
     deepspeed = _quiet_deepspeed()
-    res = {"getters": {l: _getters(l) for l in GETTER_LAYOUTS}}
+    # checkpointing first: it must work before any deepspeed.initialize (Megatron order)
+    res = {"checkpointing": _checkpointing(deepspeed)}
+    res["getters"] = {l: _getters(l) for l in GETTER_LAYOUTS}
     res["train"] = {l: _training(deepspeed, l) for l in TRAIN_LAYOUTS}
     return res
 
@@ -423,3 +506,20 @@ def test_gradient_clipping_needs_marked_tp_params(ds_results):
                         for d in (unmarked["weights"][0], ref_weights[0], unclipped[0]))
         assert not torch.allclose(w, ref, atol=1e-4)   # a wrong norm clips differently
         assert not torch.allclose(w, free, atol=1e-4)  # ... and clipping was on
+
+
+def test_activation_checkpointing_replays_tpkit_streams(ds_results):
+    for r, res in enumerate(ds_results):
+        out = res["checkpointing"]
+        assert out["one_tracker"] and out["mpu_state"] and out["restored"]
+        assert out["ds_mp_size"] == 2  # DeepSpeed partitions over the TP group
+        assert out["seed_same"]
+        assert out["dropped"] and out["forked"]
+        assert all(out["equal"].values()), out["equal"]
+        assert out["streams_after_equal"]
+
+
+def test_partition_activations_needs_tp(ds_results):
+    for res in ds_results:
+        msg = res["checkpointing"].get("tp1_error", "")
+        assert "TP=1" in msg and "partition_activations=False" in msg

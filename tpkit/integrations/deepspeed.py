@@ -222,6 +222,9 @@ def configure_activation_checkpointing(state: ParallelState | None = None, *,
             f"partition_activations=True needs tensor parallelism (TP >= 2) but TP="
             f"{state.tp_size}: DeepSpeed partitions saved activations over the TP group and "
             "its backward fails at size 1; pass partition_activations=False")
+    if not deepspeed.comm.is_initialized():
+        # configure() logs through deepspeed.comm; this adopts tpkit's default group.
+        deepspeed.init_distributed(dist_backend=state.backend, verbose=False)
     ckpt = deepspeed.checkpointing
     if not _ORIGINALS:
         _ORIGINALS.update({n: getattr(ckpt, n) for n in _PATCHED})
