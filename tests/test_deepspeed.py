@@ -148,14 +148,18 @@ def _gather(t, dim, group):
 def _quiet_deepspeed():
     import logging
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import importlib
     import deepspeed
-    import deepspeed.comm.torch as ds_torch
+    # not `import deepspeed.comm.torch as m`: that binds deepspeed.comm's `torch` attribute,
+    # which is the torch package itself
+    ds_torch = importlib.import_module("deepspeed.comm.torch")
     from deepspeed.utils import logger
     logger.setLevel(logging.WARNING)
     # DeepSpeed JIT-compiles a shared-memory all-reduce op (~40-60 s of g++ on a cold
     # cache) that only inference_all_reduce uses, and only when LOCAL_SIZE is set;
     # training never touches it, so tests skip the build (TPKIT_TEST_DS_SHM=1 keeps it).
     if os.environ.get("TPKIT_TEST_DS_SHM") != "1":
+        assert ds_torch.__name__ == "deepspeed.comm.torch" and hasattr(ds_torch, "build_shm_op")
         ds_torch.build_shm_op = lambda: None
     return deepspeed
 
