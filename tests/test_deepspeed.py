@@ -73,75 +73,41 @@ def reference_run(clip=None):
     return losses, grads, weights
 
 
-class _CopyToTP(torch.autograd.Function):  # stand-in until tpkit.nn lands
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x
-
-    @staticmethod
-    def backward(ctx, g):
-        g = g.clone()
-        torch.distributed.all_reduce(g, group=ctx.group)
-        return g, None
-
-
-class _ReduceFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        x = x.clone()
-        torch.distributed.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx, g):
-        return g, None
-
-
 class TPMLP(torch.nn.Module):
-    """fc1 column-parallel, fc2 row-parallel (stand-in until tpkit.nn lands)."""
+    """RefMLP with fc1 column-parallel and fc2 row-parallel (tpkit.nn), loaded from the
+    reference's full weights."""
 
     def __init__(self, state):
+        from tpkit.checkpoint import load_full_state_dict
+        from tpkit.nn import ColumnParallelLinear, RowParallelLinear
         super().__init__()
-        tp, r = state.tp_size, state.tp_rank
-        w = full_weights()
-        self.group = state.tp_group
-        self.w1 = torch.nn.Parameter(w["fc1.weight"].chunk(tp, 0)[r].clone())
-        self.b1 = torch.nn.Parameter(w["fc1.bias"].chunk(tp, 0)[r].clone())
-        self.w2 = torch.nn.Parameter(w["fc2.weight"].chunk(tp, 1)[r].clone())
-        self.b2 = torch.nn.Parameter(w["fc2.bias"].clone())
-        for p, dim in ((self.w1, 0), (self.b1, 0), (self.w2, 1)):
-            p.tp_partition_dim = dim
+        self.state = state
+        self.fc1 = ColumnParallelLinear(D, H, state=state)
+        self.fc2 = RowParallelLinear(H, D, state=state)
+        load_full_state_dict(self, full_weights(), state)
 
     def forward(self, x, dropout=0.0):
         import torch.nn.functional as F
         from tpkit.random import get_rng_tracker
-        h = torch.tanh(F.linear(_CopyToTP.apply(x, self.group), self.w1, self.b1))
+        h = torch.tanh(self.fc1(x))
         if dropout:
             with get_rng_tracker().fork():  # TP-sharded activations: model-parallel stream
                 h = F.dropout(h, dropout)
-        y = _ReduceFromTP.apply(F.linear(h, self.w2), self.group) + self.b2
+        y = self.fc2(h)
         return F.dropout(y, dropout) if dropout else y  # replicated: default stream
 
     def full_state_dict(self):
-        out = {}
-        for name, p, dim in (("fc1.weight", self.w1, 0), ("fc1.bias", self.b1, 0),
-                             ("fc2.weight", self.w2, 1), ("fc2.bias", self.b2, None)):
-            out[name] = p.detach().clone() if dim is None else _gather(p.detach(), dim, self.group)
-        return out
+        from tpkit.checkpoint import full_state_dict
+        return full_state_dict(self, self.state)
 
     def full_grads(self, get_grad):
-        return {name: g if dim is None else _gather(g, dim, self.group)
-                for name, g, dim in (("fc1.weight", get_grad(self.w1), 0),
-                                     ("fc1.bias", get_grad(self.b1), 0),
-                                     ("fc2.weight", get_grad(self.w2), 1),
-                                     ("fc2.bias", get_grad(self.b2), None))}
-
-
-def _gather(t, dim, group):
-    parts = [torch.empty_like(t) for _ in range(torch.distributed.get_world_size(group))]
-    torch.distributed.all_gather(parts, t.contiguous(), group=group)
-    return torch.cat(parts, dim)
+        from tpkit.checkpoint import gather_param
+        out = {}
+        for name, p in self.named_parameters():
+            dim = getattr(p, "tp_partition_dim", None)
+            g = get_grad(p)
+            out[name] = g.clone() if dim is None else gather_param(g, dim, None, self.state.tp_group)
+        return out
 
 
 # --- worker ----------------------------------------------------------------------------
