@@ -1,4 +1,4 @@
-"""DeepSpeed integration: every mpu getter vs the ParallelState it wraps, ZeRO 1/2 over
+"""DeepSpeed integration: every mpu getter vs the ParallelState it wraps, ZeRO 0/1/2 over
 tpkit's groups vs DDP and a single-process reference (TP, DP and CP), and DeepSpeed's
 activation checkpointing replaying dropout from tpkit's RNG tracker.
 
@@ -250,7 +250,7 @@ def _training(deepspeed, layout):
     tp, cp, dp = layout
     s = tpkit.init_parallel(tp=tp, cp=cp, dp=dp)
     out = {}
-    for stage in ((None, 1, 2) if cp == 1 else (1, 2)):
+    for stage in ((None, 0, 1, 2) if cp == 1 else (0, 1, 2)):
         out["ddp" if stage is None else f"zero{stage}"] = _train(deepspeed, s, stage)
     if tp > 1 and cp == 1:
         out["clip"] = _train(deepspeed, s, 2, clip=CLIP)
@@ -426,7 +426,7 @@ def test_zero_matches_reference_and_ddp(ds_results, layout):
     ref_losses, ref_grads, ref_weights = reference_run()
     tp, cp, dp = layout
     runs = ds_results[0]["train"][layout]
-    names = ["ddp", "zero1", "zero2"] if cp == 1 else ["zero1", "zero2"]
+    names = (["ddp"] if cp == 1 else []) + ["zero0", "zero1", "zero2"]
     assert set(names) <= set(runs)
     for r, res in enumerate(ds_results):
         for name in names:
@@ -493,3 +493,14 @@ def test_partition_activations_needs_tp(ds_results):
     for res in ds_results:
         msg = res["checkpointing"].get("tp1_error", "")
         assert "TP=1" in msg and "partition_activations=False" in msg
+
+
+def test_sequence_share_and_argument_errors():
+    from types import SimpleNamespace
+    from tpkit.integrations.deepspeed import configure_activation_checkpointing, sequence_share
+    one = SimpleNamespace(cp_size=1)
+    assert sequence_share(torch.tensor(6.0), 4, one).item() == 1.5
+    with pytest.raises(ValueError, match="num_tokens must be positive"):
+        sequence_share(torch.tensor(1.0), 0, one)
+    with pytest.raises(ValueError, match="different ParallelState"):
+        configure_activation_checkpointing(SimpleNamespace(), mpu=SimpleNamespace(state=object()))
