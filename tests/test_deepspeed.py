@@ -1,4 +1,4 @@
-"""DeepSpeed integration: every mpu getter vs the ParallelState it wraps, ZeRO 1/2 over
+"""DeepSpeed integration: every mpu getter vs the ParallelState it wraps, ZeRO 0/1/2 over
 tpkit's groups vs DDP and a single-process reference (TP, DP and CP), and DeepSpeed's
 activation checkpointing replaying dropout from tpkit's RNG tracker.
 
@@ -73,89 +73,59 @@ def reference_run(clip=None):
     return losses, grads, weights
 
 
-class _CopyToTP(torch.autograd.Function):  # stand-in until tpkit.nn lands
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x
-
-    @staticmethod
-    def backward(ctx, g):
-        g = g.clone()
-        torch.distributed.all_reduce(g, group=ctx.group)
-        return g, None
-
-
-class _ReduceFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        x = x.clone()
-        torch.distributed.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx, g):
-        return g, None
-
-
 class TPMLP(torch.nn.Module):
-    """fc1 column-parallel, fc2 row-parallel (stand-in until tpkit.nn lands)."""
+    """RefMLP with fc1 column-parallel and fc2 row-parallel (tpkit.nn), loaded from the
+    reference's full weights."""
 
     def __init__(self, state):
+        from tpkit.checkpoint import load_full_state_dict
+        from tpkit.nn import ColumnParallelLinear, RowParallelLinear
         super().__init__()
-        tp, r = state.tp_size, state.tp_rank
-        w = full_weights()
-        self.group = state.tp_group
-        self.w1 = torch.nn.Parameter(w["fc1.weight"].chunk(tp, 0)[r].clone())
-        self.b1 = torch.nn.Parameter(w["fc1.bias"].chunk(tp, 0)[r].clone())
-        self.w2 = torch.nn.Parameter(w["fc2.weight"].chunk(tp, 1)[r].clone())
-        self.b2 = torch.nn.Parameter(w["fc2.bias"].clone())
-        for p, dim in ((self.w1, 0), (self.b1, 0), (self.w2, 1)):
-            p.tp_partition_dim = dim
+        self.state = state
+        self.fc1 = ColumnParallelLinear(D, H, state=state)
+        self.fc2 = RowParallelLinear(H, D, state=state)
+        load_full_state_dict(self, full_weights(), state)
 
     def forward(self, x, dropout=0.0):
         import torch.nn.functional as F
         from tpkit.random import get_rng_tracker
-        h = torch.tanh(F.linear(_CopyToTP.apply(x, self.group), self.w1, self.b1))
+        h = torch.tanh(self.fc1(x))
         if dropout:
             with get_rng_tracker().fork():  # TP-sharded activations: model-parallel stream
                 h = F.dropout(h, dropout)
-        y = _ReduceFromTP.apply(F.linear(h, self.w2), self.group) + self.b2
+        y = self.fc2(h)
         return F.dropout(y, dropout) if dropout else y  # replicated: default stream
 
     def full_state_dict(self):
-        out = {}
-        for name, p, dim in (("fc1.weight", self.w1, 0), ("fc1.bias", self.b1, 0),
-                             ("fc2.weight", self.w2, 1), ("fc2.bias", self.b2, None)):
-            out[name] = p.detach().clone() if dim is None else _gather(p.detach(), dim, self.group)
-        return out
+        from tpkit.checkpoint import full_state_dict
+        return full_state_dict(self, self.state)
 
     def full_grads(self, get_grad):
-        return {name: g if dim is None else _gather(g, dim, self.group)
-                for name, g, dim in (("fc1.weight", get_grad(self.w1), 0),
-                                     ("fc1.bias", get_grad(self.b1), 0),
-                                     ("fc2.weight", get_grad(self.w2), 1),
-                                     ("fc2.bias", get_grad(self.b2), None))}
-
-
-def _gather(t, dim, group):
-    parts = [torch.empty_like(t) for _ in range(torch.distributed.get_world_size(group))]
-    torch.distributed.all_gather(parts, t.contiguous(), group=group)
-    return torch.cat(parts, dim)
+        from tpkit.checkpoint import gather_param
+        out = {}
+        for name, p in self.named_parameters():
+            dim = getattr(p, "tp_partition_dim", None)
+            g = get_grad(p)
+            out[name] = g.clone() if dim is None else gather_param(g, dim, None, self.state.tp_group)
+        return out
 
 
 # --- worker ----------------------------------------------------------------------------
 def _quiet_deepspeed():
     import logging
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import importlib
     import deepspeed
-    import deepspeed.comm.torch as ds_torch
+    # not `import deepspeed.comm.torch as m`: that binds deepspeed.comm's `torch` attribute,
+    # which is the torch package itself
+    ds_torch = importlib.import_module("deepspeed.comm.torch")
     from deepspeed.utils import logger
     logger.setLevel(logging.WARNING)
     # DeepSpeed JIT-compiles a shared-memory all-reduce op (~40-60 s of g++ on a cold
     # cache) that only inference_all_reduce uses, and only when LOCAL_SIZE is set;
     # training never touches it, so tests skip the build (TPKIT_TEST_DS_SHM=1 keeps it).
     if os.environ.get("TPKIT_TEST_DS_SHM") != "1":
+        assert ds_torch.__name__ == "deepspeed.comm.torch" and hasattr(ds_torch, "build_shm_op")
         ds_torch.build_shm_op = lambda: None
     return deepspeed
 
@@ -280,7 +250,7 @@ def _training(deepspeed, layout):
     tp, cp, dp = layout
     s = tpkit.init_parallel(tp=tp, cp=cp, dp=dp)
     out = {}
-    for stage in ((None, 1, 2) if cp == 1 else (1, 2)):
+    for stage in ((None, 0, 1, 2) if cp == 1 else (0, 1, 2)):
         out["ddp" if stage is None else f"zero{stage}"] = _train(deepspeed, s, stage)
     if tp > 1 and cp == 1:
         out["clip"] = _train(deepspeed, s, 2, clip=CLIP)
@@ -456,7 +426,7 @@ def test_zero_matches_reference_and_ddp(ds_results, layout):
     ref_losses, ref_grads, ref_weights = reference_run()
     tp, cp, dp = layout
     runs = ds_results[0]["train"][layout]
-    names = ["ddp", "zero1", "zero2"] if cp == 1 else ["zero1", "zero2"]
+    names = (["ddp"] if cp == 1 else []) + ["zero0", "zero1", "zero2"]
     assert set(names) <= set(runs)
     for r, res in enumerate(ds_results):
         for name in names:
@@ -523,3 +493,14 @@ def test_partition_activations_needs_tp(ds_results):
     for res in ds_results:
         msg = res["checkpointing"].get("tp1_error", "")
         assert "TP=1" in msg and "partition_activations=False" in msg
+
+
+def test_sequence_share_and_argument_errors():
+    from types import SimpleNamespace
+    from tpkit.integrations.deepspeed import configure_activation_checkpointing, sequence_share
+    one = SimpleNamespace(cp_size=1)
+    assert sequence_share(torch.tensor(6.0), 4, one).item() == 1.5
+    with pytest.raises(ValueError, match="num_tokens must be positive"):
+        sequence_share(torch.tensor(1.0), 0, one)
+    with pytest.raises(ValueError, match="different ParallelState"):
+        configure_activation_checkpointing(SimpleNamespace(), mpu=SimpleNamespace(state=object()))

@@ -31,8 +31,9 @@ from __future__ import annotations
 import warnings
 
 import torch
+import torch.distributed as dist
 
-from ..topology import ParallelState, get_parallel_state
+from ..topology import ParallelState, get_parallel_state, is_initialized
 
 INSTALL_HINT = ("DeepSpeed is not installed; tpkit.integrations.deepspeed needs it: "
                 "pip install tpkit[deepspeed]  (or: pip install deepspeed)")
@@ -144,17 +145,12 @@ class DeepSpeedMPU(_MPUBase):
         return self.state.pp_rank == self.state.pp_size - 1
 
     def model_parallel_is_initialized(self) -> bool:
-        return self._state is not None or _has_current_state()
+        return self._state is not None or is_initialized()
 
     def __repr__(self) -> str:
         s = self.state
         return (f"DeepSpeedMPU(tp={s.tp_size}, cp={s.cp_size}, dp={s.dp_size}, "
                 f"pp={s.pp_size}, rank={s.rank})")
-
-
-def _has_current_state() -> bool:
-    from ..topology import is_initialized
-    return is_initialized()
 
 
 def sequence_share(loss_sum: torch.Tensor, num_tokens, state: ParallelState | None = None
@@ -166,7 +162,7 @@ def sequence_share(loss_sum: torch.Tensor, num_tokens, state: ParallelState | No
     state = state if state is not None else get_parallel_state()
     n = torch.as_tensor(num_tokens, dtype=torch.float64, device=loss_sum.device).detach().clone()
     if state.cp_size > 1:
-        torch.distributed.all_reduce(n, group=state.cp_group)
+        dist.all_reduce(n, group=state.cp_group)
     if n.item() <= 0:
         raise ValueError(f"the sequence has {n.item():g} tokens across the CP group; "
                          "num_tokens must be positive on at least one CP rank")
