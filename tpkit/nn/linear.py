@@ -11,7 +11,6 @@ then sees only its tokens' share of the bias gradient).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from . import mappings
@@ -25,11 +24,12 @@ def linear_fn(layer: nn.Module, x: torch.Tensor, weight: torch.Tensor,
               bias: torch.Tensor | None) -> torch.Tensor:
     """The ONE place where every Column/RowParallelLinear matmul happens.
 
-    Plain ``F.linear`` today. tpkit.fp8 routes this through emulated fp8 when an fp8
-    autocast is active (``layer`` identifies the module, for its scaling state), so keep
-    all parallel-linear matmuls going through this function (a module global, looked
-    up at call time, so assigning ``tpkit.nn.linear.linear_fn`` reroutes every layer)."""
-    return F.linear(x, weight, bias)
+    ``F.linear``, or emulated fp8 inside ``tpkit.fp8.fp8_autocast`` (``layer`` owns the
+    scaling state, ``layer.fp8_meta``), so keep all parallel-linear matmuls going through
+    this function (a module global, looked up at call time, so assigning
+    ``tpkit.nn.linear.linear_fn`` reroutes every layer)."""
+    from .. import fp8  # lazy: fp8 sits above nn in the dependency order
+    return fp8.linear(layer, x, weight, bias)
 
 
 class _ParallelLinearBase(nn.Module):
