@@ -129,7 +129,7 @@ def test_defaults_single_node_cpu():
                             "TPKIT_BACKEND": "gloo",
                             "OMP_NUM_THREADS": str(max(1, len(os.sched_getaffinity(0)) // 4))}
     assert ParallelConfig.from_env(plan.exports) == plan.config
-    assert plan.command[-4:] == ["tpkit.cli._worker", SCRIPT, "--lr", "3"]
+    assert plan.command[1:] == ["-u", launch.WORKER, SCRIPT, "--lr", "3"]
 
 
 def test_layout_flags_and_env(monkeypatch):
@@ -156,7 +156,7 @@ def test_multi_node_and_passthrough_flags():
     assert (args.max_restarts, args.monitor_interval, args.redirects) == (3, 0.5, "3")
     assert args.tp is None and args.training_script_args == ["--tp", "9"]  # script's own flags
     plan = plan_of(["-m", "json.tool", "--tp", "1"])  # modules run under the wrapper too
-    assert plan.command[1:] == ["-u", "-m", "tpkit.cli._worker", "-m", "json.tool", "--tp", "1"]
+    assert plan.command[1:] == ["-u", launch.WORKER, "-m", "json.tool", "--tp", "1"]
 
 
 def test_slurm_derivation(monkeypatch, tmp_path):

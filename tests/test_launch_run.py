@@ -87,7 +87,7 @@ def test_failing_rank_is_named_with_its_error():
     assert last.startswith("tpkit-launch: rank 1 (local rank 1, exit code 1) failed: "
                            "RuntimeError: boom on rank 1"), err[-3000:]
     assert "check_layout.py FAILED" in err  # torchrun's summary, naming the user's script
-    assert sorted(ok_lines(out)) == [0, 1]
+    assert 1 in ok_lines(out)  # rank 0 may be stopped before it prints
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])

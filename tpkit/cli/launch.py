@@ -14,7 +14,7 @@ import sys
 from typing import Mapping
 
 PROG = "tpkit-launch"
-WORKER_MODULE = "tpkit.cli._worker"
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_worker.py")
 DRY_RUN_ROWS = 64
 
 
@@ -209,7 +209,7 @@ def _command(args, env: Mapping[str, str]) -> list[str]:
                           f"{os.getcwd()}); pass the path of a .py file")
     python = env.get("PYTHON_EXEC", sys.executable)
     target = ["-m", script] if args.module else [script]
-    return [python, "-u", "-m", WORKER_MODULE, *target, *args.training_script_args]
+    return [python, "-u", WORKER, *target, *args.training_script_args]
 
 
 # --- running -----------------------------------------------------------------------
@@ -226,9 +226,9 @@ def _launch(args, plan: Plan) -> int:
     args.rdzv_backend, args.rdzv_id = plan.rdzv_backend, plan.rdzv_id
     args.rdzv_endpoint = plan.rdzv_endpoint
     if not (args.no_python or args.run_path):
-        args.module = True
-        args.training_script = WORKER_MODULE
-        args.training_script_args = plan.command[4:]
+        args.module = False
+        args.training_script = WORKER
+        args.training_script_args = plan.command[3:]
     try:
         run(args)
     except ChildFailedError as e:
