@@ -5,9 +5,8 @@ counts: local heads = heads / tp) and the same ``set_context_parallel_group`` me
 model can swap between this and TE's module. Inputs are the local CP shard in the
 load-balanced layout (``tpkit.data.shard_sequence``); without CP it is plain attention.
 
-Dropout runs inside the RNG tracker's model-parallel stream. ``cp_comm_type`` "p2p" and
-"a2a+p2p" compute backward by hand from the saved LSE and cannot replay dropout masks, so
-``attention_dropout > 0`` with them raises ``ValueError`` (use "all_gather" or "a2a").
+Attention dropout (training mode only) draws from the RNG tracker's model-parallel stream
+for every comm type; the ring kernels replay their masks in backward from that stream.
 """
 from __future__ import annotations
 
@@ -18,7 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..random import get_rng_tracker
-from .context_parallel import COMM_TYPES, NO_DROPOUT, context_parallel_attention
+from .context_parallel import COMM_TYPES, context_parallel_attention
 
 MASK_TYPES = ("causal", "no_mask")
 QKV_FORMATS = ("sbhd", "bshd")
@@ -94,10 +93,6 @@ class DotProductAttention(torch.nn.Module):
         if cp_global_ranks is not None and len(cp_global_ranks) != size:
             raise ValueError(f"cp_global_ranks={cp_global_ranks} has {len(cp_global_ranks)} "
                              f"ranks but the CP group(s) have {size}; pass the group's ranks")
-        if self.attention_dropout > 0 and size > 1 and cp_comm_type in NO_DROPOUT:
-            raise ValueError(f"attention_dropout={self.attention_dropout} is not supported with "
-                             f"cp_comm_type={cp_comm_type!r} (its hand-written backward cannot "
-                             "replay dropout masks); use 'all_gather' or 'a2a', or dropout 0")
         if cp_comm_type in ("a2a", "a2a+p2p") and size > 1:
             a = dist.get_world_size(cp_group[0] if cp_comm_type == "a2a+p2p" else cp_group)
             for what, n in (("local attention heads", self.num_heads_local),
