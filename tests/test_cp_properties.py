@@ -129,6 +129,8 @@ def _errors():
     catch("a2a+p2p_no_hier", lambda: DotProductAttention(HEADS, D, cp_comm_type="a2a+p2p"))
     catch("a2a+p2p_one_group", lambda: DotProductAttention(HEADS, D).set_context_parallel_group(
         st.cp_group, st.cp_global_ranks, None, "a2a+p2p"))
+    catch("lb_strategy", lambda: DotProductAttention(HEADS, D).set_context_parallel_group(
+        st.cp_group, st.cp_global_ranks, None, "p2p", "striped"))
     catch("mask_padding", lambda: DotProductAttention(HEADS, D, attn_mask_type="padding"))
     catch("attention_mask", lambda: DotProductAttention(HEADS, D)(
         *_qkv(8), attention_mask=torch.ones(1, dtype=torch.bool)))
@@ -195,6 +197,7 @@ def test_clear_errors(results):
     assert "2 local gqa groups" in e["a2a_heads"]
     assert "cp_a2a_size" in e["a2a+p2p_no_hier"]
     assert "[a2a_group, p2p_group]" in e["a2a+p2p_one_group"]
+    assert "'striped'" in e["lb_strategy"] and "dual_chunk_swap" in e["lb_strategy"]
     assert "'padding'" in e["mask_padding"]
     assert "attention_mask" in e["attention_mask"]
     assert "'ring'" in e["bad_comm"]

@@ -74,9 +74,17 @@ class DotProductAttention(torch.nn.Module):
         self.set_context_parallel_group(group, state.cp_global_ranks, None, comm)
 
     def set_context_parallel_group(self, cp_group, cp_global_ranks, cp_stream,
-                                   cp_comm_type: str = "p2p") -> None:
+                                   cp_comm_type: str = "p2p",
+                                   load_balancing_strategy="dual_chunk_swap") -> None:
         """TE's signature: ``cp_group`` is the CP group, or ``[a2a_group, p2p_group]`` for
-        "a2a+p2p"; ``cp_stream`` is accepted for TE compatibility (unused on this path)."""
+        "a2a+p2p"; ``cp_stream`` is accepted for TE compatibility (unused on this path).
+        ``load_balancing_strategy`` (TE >= 2.10) must be TE's DUAL_CHUNK_SWAP, the layout of
+        tpkit.data.shard_sequence (the string or TE's enum member)."""
+        lbs = str(getattr(load_balancing_strategy, "name", load_balancing_strategy)).lower()
+        if lbs != "dual_chunk_swap":
+            raise ValueError(f"load_balancing_strategy={load_balancing_strategy!r} is not "
+                             "supported by tpkit's torch DotProductAttention; only "
+                             "'dual_chunk_swap' (tpkit.data.shard_sequence's layout)")
         if cp_comm_type not in COMM_TYPES:
             raise ValueError(f"cp_comm_type={cp_comm_type!r} is unknown; use one of {COMM_TYPES}")
         if cp_comm_type == "a2a+p2p":
