@@ -64,6 +64,20 @@ def _translate_norm(a: dict, kind: str) -> dict:
             "params_dtype": a.get("dtype")}
 
 
+def _translate_attention(a: dict, kind: str) -> dict:
+    comm = a.get("cp_comm_type")
+    if comm is not None:
+        from ._common import resolve_state
+        state = resolve_state(a.get("state"))
+        if comm != state.cp_comm_type:
+            raise ValueError(f"cp_comm_type={comm!r} differs from the state's "
+                             f"{state.cp_comm_type!r}; with backend='te' tpkit wires the "
+                             "state's CP groups, so build the state with that comm type")
+    return {k: a.get(k) for k in ("num_attention_heads", "kv_channels", "num_gqa_groups",
+                                  "attn_mask_type", "attention_dropout", "qkv_format",
+                                  "softmax_scale")}
+
+
 # tpkit argument names each translator consumes (beyond state/device/sequence_parallel)
 _HANDLED = {
     "column": ({"in_features", "out_features", "bias", "gather_output", "partition_sizes",
@@ -72,6 +86,9 @@ _HANDLED = {
              "skip_bias_add", "return_bias", "dtype"}, _translate_linear),
     "layernorm": ({"hidden_size", "eps", "bias", "dtype"}, _translate_norm),
     "rmsnorm": ({"hidden_size", "eps", "dtype"}, _translate_norm),
+    "attention": ({"num_attention_heads", "kv_channels", "num_gqa_groups", "attn_mask_type",
+                   "attention_dropout", "qkv_format", "cp_comm_type", "softmax_scale"},
+                  _translate_attention),
 }
 
 
