@@ -171,3 +171,43 @@ def test_wire_leaves_tpkit_torch_modules_alone(fake_te, fake_state):
         ("lin", "set_tensor_parallel_group")]
     assert tte.wire_parallel_groups(torch.nn.Sequential(torch_attn), fake_state) == []
     assert tte.is_te_module(te_lin) and not tte.is_te_module(torch_attn)
+
+
+class Block(TEBackendMixin, nn.Module):
+    """Stand-in with tpkit.nn.TransformerLayer's constructor signature."""
+    _te_kind = "transformer_layer"
+
+    def __init__(self, hidden_size, ffn_hidden_size, num_attention_heads, *,
+                 num_gqa_groups=None, normalization="LayerNorm", layernorm_epsilon=1e-5,
+                 hidden_dropout=0.0, attention_dropout=0.0, attn_mask_type="causal",
+                 bias=True, activation="gelu", sequence_parallel=None, init_method=None,
+                 output_layer_init_method=None, state=None, device=None, dtype=None,
+                 backend="torch"):
+        super().__init__()
+
+
+class MLP(TEBackendMixin, nn.Module):
+    _te_kind = "mlp"
+
+    def __init__(self, hidden_size, ffn_hidden_size, *, activation="gelu", state=None,
+                 backend="torch"):
+        super().__init__()
+
+
+def test_transformer_layer_and_mlp(fake_te, cuda, fake_state):
+    s = fake_state
+    m = Block(16, 64, 4, num_gqa_groups=2, normalization="RMSNorm", activation="swiglu",
+              attn_mask_type="no_mask", dtype=torch.bfloat16, state=s, backend="te")
+    assert type(m) is fake_te.TransformerLayer
+    a = m.init_args
+    want = dict(hidden_size=16, ffn_hidden_size=64, num_attention_heads=4, num_gqa_groups=2,
+                normalization="RMSNorm", activation="swiglu", self_attn_mask_type="no_mask",
+                params_dtype=torch.bfloat16, hidden_dropout=0.0, attention_dropout=0.0,
+                layernorm_epsilon=1e-5, bias=True, attn_input_format="sbhd",
+                set_parallel_mode=True, tp_size=2, sequence_parallel=True)
+    assert {k: a[k] for k in want} == want
+    assert a["tp_group"] is s.tp_group
+    assert m.core_attention.cp_group is s.cp_group  # CP wired through the layer
+    with pytest.raises(ValueError, match="ParallelMLP has no Transformer Engine counterpart"):
+        MLP(16, 64, state=s, backend="te")
+    assert type(MLP(16, 64, state=s, backend="auto")) is MLP  # TE available, no counterpart
