@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..random import get_rng_tracker
+from ._backend import TEBackendMixin
 from .context_parallel import COMM_TYPES, context_parallel_attention
 
 MASK_TYPES = ("causal", "no_mask")
@@ -29,14 +30,15 @@ def _divide(a: int, b: int, what: str, fix: str) -> int:
     return a // b
 
 
-class DotProductAttention(torch.nn.Module):
+class DotProductAttention(TEBackendMixin, torch.nn.Module):
     """softmax(q k^T * scale [masked]) v over this rank's heads and CP shard."""
+    _te_kind = "attention"  # backend="te": te.DotProductAttention (tpkit.nn._backend)
 
     def __init__(self, num_attention_heads: int, kv_channels: int, *,
                  num_gqa_groups: int | None = None, attn_mask_type: str = "causal",
                  attention_dropout: float = 0.0, qkv_format: str = "sbhd",
                  cp_comm_type: str | None = None, softmax_scale: float | None = None,
-                 state=None):
+                 state=None, backend: str = "torch"):
         super().__init__()
         if state is None:
             from ..topology import get_parallel_state
