@@ -73,7 +73,7 @@ class _Slot:
         self.fsdp = isinstance(live, DTensor)
         if self.fsdp:  # FSDP2 shard over dp(x cp): work on the TP-local full tensor
             local = (torch.empty(live.shape, dtype=live.dtype, device=live.to_local().device)
-                     if for_load else live.full_tensor())
+                     if for_load else _gather_fsdp(live, state.dp_cp_group))
         else:
             local = live.detach()
         self.local = local
@@ -113,6 +113,27 @@ class _Slot:
                 for d, (n, o) in enumerate(zip(shape, offset)):
                     src = src.narrow(d, o, n)
                 self.live.to_local().copy_(src)
+
+
+def _gather_fsdp(t: DTensor, group) -> torch.Tensor:
+    """The full tensor of an FSDP2 ``Shard(0)`` DTensor over the dp(x cp) ``group``, with
+    one all-gather. Not ``t.full_tensor()``: torch caches DTensor specs/plans by mesh
+    *layout*, so after a layout is destroyed and rebuilt in one process (tests) a DTensor's
+    mesh can name dead groups; the current state's group is always the live one."""
+    if t.device_mesh.ndim != 1 or tuple(t.placements) != (Shard(0),):
+        raise ValueError(f"FSDP parameter placements {t.placements} on a {t.device_mesh.ndim}-D "
+                         "mesh are not supported; use TPKitStrategy(data_parallel='fsdp')")
+    n = dist.get_world_size(group)
+    assert n == t.device_mesh.size(), "FSDP mesh is not the state's dp x cp mesh"
+    rows = -(-t.shape[0] // n)  # torch.chunk's chunk size
+    with torch.no_grad():
+        local = t.to_local().detach()
+        padded = local.new_zeros((rows, *t.shape[1:]))
+        padded[: local.shape[0]] = local
+        out = local.new_empty((rows * n, *t.shape[1:]))
+        dist.all_gather_into_tensor(out, padded, group=group)
+        sizes = [c.shape[0] for c in torch.empty(t.shape[0]).chunk(n)]
+        return torch.cat([out[i * rows: i * rows + c] for i, c in enumerate(sizes)], 0)
 
 
 def _module_views(module, state, slots, *, for_load):

@@ -167,6 +167,7 @@ class TPKitStrategy(ParallelStrategy):
             self._state = topology.init_parallel(
                 config=self._config, seed=1234 if self._seed is None else self._seed)
             self._owns_state = True
+        clear_dtensor_caches()
 
     # --- modules -----------------------------------------------------------------------
     def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
@@ -308,6 +309,7 @@ class TPKitStrategy(ParallelStrategy):
             topology.destroy_parallel()
         self._state = None
         self._owns_state = False
+        clear_dtensor_caches()
         super().teardown()
 
     @classmethod
@@ -337,6 +339,21 @@ class _FSDPNoSync(AbstractContextManager):
 
     def __exit__(self, *exc):
         self.module.set_requires_gradient_sync(True)
+
+
+def clear_dtensor_caches() -> None:
+    """Drop DTensor's sharding-propagation and redistribute-plan caches. They key on a
+    mesh's *layout*, not its groups, so after a layout is destroyed and rebuilt in the same
+    process (tests, notebooks) FSDP2 parameters would pick up specs naming dead groups."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import _redistribute
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    for name in ("_gen_transform_infos",):
+        fn = getattr(_redistribute, name, None)
+        if hasattr(fn, "cache_clear"):
+            fn.cache_clear()
+    if hasattr(_redistribute, "clear_redistribute_planner_cache"):
+        _redistribute.clear_redistribute_planner_cache()
 
 
 def _materialize(module: nn.Module, device: torch.device) -> None:
