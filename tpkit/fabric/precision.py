@@ -29,6 +29,21 @@ def _uses_te(module: nn.Module) -> bool:
     return any(type(m).__module__.startswith("transformer_engine") for m in module.modules())
 
 
+def _te_recipe(spec):
+    """TE's DelayedScaling from None (TE's default), a TE recipe, or a dict whose
+    ``fp8_format`` may be a string naming a ``Format`` member (as Lightning's plugin)."""
+    if spec is None or not isinstance(spec, Mapping):
+        return spec
+    from ..te import require_te
+    require_te()  # the clear "install TE / needs CUDA" error first
+    import importlib
+    recipe_mod = importlib.import_module("transformer_engine.common.recipe")
+    spec = dict(spec)
+    if isinstance(spec.get("fp8_format"), str):
+        spec["fp8_format"] = getattr(recipe_mod.Format, spec["fp8_format"])
+    return recipe_mod.DelayedScaling(**spec)
+
+
 class TPKitPrecision(Precision):
     """See the module docstring. ``replace_layers=True`` (fp8 only) swaps plain
     ``nn.Linear``/``nn.LayerNorm`` for tpkit layers (torch backend) where that keeps the
@@ -45,8 +60,11 @@ class TPKitPrecision(Precision):
         if fallback_compute_dtype not in (None, torch.bfloat16, torch.float16, torch.float32):
             raise ValueError(f"fallback_compute_dtype={fallback_compute_dtype!r} must be "
                              "torch.bfloat16, torch.float16, torch.float32 or None")
+        if recipe is not None and not isinstance(recipe, Mapping) and not hasattr(recipe, "margin"):
+            raise TypeError(f"recipe={recipe!r} must be a dict of DelayedScaling fields or a "
+                            "DelayedScaling recipe (tpkit.fp8 or transformer_engine)")
         self.precision = precision
-        self.recipe_spec = recipe
+        self.recipe_spec = dict(recipe) if isinstance(recipe, Mapping) else recipe
         self.fallback_compute_dtype = fallback_compute_dtype
         self.replace_layers = replace_layers
         self._device: torch.device | None = None
@@ -80,10 +98,9 @@ class TPKitPrecision(Precision):
         """The recipe object for the active backend, built from ``recipe`` (dict or object)."""
         spec = self.recipe_spec
         if self._te:
-            from .. import te
-            return te.make_recipe(spec)
-        from .. import fp8
-        return fp8.make_recipe(spec)
+            return _te_recipe(spec)
+        from ..fp8 import DelayedScaling
+        return DelayedScaling.from_any(spec)
 
     # --- Precision hooks -----------------------------------------------------------------
     def convert_module(self, module: nn.Module) -> nn.Module:
@@ -110,9 +127,9 @@ class TPKitPrecision(Precision):
             stack.enter_context(torch.autocast(device_type=self._device_type(),
                                                dtype=self.fallback_compute_dtype))
         if self._te:
-            from .. import te
-            stack.enter_context(te.autocast(enabled=True, recipe=self.recipe,
-                                            amax_reduction_group=self.amax_group))
+            from ..te import te_autocast
+            stack.enter_context(te_autocast(enabled=True, recipe=self.recipe,
+                                            group=self.amax_group))
         else:
             from .. import fp8
             stack.enter_context(fp8.fp8_autocast(enabled=True, recipe=self.recipe,
