@@ -4,7 +4,8 @@ The fused QKV weight's full layout is ``[Q (heads*d); K (groups*d); V (groups*d)
 dim 0; it is sharded per segment (``tp_partition_sizes``), so each rank holds its heads'
 q rows and its groups' k and v rows, and one matmul + one collective serves all three.
 The attention core is the swappable submodule ``self.core_attention`` (see sdpa.py for
-the contract the context-parallel DotProductAttention follows).
+the contract): tpkit's DotProductAttention, so with CP the local (load-balanced) sequence
+shard attends to the whole sequence with the state's cp_comm_type.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from torch import nn
 from ._common import check_sbh, divide, resolve_sp, resolve_state
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .rope import apply_rotary_pos_emb
-from .sdpa import SDPAttention
+from .dot_product_attention import DotProductAttention
 
 __all__ = ["ParallelSelfAttention"]
 
@@ -51,8 +52,9 @@ class ParallelSelfAttention(nn.Module):
         self.linear_qkv = ColumnParallelLinear(hidden_size, sum(sizes), bias,
                                                init_method=init_method, partition_sizes=sizes,
                                                **kw)
-        self.core_attention = SDPAttention(attention_dropout=attention_dropout,
-                                           attn_mask_type=attn_mask_type)
+        self.core_attention = DotProductAttention(
+            num_attention_heads, d, num_gqa_groups=groups, attention_dropout=attention_dropout,
+            attn_mask_type=attn_mask_type, state=self.state)
         self.linear_proj = RowParallelLinear(num_attention_heads * d, hidden_size, bias,
                                              input_is_parallel=True,
                                              init_method=output_layer_init_method or init_method,

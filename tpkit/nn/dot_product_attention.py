@@ -67,13 +67,19 @@ class DotProductAttention(TEBackendMixin, torch.nn.Module):
         self.softmax_scale = 1.0 / math.sqrt(kv_channels) if softmax_scale is None else softmax_scale
         self.state = state
         self.stats: dict | None = None  # set to {} to count ring blocks/FLOPs (tests, benches)
-        comm = state.cp_comm_type if cp_comm_type is None else cp_comm_type
-        if comm == "a2a+p2p" and state.cp_a2a_group is None:
+        # a state without CP attributes (a duck-typed TP-only state in tests) means no CP
+        comm = getattr(state, "cp_comm_type", "p2p") if cp_comm_type is None else cp_comm_type
+        if comm == "a2a+p2p" and getattr(state, "cp_a2a_group", None) is None:
             raise ValueError("cp_comm_type='a2a+p2p' needs the two CP levels: build the "
                              "state with init_parallel(cp_comm_type='a2a+p2p', cp_a2a_size=...) "
                              "or call set_context_parallel_group([a2a_group, p2p_group], ...)")
-        group = [state.cp_a2a_group, state.cp_p2p_group] if comm == "a2a+p2p" else state.cp_group
-        self.set_context_parallel_group(group, state.cp_global_ranks, None, comm)
+        if getattr(state, "cp_size", 1) == 1:
+            group, ranks = None, None
+        else:
+            group = [state.cp_a2a_group, state.cp_p2p_group] if comm == "a2a+p2p" \
+                else state.cp_group
+            ranks = state.cp_global_ranks
+        self.set_context_parallel_group(group, ranks, None, comm)
 
     def set_context_parallel_group(self, cp_group, cp_global_ranks, cp_stream,
                                    cp_comm_type: str = "p2p",
