@@ -177,3 +177,51 @@ def test_unreshardable_shape_is_a_clear_error(tmp_path):
     path = str(tmp_path / "ckpt")
     run(_mismatch, 2, path, "save")
     assert run(_mismatch, 2, path, "load") == [True, True]
+
+
+# --- tpkit.nn layers: vocab-parallel embedding, fused q/k/v, CP attention -------------------
+def _gpt(layout, path, mode):
+    from lightning.fabric import Fabric
+
+    from fabric_gpt import batches, build
+    from tpkit.fabric import TPKitStrategy
+    tp, cp, sp = layout
+    strategy = TPKitStrategy(tp=tp, cp=cp, sequence_parallel=sp)
+    fabric = Fabric(accelerator="cpu", devices=torch.distributed.get_world_size(),
+                    strategy=strategy)
+    fabric.launch()
+    state = strategy.parallel_state
+    model = build(state)
+    if mode == "load":
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(0.5)  # not the saved weights
+    model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=LR))
+
+    def step(batch):
+        tokens, targets = batch
+        n = tokens.shape[0] // state.dp_size
+        loss = model(tokens[state.dp_rank * n:(state.dp_rank + 1) * n],
+                     targets[state.dp_rank * n:(state.dp_rank + 1) * n])
+        fabric.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        return fabric.all_reduce(loss.detach(), group=state.dp_cp_group).item()
+
+    b = batches(2)
+    if mode == "save":
+        step(b[0])
+        fabric.save(path, {"model": model, "optimizer": opt})
+    else:
+        fabric.load(path, {"model": model, "optimizer": opt})
+    out = step(b[1])
+    strategy.teardown()
+    return out
+
+
+def test_tpkit_nn_model_reshards_across_layouts(tmp_path):
+    path = str(tmp_path / "gpt")
+    expected = run(_gpt, 4, (2, 2, True), path, "save")[0]
+    for layout, world in (((4, 1, False), 4), ((1, 2, False), 4), ((1, 1, False), 1)):
+        for loss in run(_gpt, world, layout, path, "load"):
+            assert loss == pytest.approx(expected, rel=1e-5), layout
