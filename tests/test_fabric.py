@@ -178,3 +178,38 @@ def test_meta_init_and_one_norm_collective_per_clip():
         assert was_meta and materialized
         # one SP-grad all-reduce over TP, then one norm all-reduce over TP per clip
         assert calls == [("all_reduce", 2)] * 3
+
+
+def _accumulate(steps):
+    import torch.nn.functional as F
+    from lightning.fabric import Fabric
+
+    from fabric_helpers import Block, data, full_model, local_batch, shard_into
+    from tpkit.fabric import TPKitStrategy
+    strategy = TPKitStrategy(tp=2, sequence_parallel=True)
+    fabric = Fabric(accelerator="cpu", devices=4, strategy=strategy)
+    fabric.launch()
+    state = strategy.parallel_state
+    model = shard_into(Block(state, sp=True), full_model(), state)
+    model, opt = fabric.setup(model, torch.optim.Adam(model.parameters(), lr=LR))
+    losses = []
+    for x, y in data(steps):
+        x, y = local_batch(x, y, state)
+        total = 0.0
+        for i, (xm, ym) in enumerate(zip(x.chunk(2, 1), y.chunk(2, 1))):  # 2 micro-batches
+            with fabric.no_backward_sync(model, enabled=i == 0):
+                loss = F.mse_loss(model(xm), ym) / 2
+                fabric.backward(loss)
+            total += loss.detach()
+        fabric.clip_gradients(model, opt, max_norm=0.5)
+        opt.step()
+        opt.zero_grad()
+        losses.append(fabric.all_reduce(total, group=state.dp_cp_group).item())
+    strategy.teardown()
+    return losses
+
+
+def test_gradient_accumulation_with_no_backward_sync():
+    ref, _ = reference_losses(STEPS, lr=LR, clip=0.5)
+    for losses in run(_accumulate, 4, STEPS):
+        torch.testing.assert_close(losses, ref, rtol=1e-5, atol=1e-7)
