@@ -63,35 +63,49 @@ def _counts():
 
 
 def _dropout():
-    """Dropout is drawn from the tracker's model-parallel stream, not the default one."""
+    """Dropout is drawn from the tracker's model-parallel stream, not the default one, and
+    the ring kernels' backward replays forward's masks (checked by finite differences of
+    the global loss along a random direction)."""
     import torch
+    import torch.distributed as dist
     import tpkit
     from tpkit.nn.dot_product_attention import DotProductAttention
     from tpkit.random import get_rng_tracker
 
     out = {}
-    for comm in ("all_gather", "a2a", "p2p"):
-        tpkit.init_parallel(cp=4, cp_comm_type=comm, seed=11)
-        try:
-            dpa = DotProductAttention(HEADS, D, attention_dropout=0.5)
-        except ValueError as e:
-            out[comm] = str(e)
-            tpkit.destroy_parallel()
-            continue
+    for comm, a2a in (("all_gather", None), ("a2a", None), ("p2p", None), ("a2a+p2p", 2)):
+        st = tpkit.init_parallel(cp=4, cp_comm_type=comm, cp_a2a_size=a2a, seed=11)
+        dpa = DotProductAttention(HEADS, D, attention_dropout=0.5)
         q, k, v = _qkv(8)
         ref = DotProductAttention(HEADS, D).eval()(q, k, v)
         default_before = torch.get_rng_state()
         tracker_before = get_rng_tracker().get_states()
+        w = torch.randn(ref.shape, generator=torch.Generator().manual_seed(st.cp_rank))
         o = dpa(q, k, v)
-        o.sum().backward()  # autograd replays the same mask
-        out[comm] = {
+        (o * w).sum().backward()
+        res = {
             "default_untouched": torch.equal(torch.get_rng_state(), default_before),
             "tracker_advanced": not all(torch.equal(a, tracker_before[n])
                                         for n, a in get_rng_tracker().get_states().items()),
             "changed": not torch.allclose(o, ref),
             "eval_exact": torch.allclose(dpa.eval()(q, k, v), ref, atol=0, rtol=0),
-            "grad_finite": bool(torch.isfinite(q.grad).all()),
         }
+        dpa.train()
+        dirs = [torch.randn(t.shape, generator=torch.Generator().manual_seed(40 + i))
+                for i, t in enumerate((q, k, v))]
+        analytic = torch.tensor(sum((t.grad * d_).sum().item() for t, d_ in zip((q, k, v), dirs)))
+        dist.all_reduce(analytic, group=st.cp_group)
+        eps, losses = 1e-2, []
+        for sign in (1, -1):
+            get_rng_tracker().set_states(tracker_before)  # the same masks as above
+            with torch.no_grad():
+                pert = [t + sign * eps * d_ for t, d_ in zip((q, k, v), dirs)]
+                loss = torch.tensor((dpa(*pert) * w).sum().item())
+            dist.all_reduce(loss, group=st.cp_group)
+            losses.append(loss.item())
+        fd = (losses[0] - losses[1]) / (2 * eps)
+        res["fd_rel_err"] = abs(fd - analytic.item()) / abs(analytic.item())
+        out[comm] = res
         tpkit.destroy_parallel()
     return out
 
@@ -115,11 +129,12 @@ def _errors():
     catch("a2a+p2p_no_hier", lambda: DotProductAttention(HEADS, D, cp_comm_type="a2a+p2p"))
     catch("a2a+p2p_one_group", lambda: DotProductAttention(HEADS, D).set_context_parallel_group(
         st.cp_group, st.cp_global_ranks, None, "a2a+p2p"))
+    catch("lb_strategy", lambda: DotProductAttention(HEADS, D).set_context_parallel_group(
+        st.cp_group, st.cp_global_ranks, None, "p2p", "striped"))
     catch("mask_padding", lambda: DotProductAttention(HEADS, D, attn_mask_type="padding"))
     catch("attention_mask", lambda: DotProductAttention(HEADS, D)(
         *_qkv(8), attention_mask=torch.ones(1, dtype=torch.bool)))
     catch("bad_comm", lambda: DotProductAttention(HEADS, D, cp_comm_type="ring"))
-    catch("p2p_dropout", lambda: DotProductAttention(HEADS, D, attention_dropout=0.1))
     tpkit.destroy_parallel()
     return errs
 
@@ -169,10 +184,11 @@ def test_collective_counts(results):
 def test_dropout_runs_in_tracker_stream(results):
     for r in results:
         d = r["dropout"]
-        for comm in ("all_gather", "a2a"):
+        for comm in ("all_gather", "a2a", "p2p", "a2a+p2p"):
+            fd = d[comm].pop("fd_rel_err")
+            assert fd < 1e-2, (comm, fd)
             assert d[comm] == {"default_untouched": True, "tracker_advanced": True,
-                               "changed": True, "eval_exact": True, "grad_finite": True}, comm
-        assert "not supported with cp_comm_type='p2p'" in d["p2p"]
+                               "changed": True, "eval_exact": True}, comm
 
 
 def test_clear_errors(results):
@@ -181,7 +197,36 @@ def test_clear_errors(results):
     assert "2 local gqa groups" in e["a2a_heads"]
     assert "cp_a2a_size" in e["a2a+p2p_no_hier"]
     assert "[a2a_group, p2p_group]" in e["a2a+p2p_one_group"]
+    assert "'striped'" in e["lb_strategy"] and "dual_chunk_swap" in e["lb_strategy"]
     assert "'padding'" in e["mask_padding"]
     assert "attention_mask" in e["attention_mask"]
     assert "'ring'" in e["bad_comm"]
-    assert "'all_gather' or 'a2a'" in e["p2p_dropout"]
+
+
+def test_ring_dropout_masks_match_autograd_reference():
+    """One ring block with dropout vs autograd on the same masks (drawn from the stream)."""
+    import torch
+    from tpkit.nn.attention_math import causal_mask
+    from tpkit.nn.ring_attention import _stream_generator, ring_attention
+    from tpkit.random import get_rng_tracker
+
+    tracker = get_rng_tracker()
+    tracker.reset()
+    tracker.add("model-parallel-rng", 1234)
+    try:
+        g = torch.Generator().manual_seed(0)
+        q = torch.randn(1, 2, 2, 8, 4, generator=g, requires_grad=True)  # [b, g, r, s, d]
+        k, v = (torch.randn(1, 2, 1, 8, 4, generator=g, requires_grad=True) for _ in range(2))
+        keep = torch.rand((1, 2, 2, 8, 8), generator=_stream_generator(q.device)) >= 0.3
+        out = ring_attention(q, k, v, None, causal=True, scale=0.5, dropout_p=0.3)
+        w = torch.randn(out.shape, generator=g)
+        grads = torch.autograd.grad((out * w).sum(), (q, k, v))
+        s = (q @ k.transpose(-1, -2) * 0.5).masked_fill(causal_mask(8, 8, "cpu"), float("-inf"))
+        ref = (torch.softmax(s, -1) * keep / 0.7) @ v
+        ref_grads = torch.autograd.grad((ref * w).sum(), (q, k, v))
+        assert (out - ref).abs().max() < 1e-5
+        for a, b in zip(grads, ref_grads):
+            assert (a - b).abs().max() < 1e-5
+        assert not torch.allclose(out, ((torch.softmax(s, -1)) @ v))
+    finally:
+        tracker.reset()

@@ -71,3 +71,19 @@ def test_unshard_roundtrip_and_grad():
     for ok_val, ok_grad, errors in run(_unshard_worker, 4, 4):
         assert ok_val and ok_grad
         assert "odd" in errors[0]
+
+
+def test_set_context_parallel_group_has_te_signature():
+    """Same parameters as TE's (tests/fake_te mirrors TE, checked by test_te_contract)."""
+    import os
+    import te_contract
+    from tpkit.nn.dot_product_attention import DotProductAttention
+    with open(te_contract.FAKE_FILE) as f:
+        fake = te_contract.signature(f.read(), "DotProductAttention.set_context_parallel_group")
+    mine = os.path.abspath(DotProductAttention.__module__.replace(".", "/") + ".py")
+    with open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "tpkit", "nn",
+                           os.path.basename(mine))) as f:
+        ours = te_contract.signature(f.read(), "DotProductAttention.set_context_parallel_group")
+    assert [n for n, _, _ in ours] == [n for n, _, _ in fake]
+    assert ours[:4] == fake[:4]  # cp_comm_type defaults to 'p2p'; the strategy to dual chunk swap
+    assert fake[4][2] == "CPLoadBalancingStrategy.DUAL_CHUNK_SWAP"

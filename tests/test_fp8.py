@@ -227,7 +227,8 @@ def _group_worker(group_name, use_ckpt, reduce_amax=True):
         counts.append((fwd_calls.count("all_reduce", min_group_size=4),
                        bwd_calls.count("all_reduce", min_group_size=4)))
     metas = [(m.fp8_meta.amax_history, m.fp8_meta.scale) for m in (block.fc1, block.fc2)]
-    return state.tp_rank, state.dp_rank, counts, metas
+    grads = [x.grad] + [p.grad for p in block.parameters()]
+    return state.tp_rank, state.dp_rank, counts, metas, grads
 
 
 HIDDEN, FFN = 6, 8
@@ -239,14 +240,20 @@ def _same(a, b):
 
 def test_amax_reduction_group_and_collective_count():
     amax = run(_group_worker, 4, "amax", True)
+    amax_plain = run(_group_worker, 4, "amax", False)
     tp_only = run(_group_worker, 4, "tp", False)
     local = run(_group_worker, 4, "amax", False, reduce_amax=False)
     # amax group (tp x dp): one all-reduce per outermost exit and one per backward
-    for _, _, counts, _ in amax:
+    for _, _, counts, _, _ in amax:
         assert counts == [(1, 1)] * 3
-    for _, _, counts, _ in local:
+    for _, _, counts, _, _ in local:
         assert counts == [(0, 0)] * 3
     assert all(_same(amax[0][3], r[3]) for r in amax[1:])
+    # checkpointed (amax) vs plain: same metas and bitwise gradients on every rank
+    for ck, pl in zip(amax, amax_plain):
+        assert pl[2] == [(1, 1)] * 3
+        assert _same(ck[3], pl[3])
+        assert all(torch.equal(u, v) for u, v in zip(ck[4], pl[4]))
     # TP group only: equal within a TP group (ranks 0,1 | 2,3), different across DP
     assert _same(tp_only[0][3], tp_only[1][3]) and _same(tp_only[2][3], tp_only[3][3])
     (h0, s0), (h2, s2) = tp_only[0][3][0], tp_only[2][3][0]

@@ -1,11 +1,14 @@
-"""tpkit.recompute.checkpoint: bitwise-equal gradients with RNG restore (tp 1, 2, 4),
-distributed saved activations (sizes not divisible by tp), measured saved bytes."""
+"""tpkit.recompute.checkpoint: bitwise-equal gradients with RNG restore (tp 1, 2, 4, with
+and without sequence parallelism) through tpkit.nn layers, distributed saved activations
+(sizes not divisible by tp), measured saved bytes."""
 import pytest
 import torch
 
 from dist import run
 
 HIDDEN, FFN, SHAPE = 7, 8, (3, 5, 7)  # 105 elements: divisible by neither 2 nor 4
+SP_SHAPE = (4, 3, 7)  # sequence parallel: [4/tp, 3, 7] per rank; 21 elements at tp=4
+LAYOUTS = ((1, False), (2, False), (4, False), (2, True), (4, True))
 
 
 class _ForgetfulTracker:
@@ -63,19 +66,29 @@ def _run_mode(block, x0, mode, rng0):
     return grads, nbytes[0], torch.get_rng_state(), get_rng_tracker().get_states()
 
 
-def _recompute_worker(tps):
+def _recompute_worker(layouts):
     import tpkit
     from tpkit.random import get_rng_tracker
     from tpblock import TPBlock
     out = {}
-    for tp in tps:
-        state = tpkit.init_parallel(tp=tp, seed=11)
-        block = TPBlock(HIDDEN, FFN, state)
-        x0 = torch.randn(SHAPE, generator=torch.Generator().manual_seed(3))
+    for tp, sp in layouts:
+        state = tpkit.init_parallel(tp=tp, sequence_parallel=sp, seed=11)
+        block = TPBlock(HIDDEN, FFN, state, sequence_parallel=sp)
+        x0 = torch.randn(SP_SHAPE if sp else SHAPE, generator=torch.Generator().manual_seed(3))
+        if sp:  # this rank's sequence shard [s/tp, b, h]
+            x0 = x0.chunk(tp)[state.tp_rank].clone()
         rng0 = (torch.get_rng_state(), get_rng_tracker().get_states())
-        res = {m: _run_mode(block, x0, m, rng0) for m in
-               ("plain", "ckpt", "ckpt_dist", "ckpt_nonreentrant", "ckpt_forgetful")}
-        out[tp] = res
+        modes = ["plain", "ckpt", "ckpt_dist", "ckpt_nonreentrant", "ckpt_forgetful"]
+        if sp:  # the input is already sharded: distributing it is refused
+            modes.remove("ckpt_dist")
+            try:
+                _run_mode(block, x0, "ckpt_dist", rng0)
+            except ValueError as e:
+                assert "sequence_parallel" in str(e)
+            else:
+                raise AssertionError("distribute_saved_activations under SP was accepted")
+        res = {m: _run_mode(block, x0, m, rng0) for m in modes}
+        out[(tp, sp)] = res
         tpkit.destroy_parallel()
     return out
 
@@ -85,26 +98,27 @@ def _equal(a, b):
 
 
 def test_checkpoint_bitwise_grads_and_saved_bytes():
-    results = run(_recompute_worker, 4, (1, 2, 4))
-    numel = 3 * 5 * 7
+    results = run(_recompute_worker, 4, LAYOUTS)
     for rank, out in enumerate(results):
-        for tp, res in out.items():
+        for (tp, sp), res in out.items():
+            numel = 4 // tp * 3 * 7 if sp else 3 * 5 * 7
             ref_grads, ref_bytes, ref_cpu, ref_tracker = res["plain"]
-            for mode in ("ckpt", "ckpt_dist", "ckpt_nonreentrant"):
+            for mode in ("ckpt", "ckpt_nonreentrant") + (() if sp else ("ckpt_dist",)):
                 grads, _, cpu, tracker = res[mode]
                 for step in range(2):
-                    assert _equal(grads[step], ref_grads[step]), (rank, tp, mode, step)
-                assert torch.equal(cpu, ref_cpu), (rank, tp, mode)
+                    assert _equal(grads[step], ref_grads[step]), (rank, tp, sp, mode, step)
+                assert torch.equal(cpu, ref_cpu), (rank, tp, sp, mode)
                 assert _equal(list(tracker.values()), list(ref_tracker.values()))
             # negative control: without restoring the tracker the forked dropout differs
             bad = res["ckpt_forgetful"][0][0]
             assert not _equal(bad, ref_grads[0]), (rank, tp)
             # saved bytes: the whole input, or this rank's padded 1/tp slice of it
             assert res["ckpt"][1] == numel * 4
-            assert res["ckpt_dist"][1] == -(-numel // tp) * 4
+            if not sp:
+                assert res["ckpt_dist"][1] == -(-numel // tp) * 4
             assert ref_bytes > res["ckpt"][1]  # the plain forward keeps more
     # the forked dropout really differs across TP ranks (tp=2: ranks 0, 1)
-    g0, g1 = results[0][2]["plain"][0][0], results[1][2]["plain"][0][0]
+    g0, g1 = results[0][(2, False)]["plain"][0][0], results[1][(2, False)]["plain"][0][0]
     assert not torch.equal(g0[1], g1[1])
 
 

@@ -112,3 +112,102 @@ def test_unknown_constructor_option_is_refused(fake_te, cuda, fake_state):
     with pytest.raises(ValueError, match=r"Extra\(fancy=True\) is not available with "
                                          "backend='te'"):
         Extra(4, 8, fancy=True, state=fake_state, backend="te")
+
+
+# --- the real tpkit.nn constructors ----------------------------------------------------------
+def test_tpkit_layers_take_backend(fake_te, cuda, fake_state):
+    from tpkit.nn import ColumnParallelLinear, LayerNorm, RMSNorm, RowParallelLinear
+    from tpkit.nn.dot_product_attention import DotProductAttention
+    s = fake_state
+    cases = [
+        (ColumnParallelLinear(8, 16, state=s, backend="te"), fake_te.Linear,
+         dict(in_features=8, out_features=16, parallel_mode="column")),
+        (RowParallelLinear(16, 8, bias=False, state=s, backend="auto"), fake_te.Linear,
+         dict(in_features=16, out_features=8, parallel_mode="row", bias=False)),
+        (LayerNorm(16, state=s, backend="te"), fake_te.LayerNorm, dict(normalized_shape=16)),
+        (RMSNorm(16, 1e-6, state=s, backend="te"), fake_te.RMSNorm, dict(eps=1e-6)),
+        (DotProductAttention(4, 8, num_gqa_groups=2, attention_dropout=0.1, state=s,
+                             backend="te"), fake_te.DotProductAttention,
+         dict(num_attention_heads=4, kv_channels=8, num_gqa_groups=2, attention_dropout=0.1,
+              tp_size=2, qkv_format="sbhd", attn_mask_type="causal")),
+    ]
+    for module, cls, expect in cases:
+        assert type(module) is cls
+        assert module.init_args["sequence_parallel"] is True
+        for key, value in expect.items():
+            assert module.init_args[key] == value, (cls, key)
+    attn = cases[-1][0]
+    assert attn.cp_group is s.cp_group and attn.cp_global_ranks == s.cp_global_ranks
+    assert attn.cp_stream is cuda[0] and attn.cp_comm_type == "p2p"
+    with pytest.raises(ValueError, match="cp_comm_type='a2a' differs from the state's 'p2p'"):
+        DotProductAttention(4, 8, cp_comm_type="a2a", state=s, backend="te")
+
+
+def test_tpkit_layers_torch_backend_unchanged():
+    from tpkit import ParallelConfig
+    from tpkit.nn import ColumnParallelLinear, LayerNorm
+    from tpkit.nn.dot_product_attention import DotProductAttention
+    from tpkit.topology import build_fake_state, destroy_fake_state
+    s = build_fake_state(ParallelConfig(), 1)
+    try:
+        for backend in ("torch", "auto"):  # auto: no TE, no CUDA here
+            lin = ColumnParallelLinear(4, 8, state=s, backend=backend)
+            assert type(lin) is ColumnParallelLinear and lin.weight.shape == (8, 4)
+            assert type(LayerNorm(8, state=s, backend=backend)) is LayerNorm
+            assert type(DotProductAttention(2, 4, state=s, backend=backend)) is \
+                DotProductAttention
+    finally:
+        destroy_fake_state(s)
+
+
+def test_wire_leaves_tpkit_torch_modules_alone(fake_te, fake_state):
+    """tpkit's torch DotProductAttention shares TE's set_context_parallel_group name but
+    takes its groups at construction: wiring skips it (and needs no CUDA stream)."""
+    from tpkit.nn.dot_product_attention import DotProductAttention
+    torch_attn = DotProductAttention(4, 8, state=fake_state)
+    te_lin = fake_te.Linear(8, 8, tp_size=2, parallel_mode="column", device="cpu")
+    model = torch.nn.ModuleDict({"attn": torch_attn, "lin": te_lin})
+    assert tte.wire_parallel_groups(model, fake_state) == [
+        ("lin", "set_tensor_parallel_group")]
+    assert tte.wire_parallel_groups(torch.nn.Sequential(torch_attn), fake_state) == []
+    assert tte.is_te_module(te_lin) and not tte.is_te_module(torch_attn)
+
+
+class Block(TEBackendMixin, nn.Module):
+    """Stand-in with tpkit.nn.TransformerLayer's constructor signature."""
+    _te_kind = "transformer_layer"
+
+    def __init__(self, hidden_size, ffn_hidden_size, num_attention_heads, *,
+                 num_gqa_groups=None, normalization="LayerNorm", layernorm_epsilon=1e-5,
+                 hidden_dropout=0.0, attention_dropout=0.0, attn_mask_type="causal",
+                 bias=True, activation="gelu", sequence_parallel=None, init_method=None,
+                 output_layer_init_method=None, state=None, device=None, dtype=None,
+                 backend="torch"):
+        super().__init__()
+
+
+class MLP(TEBackendMixin, nn.Module):
+    _te_kind = "mlp"
+
+    def __init__(self, hidden_size, ffn_hidden_size, *, activation="gelu", state=None,
+                 backend="torch"):
+        super().__init__()
+
+
+def test_transformer_layer_and_mlp(fake_te, cuda, fake_state):
+    s = fake_state
+    m = Block(16, 64, 4, num_gqa_groups=2, normalization="RMSNorm", activation="swiglu",
+              attn_mask_type="no_mask", dtype=torch.bfloat16, state=s, backend="te")
+    assert type(m) is fake_te.TransformerLayer
+    a = m.init_args
+    want = dict(hidden_size=16, ffn_hidden_size=64, num_attention_heads=4, num_gqa_groups=2,
+                normalization="RMSNorm", activation="swiglu", self_attn_mask_type="no_mask",
+                params_dtype=torch.bfloat16, hidden_dropout=0.0, attention_dropout=0.0,
+                layernorm_epsilon=1e-5, bias=True, attn_input_format="sbhd",
+                set_parallel_mode=True, tp_size=2, sequence_parallel=True)
+    assert {k: a[k] for k in want} == want
+    assert a["tp_group"] is s.tp_group
+    assert m.core_attention.cp_group is s.cp_group  # CP wired through the layer
+    with pytest.raises(ValueError, match="ParallelMLP has no Transformer Engine counterpart"):
+        MLP(16, 64, state=s, backend="te")
+    assert type(MLP(16, 64, state=s, backend="auto")) is MLP  # TE available, no counterpart

@@ -9,6 +9,8 @@ given) are recorded before the forward and restored around the recompute.
 ``distribute_saved_activations=True`` keeps only this rank's 1/tp slice of the first tensor
 argument (flattened, zero-padded to a multiple of the TP size, so no tail is dropped) and
 all-gathers it over ``tp_group`` before the recompute: saved bytes per rank shrink by tp.
+That input must be the same on every TP rank, so it is refused under sequence parallelism
+(the input is already 1/tp per rank there), as in Megatron.
 
 ``use_reentrant=False`` runs ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``
 with a context that restores the tracker states and replays the fp8 scales; it does not
@@ -235,8 +237,14 @@ def checkpoint(function, *args, distribute_saved_activations: bool = False,
             function, *args, use_reentrant=False,
             context_fn=lambda: _non_reentrant_context_fn(get_rng_state_tracker, user_context_fn),
             **kwargs)
-    if distribute_saved_activations and tp_group is None:
-        from .topology import get_parallel_state
-        tp_group = get_parallel_state().tp_group
+    if distribute_saved_activations:
+        from .topology import get_parallel_state, is_initialized
+        state = get_parallel_state() if tp_group is None or is_initialized() else None
+        if tp_group is None:
+            tp_group = state.tp_group
+        if state is not None and state.sequence_parallel and tp_group is state.tp_group:
+            raise ValueError("distribute_saved_activations=True splits an input that every TP "
+                             "rank holds whole; with sequence_parallel=True it is already "
+                             "1/tp per rank: drop distribute_saved_activations (as Megatron)")
     return _Checkpoint.apply(function, (distribute_saved_activations, get_rng_state_tracker,
                                         tp_group, user_context_fn), kwargs, *args)

@@ -131,15 +131,18 @@ def cp_group_arg(state):
     return state.cp_group
 
 
-def _is_te_like(module) -> bool:
-    return hasattr(module, "set_tensor_parallel_group") or hasattr(
-        module, "set_context_parallel_group")
+def is_te_module(module) -> bool:
+    """A Transformer Engine module (or a subclass of one, e.g. Megatron's TE wrappers).
+    tpkit's own layers take the state at construction and are left alone, even where they
+    share TE's method names (tpkit.nn.DotProductAttention.set_context_parallel_group)."""
+    return any(c.__module__.split(".")[0] == "transformer_engine" for c in type(module).__mro__)
 
 
 def wire_parallel_groups(model: torch.nn.Module, state=None) -> list[tuple[str, str]]:
     """Call ``set_tensor_parallel_group(tp_group)`` and, when cp > 1,
     ``set_context_parallel_group(cp_group, cp_global_ranks, cp_stream, cp_comm_type)`` on
-    every module of ``model`` that has them; return ``(module name, method)`` per call.
+    every TE module of ``model`` that has them; return ``(module name, method)`` per call
+    (empty for a model without TE modules, e.g. one built with backend="auto" on CPU).
 
     Modules whose ``tp_size`` differs from the state's were built for another layout
     (their weights are sharded differently) and are refused before anything is set.
@@ -148,7 +151,8 @@ def wire_parallel_groups(model: torch.nn.Module, state=None) -> list[tuple[str, 
     their children; the calls are idempotent, so every module is set directly as well.
     """
     state = _state_or_current(state)
-    modules = [(name, m) for name, m in model.named_modules() if _is_te_like(m)]
+    modules = [(name, m) for name, m in model.named_modules() if is_te_module(m) and (
+        hasattr(m, "set_tensor_parallel_group") or hasattr(m, "set_context_parallel_group"))]
     for name, m in modules:
         tp_size = getattr(m, "tp_size", None)
         if isinstance(tp_size, int) and tp_size != state.tp_size:

@@ -14,7 +14,7 @@ import sys
 from typing import Mapping
 
 PROG = "tpkit-launch"
-WORKER_MODULE = "tpkit.cli._worker"
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_worker.py")
 DRY_RUN_ROWS = 64
 
 
@@ -167,16 +167,16 @@ def resolve(args, env: Mapping[str, str]) -> Plan:
         raise LaunchError(f"--nnodes={args.nnodes} needs --rdzv-endpoint HOST:PORT of the "
                           "first node (the same on every node), or run inside Slurm")
 
-    for n in range(lo, hi + 1):
+    if lo != hi and config.dp is not None:
+        raise LaunchError(f"--dp={config.dp} cannot hold for every node count in --nnodes="
+                          f"{lo}:{hi}; drop --dp for elastic launches")
+    for n in range(lo, hi + 1):  # an elastic job must be valid at every size it may take
         try:
             checked = config.validate(n * nproc)
         except ValueError as e:
             raise LaunchError(f"{e} [world = {n} node(s) x {nproc} processes per node]") from None
     if lo == hi:
         config = checked
-    elif config.dp is not None:
-        raise LaunchError(f"--dp={config.dp} cannot hold for every node count in --nnodes="
-                          f"{lo}:{hi}; drop --dp for elastic launches")
     if hi > 1 and nproc % config.tp != 0:
         raise LaunchError(
             f"tp={config.tp} does not fit in one node of {nproc} processes: TP groups would "
@@ -209,7 +209,7 @@ def _command(args, env: Mapping[str, str]) -> list[str]:
                           f"{os.getcwd()}); pass the path of a .py file")
     python = env.get("PYTHON_EXEC", sys.executable)
     target = ["-m", script] if args.module else [script]
-    return [python, "-u", "-m", WORKER_MODULE, *target, *args.training_script_args]
+    return [python, "-u", WORKER, *target, *args.training_script_args]
 
 
 # --- running -----------------------------------------------------------------------
@@ -226,9 +226,9 @@ def _launch(args, plan: Plan) -> int:
     args.rdzv_backend, args.rdzv_id = plan.rdzv_backend, plan.rdzv_id
     args.rdzv_endpoint = plan.rdzv_endpoint
     if not (args.no_python or args.run_path):
-        args.module = True
-        args.training_script = WORKER_MODULE
-        args.training_script_args = plan.command[4:]
+        args.module = False
+        args.training_script = WORKER
+        args.training_script_args = plan.command[3:]
     try:
         run(args)
     except ChildFailedError as e:
@@ -252,6 +252,8 @@ def describe_failure(e) -> str:
     msg = f.message
     if isinstance(msg, dict):
         msg = msg.get("message", msg)
+    if f.exitcode > 0 and not f.error_file_data.get("message"):
+        msg = "exited without a Python exception (sys.exit or a crash); see its output above"
     others = len(e.failures) - 1
     more = f" ({others} other rank{'s' * (others > 1)} failed or were stopped)" if others else ""
     return (f"rank {rank} (local rank {f.local_rank}, exit code {f.exitcode}) failed: "

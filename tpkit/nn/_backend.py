@@ -64,6 +64,37 @@ def _translate_norm(a: dict, kind: str) -> dict:
             "params_dtype": a.get("dtype")}
 
 
+def _translate_attention(a: dict, kind: str) -> dict:
+    comm = a.get("cp_comm_type")
+    if comm is not None:
+        from ._common import resolve_state
+        state = resolve_state(a.get("state"))
+        if comm != state.cp_comm_type:
+            raise ValueError(f"cp_comm_type={comm!r} differs from the state's "
+                             f"{state.cp_comm_type!r}; with backend='te' tpkit wires the "
+                             "state's CP groups, so build the state with that comm type")
+    return {k: a.get(k) for k in ("num_attention_heads", "kv_channels", "num_gqa_groups",
+                                  "attn_mask_type", "attention_dropout", "qkv_format",
+                                  "softmax_scale")}
+
+
+def _translate_transformer_layer(a: dict, kind: str) -> dict:
+    kw = {k: a.get(k) for k in ("hidden_size", "ffn_hidden_size", "num_attention_heads",
+                                "num_gqa_groups", "normalization", "layernorm_epsilon",
+                                "hidden_dropout", "attention_dropout", "bias", "activation",
+                                "init_method", "output_layer_init_method")}
+    kw["self_attn_mask_type"] = a.get("attn_mask_type", "causal")
+    kw["params_dtype"] = a.get("dtype")
+    kw["attn_input_format"] = "sbhd"  # tpkit's activations are [s, b, h]
+    return kw
+
+
+def _no_te(reason: str):
+    def translate(a: dict, kind: str) -> dict:
+        raise ValueError(reason)
+    return translate
+
+
 # tpkit argument names each translator consumes (beyond state/device/sequence_parallel)
 _HANDLED = {
     "column": ({"in_features", "out_features", "bias", "gather_output", "partition_sizes",
@@ -72,6 +103,21 @@ _HANDLED = {
              "skip_bias_add", "return_bias", "dtype"}, _translate_linear),
     "layernorm": ({"hidden_size", "eps", "bias", "dtype"}, _translate_norm),
     "rmsnorm": ({"hidden_size", "eps", "dtype"}, _translate_norm),
+    "attention": ({"num_attention_heads", "kv_channels", "num_gqa_groups", "attn_mask_type",
+                   "attention_dropout", "qkv_format", "cp_comm_type", "softmax_scale"},
+                  _translate_attention),
+    "transformer_layer": ({"hidden_size", "ffn_hidden_size", "num_attention_heads",
+                           "num_gqa_groups", "normalization", "layernorm_epsilon",
+                           "hidden_dropout", "attention_dropout", "attn_mask_type", "bias",
+                           "activation", "init_method", "output_layer_init_method", "dtype"},
+                          _translate_transformer_layer),
+    "mlp": (set(), _no_te(
+        "ParallelMLP has no Transformer Engine counterpart without its norm (TE fuses them "
+        "in LayerNormMLP); use TransformerLayer(backend='te'), "
+        "tpkit.te.make('layernorm_mlp', ...), or backend='torch'")),
+    "self_attention": (set(), _no_te(
+        "ParallelSelfAttention has no Transformer Engine counterpart in tpkit yet; use "
+        "TransformerLayer(backend='te') or DotProductAttention(backend='te') as the core")),
 }
 
 
@@ -88,6 +134,8 @@ def _te_from_constructor(cls, args: tuple, kwargs: dict):
     a.pop(next(iter(sig.parameters)))  # self
     a.pop("backend", None)
     handled, translate = _HANDLED[kind]
+    if not handled:
+        translate(a, kind)  # kinds without a TE counterpart raise their reason
     handled = handled | {"state", "device", "sequence_parallel"}
     for name, value in a.items():
         default = sig.parameters[name].default
@@ -105,11 +153,15 @@ def _te_from_constructor(cls, args: tuple, kwargs: dict):
 class TEBackendMixin:
     """Gives a tpkit.nn layer a ``backend=`` keyword: for "te" (or "auto" resolving to TE)
     the constructor returns TE's module for ``_te_kind`` instead of the torch layer, built
-    from the same arguments (options TE lacks are refused with a ValueError)."""
+    from the same arguments (options TE lacks are refused with a ValueError). Layers with
+    no TE counterpart (ParallelMLP, ParallelSelfAttention) refuse "te"; "auto" builds them
+    with torch, so a model written with backend="auto" runs everywhere."""
 
     _te_kind: str = ""
 
     def __new__(cls, *args, backend: str = "torch", **kwargs):
+        if backend == "auto" and not _HANDLED.get(cls._te_kind, ((),))[0]:
+            return super().__new__(cls)  # no TE counterpart: "auto" means torch here
         if resolve_backend(backend) == "te":
             return _te_from_constructor(cls, args, kwargs)
         return super().__new__(cls)

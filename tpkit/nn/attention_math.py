@@ -43,23 +43,39 @@ def _scores(q, k, scale, causal):
     return s
 
 
-def block_forward(q, k, v, scale: float, causal: bool):
+def _keep_mask(shape, dropout_p: float, gen, device):
+    """Dropout keep-mask scaled by 1/(1-p), drawn from ``gen`` (replayed in backward)."""
+    keep = torch.rand(shape, generator=gen, device=device) >= dropout_p
+    return keep.to(torch.float32).div_(1.0 - dropout_p)
+
+
+def block_forward(q, k, v, scale: float, causal: bool, dropout_p: float = 0.0, gen=None):
     """Output ``[b, g, r, sq, d]`` and LSE ``[b, g, r, sq]`` of one block (fp32 inputs).
     Every row sees at least one key (a diagonal or an unmasked block). In-place ops keep
-    the memory traffic of the ``sq x sk`` scores low."""
+    the memory traffic of the ``sq x sk`` scores low. With ``dropout_p`` the probabilities
+    (not the LSE) are dropped with a mask drawn from ``gen``."""
     s = _scores(q, k, scale, causal)
     m = s.amax(dim=-1, keepdim=True)
     p = s.sub_(m).exp_()
     denom = p.sum(dim=-1, keepdim=True)
+    if dropout_p > 0.0:
+        p = p.mul_(_keep_mask(p.shape, dropout_p, gen, p.device))
     out = torch.matmul(p, v).div_(denom)
     return out, (m + denom.log()).squeeze(-1)
 
 
-def block_backward(q, k, v, dout, lse, delta, scale: float, causal: bool):
-    """dq, dk, dv of one block given the final LSE and ``delta = sum(dout * out, -1)``."""
+def block_backward(q, k, v, dout, lse, delta, scale: float, causal: bool,
+                   dropout_p: float = 0.0, gen=None):
+    """dq, dk, dv of one block given the final LSE and ``delta = sum(dout * out, -1)``;
+    with dropout, ``gen`` must be in the state it had for this block's forward."""
     p = _scores(q, k, scale, causal).sub_(lse.unsqueeze(-1)).exp_()
-    dv = torch.matmul(p.transpose(-1, -2), dout).sum(2, keepdim=True)
-    ds = torch.matmul(dout, v.transpose(-1, -2)).sub_(delta.unsqueeze(-1)).mul_(p)
+    keep = _keep_mask(p.shape, dropout_p, gen, p.device) if dropout_p > 0.0 else None
+    pd = p if keep is None else p * keep
+    dv = torch.matmul(pd.transpose(-1, -2), dout).sum(2, keepdim=True)
+    dp = torch.matmul(dout, v.transpose(-1, -2))
+    if keep is not None:
+        dp.mul_(keep)
+    ds = dp.sub_(delta.unsqueeze(-1)).mul_(p)
     dq = torch.matmul(ds, k).mul_(scale)
     dk = torch.matmul(ds.transpose(-1, -2), q).sum(2, keepdim=True).mul_(scale)
     return dq, dk, dv

@@ -23,8 +23,6 @@ from .attention_math import (causal_mask, from_grouped, local_attention, positio
 from .ring_attention import ring_attention
 
 COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
-# comm types whose backward is hand-written and cannot replay dropout masks
-NO_DROPOUT = ("p2p", "a2a+p2p")
 
 
 def lb_positions(rank: int, n: int, local_len: int, device=None) -> torch.Tensor:
@@ -92,8 +90,9 @@ def _a2a_from_lb(x: torch.Tensor, a: int, dim: int) -> torch.Tensor:
 
 
 # --- kernels (grouped tensors [b, g, r, s, d] / [b, g, 1, s, d]) -----------------------------
-def _p2p(q, k, v, group, causal, scale, stats):
-    return ring_attention(q, k, v, group, causal=causal, scale=scale, stats=stats)
+def _p2p(q, k, v, group, causal, scale, dropout_p, stats):
+    return ring_attention(q, k, v, group, causal=causal, scale=scale, stats=stats,
+                          dropout_p=dropout_p)
 
 
 def _all_gather(q, k, v, group, causal, scale, dropout_p):
@@ -124,7 +123,8 @@ def _a2a(q, k, v, a2a_group, p2p_group, causal, scale, dropout_p, stats):
         mask = causal_mask(qg.shape[-2], kg.shape[-2], q.device) if causal else None
         out = local_attention(qg, kg, vg, scale, mask, dropout_p)
     else:
-        out = ring_attention(qg, kg, vg, p2p_group, causal=causal, scale=scale, stats=stats)
+        out = ring_attention(qg, kg, vg, p2p_group, causal=causal, scale=scale, stats=stats,
+                             dropout_p=dropout_p)
     out = _AllToAll.apply(_a2a_from_lb(from_grouped(out), a, 2), 2, 1, a2a_group)
     return to_grouped(out, g, False)
 
@@ -137,7 +137,7 @@ def context_parallel_attention(q, k, v, *, comm_type: str, group, causal: bool, 
     g = k.shape[1]
     qg, kg, vg = to_grouped(q, g, False), to_grouped(k, g, True), to_grouped(v, g, True)
     if comm_type == "p2p":
-        out = _p2p(qg, kg, vg, group, causal, scale, stats)
+        out = _p2p(qg, kg, vg, group, causal, scale, dropout_p, stats)
     elif comm_type == "all_gather":
         out = _all_gather(qg, kg, vg, group, causal, scale, dropout_p)
     elif comm_type == "a2a":

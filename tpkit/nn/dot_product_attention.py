@@ -5,9 +5,8 @@ counts: local heads = heads / tp) and the same ``set_context_parallel_group`` me
 model can swap between this and TE's module. Inputs are the local CP shard in the
 load-balanced layout (``tpkit.data.shard_sequence``); without CP it is plain attention.
 
-Dropout runs inside the RNG tracker's model-parallel stream. ``cp_comm_type`` "p2p" and
-"a2a+p2p" compute backward by hand from the saved LSE and cannot replay dropout masks, so
-``attention_dropout > 0`` with them raises ``ValueError`` (use "all_gather" or "a2a").
+Attention dropout (training mode only) draws from the RNG tracker's model-parallel stream
+for every comm type; the ring kernels replay their masks in backward from that stream.
 """
 from __future__ import annotations
 
@@ -18,7 +17,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..random import get_rng_tracker
-from .context_parallel import COMM_TYPES, NO_DROPOUT, context_parallel_attention
+from ._backend import TEBackendMixin
+from .context_parallel import COMM_TYPES, context_parallel_attention
 
 MASK_TYPES = ("causal", "no_mask")
 QKV_FORMATS = ("sbhd", "bshd")
@@ -30,14 +30,15 @@ def _divide(a: int, b: int, what: str, fix: str) -> int:
     return a // b
 
 
-class DotProductAttention(torch.nn.Module):
+class DotProductAttention(TEBackendMixin, torch.nn.Module):
     """softmax(q k^T * scale [masked]) v over this rank's heads and CP shard."""
+    _te_kind = "attention"  # backend="te": te.DotProductAttention (tpkit.nn._backend)
 
     def __init__(self, num_attention_heads: int, kv_channels: int, *,
                  num_gqa_groups: int | None = None, attn_mask_type: str = "causal",
                  attention_dropout: float = 0.0, qkv_format: str = "sbhd",
                  cp_comm_type: str | None = None, softmax_scale: float | None = None,
-                 state=None):
+                 state=None, backend: str = "torch"):
         super().__init__()
         if state is None:
             from ..topology import get_parallel_state
@@ -75,9 +76,17 @@ class DotProductAttention(torch.nn.Module):
         self.set_context_parallel_group(group, state.cp_global_ranks, None, comm)
 
     def set_context_parallel_group(self, cp_group, cp_global_ranks, cp_stream,
-                                   cp_comm_type: str = "p2p") -> None:
+                                   cp_comm_type: str = "p2p",
+                                   load_balancing_strategy="dual_chunk_swap") -> None:
         """TE's signature: ``cp_group`` is the CP group, or ``[a2a_group, p2p_group]`` for
-        "a2a+p2p"; ``cp_stream`` is accepted for TE compatibility (unused on this path)."""
+        "a2a+p2p"; ``cp_stream`` is accepted for TE compatibility (unused on this path).
+        ``load_balancing_strategy`` (TE >= 2.10) must be TE's DUAL_CHUNK_SWAP, the layout of
+        tpkit.data.shard_sequence (the string or TE's enum member)."""
+        lbs = str(getattr(load_balancing_strategy, "name", load_balancing_strategy)).lower()
+        if lbs != "dual_chunk_swap":
+            raise ValueError(f"load_balancing_strategy={load_balancing_strategy!r} is not "
+                             "supported by tpkit's torch DotProductAttention; only "
+                             "'dual_chunk_swap' (tpkit.data.shard_sequence's layout)")
         if cp_comm_type not in COMM_TYPES:
             raise ValueError(f"cp_comm_type={cp_comm_type!r} is unknown; use one of {COMM_TYPES}")
         if cp_comm_type == "a2a+p2p":
@@ -94,10 +103,6 @@ class DotProductAttention(torch.nn.Module):
         if cp_global_ranks is not None and len(cp_global_ranks) != size:
             raise ValueError(f"cp_global_ranks={cp_global_ranks} has {len(cp_global_ranks)} "
                              f"ranks but the CP group(s) have {size}; pass the group's ranks")
-        if self.attention_dropout > 0 and size > 1 and cp_comm_type in NO_DROPOUT:
-            raise ValueError(f"attention_dropout={self.attention_dropout} is not supported with "
-                             f"cp_comm_type={cp_comm_type!r} (its hand-written backward cannot "
-                             "replay dropout masks); use 'all_gather' or 'a2a', or dropout 0")
         if cp_comm_type in ("a2a", "a2a+p2p") and size > 1:
             a = dist.get_world_size(cp_group[0] if cp_comm_type == "a2a+p2p" else cp_group)
             for what, n in (("local attention heads", self.num_heads_local),

@@ -14,6 +14,10 @@ Partial outputs are merged with their log-sum-exps. Backward passes K/V around t
 again and sends each block's dK/dV accumulator along with it, so after ``n`` hops every
 rank holds the full gradient of its own K/V; only local-sized tensors (q, k, v, out, lse)
 are saved for backward — O(S/cp) memory per rank.
+
+Dropout: the masks come from a generator started at the RNG tracker's model-parallel
+stream; backward restarts it from the same state and redraws the masks in the same block
+order, and the tracker's stream is advanced past what forward drew.
 """
 from __future__ import annotations
 
@@ -38,6 +42,25 @@ def _exchange(send: torch.Tensor, recv: torch.Tensor, group, nxt: int, prv: int,
 def _wait(works) -> None:
     for w in works or ():
         w.wait()
+
+
+def _stream_generator(device: torch.device) -> torch.Generator:
+    """A generator at the tracker's model-parallel stream (the stream is not advanced)."""
+    from ..random import get_rng_tracker
+    gen = torch.Generator(device=device)
+    with get_rng_tracker().fork():
+        gen.set_state(torch.cuda.get_rng_state(device) if device.type == "cuda"
+                      else torch.get_rng_state())
+    return gen
+
+
+def _advance_stream(gen: torch.Generator, device: torch.device) -> None:
+    from ..random import get_rng_tracker
+    with get_rng_tracker().fork():
+        if device.type == "cuda":
+            torch.cuda.set_rng_state(gen.get_state(), device)
+        else:
+            torch.set_rng_state(gen.get_state())
 
 
 def _plan(step: int, rank: int, n: int, causal: bool, sq: int, sk: int):
@@ -68,7 +91,7 @@ class RingAttention(torch.autograd.Function):
     output like q. ``group`` is the ring (None: no CP, just this rank); ``stats`` (a dict or None) counts computed blocks."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, causal: bool, scale: float, stats):
+    def forward(ctx, q, k, v, group, causal: bool, scale: float, stats, dropout_p: float):
         if group is None:  # no CP: one step, no communication (memory-efficient attention)
             n, rank, nxt, prv = 1, 0, None, None
         else:
@@ -80,6 +103,8 @@ class RingAttention(torch.autograd.Function):
         out = torch.zeros_like(qf)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v]).float().contiguous()
+        gen = _stream_generator(q.device) if dropout_p > 0.0 else None
+        ctx.rng_state = None if gen is None else gen.get_state()
         for step in range(n):
             works, nxt_kv = None, None
             if step < n - 1:
@@ -88,12 +113,15 @@ class RingAttention(torch.autograd.Function):
             rows, cols, blk_causal = _plan(step, rank, n, causal, sq, sk)
             _record(stats, q, k, rows, cols)
             o, l = block_forward(qf[..., rows, :], kv[0][..., cols, :], kv[1][..., cols, :],
-                                 scale, blk_causal)
+                                 scale, blk_causal, dropout_p, gen)
             merge_into(out[..., rows, :], lse[..., rows], o, l)
             _wait(works)
             kv = nxt_kv
+        if gen is not None:
+            _advance_stream(gen, q.device)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.causal, ctx.scale, ctx.ranks = group, causal, scale, (rank, n, nxt, prv)
+        ctx.dropout_p = dropout_p
         return out.to(q.dtype)
 
     @staticmethod
@@ -107,7 +135,10 @@ class RingAttention(torch.autograd.Function):
         dq = torch.zeros_like(qf)
         kv = torch.stack([k, v]).float().contiguous()
         dkv = torch.zeros_like(kv)  # gradient of the K/V block held now, travelling with it
-        dkv_works = None
+        dkv_works, gen = None, None
+        if ctx.rng_state is not None:  # replay forward's dropout masks, block by block
+            gen = torch.Generator(device=q.device)
+            gen.set_state(ctx.rng_state)
         for step in range(n):
             kv_works, nxt_kv = None, None
             if step < n - 1:
@@ -116,7 +147,8 @@ class RingAttention(torch.autograd.Function):
             rows, cols, blk_causal = _plan(step, rank, n, ctx.causal, sq, sk)
             dq_b, dk_b, dv_b = block_backward(
                 qf[..., rows, :], kv[0][..., cols, :], kv[1][..., cols, :],
-                dout[..., rows, :], lse[..., rows], delta[..., rows], scale, blk_causal)
+                dout[..., rows, :], lse[..., rows], delta[..., rows], scale, blk_causal,
+                ctx.dropout_p, gen)
             _wait(dkv_works)  # the accumulator of this block arrived from the previous rank
             dq[..., rows, :] += dq_b
             dkv[0][..., cols, :] += dk_b
@@ -129,9 +161,10 @@ class RingAttention(torch.autograd.Function):
             kv = nxt_kv
         _wait(dkv_works)  # after n hops the accumulator of our own K/V is back
         return (dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype),
-                None, None, None, None)
+                None, None, None, None, None)
 
 
-def ring_attention(q, k, v, group, *, causal: bool, scale: float, stats: dict | None = None):
+def ring_attention(q, k, v, group, *, causal: bool, scale: float, stats: dict | None = None,
+                   dropout_p: float = 0.0):
     """Ring attention of grouped tensors over ``group`` (see the module docstring)."""
-    return RingAttention.apply(q, k, v, group, causal, scale, stats)
+    return RingAttention.apply(q, k, v, group, causal, scale, stats, dropout_p)
