@@ -225,3 +225,40 @@ def test_tpkit_nn_model_reshards_across_layouts(tmp_path):
     for layout, world in (((4, 1, False), 4), ((1, 2, False), 4), ((1, 1, False), 1)):
         for loss in run(_gpt, world, layout, path, "load"):
             assert loss == pytest.approx(expected, rel=1e-5), layout
+
+
+def _count_writes(path):
+    import torch.nn.functional as F
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.planner import WriteItemType
+
+    import tpkit
+    from fabric_helpers import Block
+    from tpkit import _dcp
+    state = tpkit.init_parallel(tp=2, cp=2, sequence_parallel=True)
+    model = Block(state, sp=True)
+    opt = torch.optim.Adam(model.parameters())
+    F.mse_loss(model(torch.randn(8, 2, 8)), torch.zeros(8, 2, 8)).backward()
+    opt.step()
+    written, real = [], FileSystemWriter.write_data
+
+    def spy(self, plan, planner):
+        written.extend(i.index.fqn for i in plan.items if i.type != WriteItemType.BYTE_IO)
+        return real(self, plan, planner)
+
+    FileSystemWriter.write_data = spy
+    try:
+        _dcp.save(path, {"model": model, "optimizer": opt})
+    finally:
+        FileSystemWriter.write_data = real
+    return written
+
+
+def test_each_chunk_is_written_by_one_replica(tmp_path):
+    per_rank = run(_count_writes, 4, str(tmp_path / "ckpt"))
+    # 14 tensor chunks per copy of the model (norm w/b, fc1 w/b: 2 segments x 2 TP chunks,
+    # fc2.w: 2 chunks, fc2.b, head), the same for exp_avg and exp_avg_sq, plus 7 step
+    # counters (7 params): 49 in all. The two CP replicas would write 98 without dedup.
+    flat = [fqn for ranks in per_rank for fqn in ranks]
+    assert len(flat) == 49 and len(set(flat)) == 34  # 9 keys x (param, 2 moments) + 7 steps
+    assert sum(1 for f in flat if f == "model.fc1.weight.seg0") == 2  # one per TP shard
