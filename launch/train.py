@@ -55,9 +55,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     t.add_argument("--recompute", action="store_true")
     t.add_argument("--log-every", type=int, default=10)
     c = ap.add_argument_group("checkpoints")
-    c.add_argument("--save", default=None, help="directory to write a sharded checkpoint to")
+    c.add_argument("--save", default=None,
+                   help="directory for sharded checkpoints, written as SAVE/stepNNNNNN")
     c.add_argument("--save-every", type=int, default=0, help="0: only at the end")
-    c.add_argument("--resume", default=None, help="checkpoint directory (any layout)")
+    c.add_argument("--resume", default=None,
+                   help="a checkpoint (SAVE/stepNNNNNN) or a --save directory (its latest); "
+                        "it may have been written at any layout")
     args = ap.parse_args(argv)
     for name in ("steps", "global_batch", "seq_len", "hidden", "layers", "heads", "ffn"):
         if getattr(args, name) < 1:
@@ -86,6 +89,19 @@ def full_init(model: torch.nn.Module, seed: int) -> None:
     load_full_state_dict(model, new)
 
 
+def checkpoint_path(save_dir: str, steps_done: int) -> str:
+    return os.path.join(save_dir, f"step{steps_done:06d}")
+
+
+def resolve_resume(path: str) -> str:
+    """``path`` itself if it is a checkpoint, else the latest SAVE/stepNNNNNN inside it."""
+    if not os.path.isdir(path):
+        raise ValueError(f"--resume={path!r} does not exist; pass a checkpoint directory "
+                         "written by --save")
+    steps = sorted(d for d in os.listdir(path) if d.startswith("step") and d[4:].isdigit())
+    return os.path.join(path, steps[-1]) if steps else path
+
+
 def lr_at(step: int, args) -> float:
     if step < args.warmup:
         return args.lr * (step + 1) / args.warmup
@@ -102,8 +118,9 @@ def make_fabric(args):
     strategy = TPKitStrategy(tp=args.tp, cp=args.cp, sequence_parallel=args.sequence_parallel,
                              cp_comm_type=args.cp_comm_type, data_parallel=args.data_parallel,
                              seed=args.seed)
+    # Lightning takes precision plugin objects through plugins=, not precision=.
     return Fabric(accelerator=accelerator, devices=local, num_nodes=nodes, strategy=strategy,
-                  precision=TPKitPrecision(args.precision))
+                  plugins=[TPKitPrecision(args.precision)])
 
 
 def train(args) -> list[float]:
@@ -125,7 +142,7 @@ def train(args) -> list[float]:
     model, optimizer = fabric.setup(model, optimizer)
     start = 0
     if args.resume:
-        extra = fabric.load(args.resume, {"model": model, "optimizer": optimizer})
+        extra = fabric.load(resolve_resume(args.resume), {"model": model, "optimizer": optimizer})
         start = int(extra["step"]) + 1
     data, _ = corpus.split(corpus.tokens())
     local_batch = args.global_batch // state.dp_size
@@ -153,7 +170,8 @@ def train(args) -> list[float]:
                   f"{tokens_since / dt:,.0f} tokens/s", flush=True)
             t_last, tokens_since = time.perf_counter(), 0
         if args.save and ((args.save_every and (step + 1) % args.save_every == 0) or last):
-            fabric.save(args.save, {"model": model, "optimizer": optimizer, "step": step})
+            fabric.save(checkpoint_path(args.save, step + 1),
+                        {"model": model, "optimizer": optimizer, "step": step})
     return losses
 
 

@@ -43,11 +43,12 @@ SIGNATURES = {
     "fp8_autocast": (PT + "quantization.py", "fp8_autocast"),
     "quantized_model_init": (PT + "quantization.py", "quantized_model_init"),
     "fp8_model_init": (PT + "quantization.py", "fp8_model_init"),
+    "checkpoint": (PT + "distributed.py", "checkpoint"),
 }
 # Names tpkit.te reads from ``transformer_engine.pytorch``.
 EXPORTS = ("Linear", "LayerNormLinear", "LayerNormMLP", "LayerNorm", "RMSNorm",
            "DotProductAttention", "TransformerLayer", "autocast", "fp8_autocast",
-           "quantized_model_init", "fp8_model_init")
+           "quantized_model_init", "fp8_model_init", "checkpoint")
 # Classes whose constructor sets the ``tp_size`` attribute wire_parallel_groups checks.
 TP_SIZE_CLASSES = {
     PT + "module/linear.py": "Linear", PT + "module/layernorm_linear.py": "LayerNormLinear",

@@ -248,3 +248,38 @@ def test_wire_parallel_groups_multirank(tp, cp, comm, a2a):
                     assert r["cp"] == exp["cp"]
     if comm == "a2a+p2p":  # cp=4, a2a=2: a2a pairs are consecutive, p2p strides by 2
         assert [o["expect"]["cp_list"] for o in results][0] == [[0, 1], [0, 2]]
+
+
+# --- recompute hand-off -------------------------------------------------------------------------
+def test_recompute_delegates_te_modules_to_te_checkpoint(fake_te, cuda, fake_state):
+    from tpkit.random import get_rng_tracker
+    from tpkit.recompute import checkpoint
+    from tpkit.topology import set_parallel_state
+
+    class Wrap(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x, scale=1.0):
+            return x * 2 * scale
+
+    te_block = Wrap(fake_te.Linear(4, 4, tp_size=2, device="cpu"))
+    torch_block = Wrap(torch.nn.Linear(4, 4))
+    assert tte.holds_te_modules(te_block) and tte.holds_te_modules(te_block.forward)
+    assert not tte.holds_te_modules(torch_block) and not tte.holds_te_modules(len)
+    set_parallel_state(fake_state)
+    try:
+        x = torch.ones(2, 4, requires_grad=True)
+        out = checkpoint(te_block, x, scale=3.0)
+        assert torch.equal(out, torch.full((2, 4), 6.0))
+        name, args = fake_te.RECORD[-1]
+        assert name == "checkpoint" and args["function"] is te_block
+        assert args["get_rng_state_tracker"] is get_rng_tracker  # tpkit's, not TE's None
+        assert args["tp_group"] is fake_state.tp_group  # the state's, not the world
+        assert args["use_reentrant"] is True and args["distribute_saved_activations"] is False
+        n = len(fake_te.RECORD)
+        checkpoint(torch_block, x).sum().backward()  # torch modules: tpkit's own recompute
+        assert len(fake_te.RECORD) == n
+    finally:
+        set_parallel_state(None)

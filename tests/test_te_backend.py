@@ -211,3 +211,32 @@ def test_transformer_layer_and_mlp(fake_te, cuda, fake_state):
     with pytest.raises(ValueError, match="ParallelMLP has no Transformer Engine counterpart"):
         MLP(16, 64, state=s, backend="te")
     assert type(MLP(16, 64, state=s, backend="auto")) is MLP  # TE available, no counterpart
+
+
+def test_tpkit_blocks_take_backend(fake_te, cuda, fake_state):
+    from tpkit.nn.attention import ParallelSelfAttention
+    from tpkit.nn.mlp import ParallelMLP
+    from tpkit.nn.transformer import TransformerLayer
+    s = fake_state
+    m = TransformerLayer(16, 64, 4, activation="silu", hidden_dropout=0.1, state=s,
+                         backend="te")
+    assert type(m) is fake_te.TransformerLayer
+    assert (m.init_args["activation"], m.init_args["hidden_dropout"]) == ("silu", 0.1)
+    assert m.init_args["tp_group"] is s.tp_group and m.core_attention.cp_group is s.cp_group
+    for cls in (ParallelMLP, ParallelSelfAttention):
+        with pytest.raises(ValueError, match=f"{cls.__name__} has no Transformer Engine"):
+            cls(16, 64 if cls is ParallelMLP else 4, state=s, backend="te")
+
+
+def test_tpkit_blocks_torch_and_auto_on_cpu():
+    from tpkit import ParallelConfig
+    from tpkit.nn.mlp import ParallelMLP
+    from tpkit.nn.transformer import TransformerLayer
+    from tpkit.topology import build_fake_state, destroy_fake_state
+    s = build_fake_state(ParallelConfig(), 1)
+    try:
+        for backend in ("torch", "auto"):
+            assert type(TransformerLayer(8, 16, 2, state=s, backend=backend)) is TransformerLayer
+            assert type(ParallelMLP(8, 16, state=s, backend=backend)) is ParallelMLP
+    finally:
+        destroy_fake_state(s)

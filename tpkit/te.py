@@ -7,12 +7,14 @@
 - ``wire_parallel_groups``: feed a ParallelState's TP and CP groups into every TE module
   of a model (TE modules keep groups as attributes set through ``set_*_parallel_group``).
 - ``make``: build one TE module (the ``backend="te"`` path of tpkit.nn) from a state.
+- ``holds_te_modules``/``checkpoint``: tpkit.recompute hands TE modules to TE's checkpoint.
 
 Checked against TE 2.20.2's sources (tests/te_contract.py); TE 2.9 or newer 2.x expected.
 """
 from __future__ import annotations
 
 import inspect
+import sys
 import weakref
 
 import torch
@@ -174,6 +176,35 @@ def wire_parallel_groups(model: torch.nn.Module, state=None) -> list[tuple[str, 
             m.set_context_parallel_group(*cp)
             wired.append((name, "set_context_parallel_group"))
     return wired
+
+
+# --- recompute (tpkit.recompute.checkpoint delegates here for TE modules) -----------------
+def holds_te_modules(function) -> bool:
+    """True when ``function`` is a module (or a bound method of one) containing TE modules;
+    their fp8 state must be recomputed by TE's own checkpoint. Never imports TE."""
+    if "transformer_engine" not in sys.modules:
+        return False
+    owner = getattr(function, "__self__", function)
+    return isinstance(owner, torch.nn.Module) and any(is_te_module(m) for m in owner.modules())
+
+
+def checkpoint(function, *args, distribute_saved_activations: bool = False,
+               get_rng_state_tracker=None, tp_group=None, use_reentrant: bool = True,
+               **kwargs):
+    """TE's ``checkpoint`` with tpkit's defaults: the RNG tracker is tpkit's and
+    ``tp_group`` the state's (TE's own default would be the whole world)."""
+    te = require_te()
+    if get_rng_state_tracker is None:
+        from .random import get_rng_tracker
+        get_rng_state_tracker = get_rng_tracker
+    if tp_group is None:
+        from .topology import is_initialized
+        if is_initialized():
+            tp_group = _state_or_current(None).tp_group
+    return te.checkpoint(function, *args,
+                         distribute_saved_activations=distribute_saved_activations,
+                         get_rng_state_tracker=get_rng_state_tracker, tp_group=tp_group,
+                         use_reentrant=use_reentrant, **kwargs)
 
 
 # --- building ----------------------------------------------------------------------------

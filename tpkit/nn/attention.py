@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ._backend import TEBackendMixin
 from ._common import check_sbh, divide, resolve_sp, resolve_state
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .rope import apply_rotary_pos_emb
@@ -19,15 +20,17 @@ from .sdpa import SDPAttention
 __all__ = ["ParallelSelfAttention"]
 
 
-class ParallelSelfAttention(nn.Module):
+class ParallelSelfAttention(TEBackendMixin, nn.Module):
     """Multi-head / grouped-query self-attention on ``[s, b, h]`` (``[s/tp, b, h]`` under
     SP). ``num_gqa_groups`` is TE's: the number of kv heads (None = num_attention_heads)."""
+    _te_kind = "self_attention"  # backend="te" refuses (no TE counterpart), "auto" = torch
 
     def __init__(self, hidden_size: int, num_attention_heads: int, *,
                  num_gqa_groups: int | None = None, attention_dropout: float = 0.0,
                  attn_mask_type: str = "causal", bias: bool = True,
                  sequence_parallel: bool | None = None, init_method=None,
-                 output_layer_init_method=None, state=None, device=None, dtype=None):
+                 output_layer_init_method=None, state=None, device=None, dtype=None,
+                 backend: str = "torch"):
         super().__init__()
         self.state = resolve_state(state)
         tp = self.state.tp_size

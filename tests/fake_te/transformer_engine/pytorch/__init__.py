@@ -274,3 +274,12 @@ def quantized_model_init(enabled=True, recipe=None, preserve_high_precision_init
 def fp8_model_init(enabled=True, recipe=None, preserve_high_precision_init_val=False):
     return _Recorded("fp8_model_init", _bound(
         fp8_model_init, (enabled, recipe, preserve_high_precision_init_val), {}))
+
+
+def checkpoint(function, *args, **kwargs):
+    """Records TE's keywords, then calls ``function`` with the rest (no recompute)."""
+    te_kwargs = {k: kwargs.pop(k) for k in ("distribute_saved_activations",
+                                            "get_rng_state_tracker", "tp_group",
+                                            "use_reentrant") if k in kwargs}
+    RECORD.append(("checkpoint", dict(te_kwargs, function=function)))
+    return function(*args, **kwargs)
