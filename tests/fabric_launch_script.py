@@ -1,6 +1,8 @@
-"""Run by test_fabric_launch under tpkit-launch: Fabric(strategy="tpkit") takes the layout
-from TPKIT_*; rank 0 writes the losses and the layout as JSON to argv[1]."""
+"""Run by test_fabric_launch (under tpkit-launch, or plain python so Fabric's own launcher
+starts the ranks): Fabric(strategy="tpkit") takes the layout from TPKIT_*; rank 0 writes the
+losses and the layout as JSON to argv[1]. FABRIC_DEVICES: processes per node (default 4)."""
 import json
+import os
 import sys
 
 import torch
@@ -10,7 +12,8 @@ from lightning.fabric import Fabric
 import tpkit.fabric  # noqa: F401  (registers "tpkit")
 from fabric_helpers import Block, data, full_model, local_batch, shard_into
 
-fabric = Fabric(strategy="tpkit", accelerator="cpu", devices=4)
+fabric = Fabric(strategy="tpkit", accelerator="cpu",
+                devices=int(os.environ.get("FABRIC_DEVICES", 4)))
 fabric.launch()
 state = fabric.strategy.parallel_state
 model = shard_into(Block(state, sp=state.sequence_parallel), full_model(), state)

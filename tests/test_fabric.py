@@ -144,3 +144,72 @@ def _fsdp_optimizer_first():
 
 def test_fsdp_optimizer_created_too_early_is_a_clear_error():
     assert run(_fsdp_optimizer_first, 4) == [True] * 4
+
+
+def _clip_and_meta_init():
+    import torch.nn.functional as F
+    from lightning.fabric import Fabric
+
+    from commcount import count_collectives
+    from fabric_gpt import TinyGPT, batches
+    from tpkit.fabric import TPKitStrategy
+    strategy = TPKitStrategy(tp=2, sequence_parallel=True)
+    fabric = Fabric(accelerator="cpu", devices=4, strategy=strategy)
+    fabric.launch()
+    state = strategy.parallel_state
+    with fabric.init_module(empty_init=True):   # meta device: no memory, no init
+        plain = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    was_meta = all(p.is_meta for p in plain.parameters())
+    fabric.setup_module(plain)                  # materialised by reset_parameters()
+    materialized = all(not p.is_meta and torch.isfinite(p).all() for p in plain.parameters())
+    model = TinyGPT(state)  # tpkit.nn layers place parameters on state.device themselves
+    model, opt = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    tokens, targets = batches(1)[0]
+    fabric.backward(model(tokens[:2], targets[:2]))
+    with count_collectives() as calls:
+        fabric.clip_gradients(model, opt, max_norm=1.0)
+        fabric.clip_gradients(model, opt, max_norm=1.0)  # SP sync already done: not again
+    strategy.teardown()
+    return was_meta, materialized, [(c.op, c.group_size) for c in calls]
+
+
+def test_meta_init_and_one_norm_collective_per_clip():
+    for was_meta, materialized, calls in run(_clip_and_meta_init, 4):
+        assert was_meta and materialized
+        # one SP-grad all-reduce over TP, then one norm all-reduce over TP per clip
+        assert calls == [("all_reduce", 2)] * 3
+
+
+def _accumulate(steps):
+    import torch.nn.functional as F
+    from lightning.fabric import Fabric
+
+    from fabric_helpers import Block, data, full_model, local_batch, shard_into
+    from tpkit.fabric import TPKitStrategy
+    strategy = TPKitStrategy(tp=2, sequence_parallel=True)
+    fabric = Fabric(accelerator="cpu", devices=4, strategy=strategy)
+    fabric.launch()
+    state = strategy.parallel_state
+    model = shard_into(Block(state, sp=True), full_model(), state)
+    model, opt = fabric.setup(model, torch.optim.Adam(model.parameters(), lr=LR))
+    losses = []
+    for x, y in data(steps):
+        x, y = local_batch(x, y, state)
+        total = 0.0
+        for i, (xm, ym) in enumerate(zip(x.chunk(2, 1), y.chunk(2, 1))):  # 2 micro-batches
+            with fabric.no_backward_sync(model, enabled=i == 0):
+                loss = F.mse_loss(model(xm), ym) / 2
+                fabric.backward(loss)
+            total += loss.detach()
+        fabric.clip_gradients(model, opt, max_norm=0.5)
+        opt.step()
+        opt.zero_grad()
+        losses.append(fabric.all_reduce(total, group=state.dp_cp_group).item())
+    strategy.teardown()
+    return losses
+
+
+def test_gradient_accumulation_with_no_backward_sync():
+    ref, _ = reference_losses(STEPS, lr=LR, clip=0.5)
+    for losses in run(_accumulate, 4, STEPS):
+        torch.testing.assert_close(losses, ref, rtol=1e-5, atol=1e-7)

@@ -165,9 +165,12 @@ def _init_optimizer_state(opt: torch.optim.Optimizer) -> None:
         return
     saved = []
     for g in opt.param_groups:
-        saved.append(g.get("lr"))
-        if "lr" in g:
-            g["lr"] = 0.0 if not isinstance(g["lr"], torch.Tensor) else g["lr"].zero_()
+        lr = g.get("lr")
+        saved.append(lr.clone() if isinstance(lr, torch.Tensor) else lr)
+        if isinstance(lr, torch.Tensor):
+            lr.zero_()  # keep the tensor object (capturable/compiled optimizers hold it)
+        elif lr is not None:
+            g["lr"] = 0.0
         for p in g["params"]:
             if p.grad is not None:
                 raise ValueError("load the optimizer state before the first backward (a "
@@ -175,7 +178,9 @@ def _init_optimizer_state(opt: torch.optim.Optimizer) -> None:
             p.grad = torch.zeros_like(p)
     opt.step()
     for g, lr in zip(opt.param_groups, saved):
-        if lr is not None:
+        if isinstance(lr, torch.Tensor):
+            g["lr"].copy_(lr)
+        elif lr is not None:
             g["lr"] = lr
         for p in g["params"]:
             p.grad = None

@@ -302,8 +302,6 @@ class TPKitStrategy(ParallelStrategy):
         return read_extras(path, exclude=state.keys())
 
     def teardown(self) -> None:
-        for i, m in enumerate(self._modules):  # drop DDP's reducer hooks
-            self._modules[i] = None
         self._modules = []
         if self._owns_state and topology.is_initialized():
             topology.destroy_parallel()
