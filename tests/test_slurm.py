@@ -65,8 +65,8 @@ def test_cpu_sbatch_two_tasks_runs_to_completion(slurm_conf, tmp_path):
     log = (tmp_path / f"tpkit-test-{job}.out").read_text()
     assert proc.returncode == 0, f"sbatch exit {proc.returncode}: {err}\n{log[-4000:]}"
     assert f"[tpkit] job {job}: 1 node(s) x 2 ranks on localhost" in log
-    oks = {int(m.group(1)): line for line in log.splitlines()
-           if (m := re.match(r"OK rank=(\d+) ", line))}
+    oks = {int(m.group(1)): m.group(0)
+           for m in re.finditer(r"OK rank=(\d+) .*?args=\[.*?\]", log)}
     assert sorted(oks) == [0, 1], log
     for rank, line in oks.items():
         # layout checked inside; rendezvous id derived from the Slurm job and step
