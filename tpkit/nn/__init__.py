@@ -1,0 +1,19 @@
+"""Tensor- and sequence-parallel layers (torch backend), Megatron-Core / TE semantics.
+
+Global sizes in constructors, ``[s, b, h]`` activations, sequence parallelism on dim 0,
+``state=None`` meaning the current tpkit.get_parallel_state().
+"""
+from .attention import ParallelSelfAttention
+from .embedding import VocabParallelEmbedding
+from .linear import ColumnParallelLinear, RowParallelLinear
+from .loss import vocab_parallel_cross_entropy
+from .mlp import ParallelMLP
+from .norm import LayerNorm, RMSNorm, sync_sequence_parallel_grads
+from .rope import RotaryEmbedding, apply_rotary_pos_emb
+from .sdpa import SDPAttention
+from .transformer import TransformerLayer
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
+           "vocab_parallel_cross_entropy", "LayerNorm", "RMSNorm",
+           "sync_sequence_parallel_grads", "ParallelMLP", "ParallelSelfAttention",
+           "TransformerLayer", "RotaryEmbedding", "apply_rotary_pos_emb", "SDPAttention"]

@@ -1,0 +1,76 @@
+"""Small helpers shared by the torch-backend layers: state resolution, divisibility
+checks with clear messages, parameter tagging and deterministic shard initialisation."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def resolve_state(state):
+    if state is None:
+        from ..topology import get_parallel_state
+        state = get_parallel_state()
+    return state
+
+
+def resolve_sp(sequence_parallel, state) -> bool:
+    return bool(state.sequence_parallel if sequence_parallel is None else sequence_parallel)
+
+
+def divide(n: int, tp: int, what: str) -> int:
+    """``n // tp``, or a ValueError naming ``what`` and the fix."""
+    if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+        raise ValueError(f"{what}={n!r} must be a positive integer")
+    if n % tp:
+        raise ValueError(f"{what}={n} is not divisible by the tensor-parallel size {tp}; "
+                         f"choose a multiple of {tp} or another tp")
+    return n // tp
+
+
+def check_last_dim(x: torch.Tensor, expected: int, layer: str) -> None:
+    if x.dim() < 1 or x.shape[-1] != expected:
+        raise ValueError(f"{layer} expects an input whose last dim is {expected}, got shape "
+                         f"{tuple(x.shape)}")
+
+
+def check_sbh(x: torch.Tensor, hidden: int, layer: str) -> None:
+    if x.dim() != 3 or x.shape[-1] != hidden:
+        raise ValueError(f"{layer} expects hidden states [s, b, {hidden}] (3 dims, "
+                         f"sequence first), got shape {tuple(x.shape)}")
+
+
+def set_tp_attrs(param: torch.nn.Parameter, partition_dim: int | None,
+                 partition_sizes: tuple[int, ...] | None = None,
+                 sequence_parallel: bool = False) -> torch.nn.Parameter:
+    """Tag ``param``: ``tp_partition_dim`` (sharded along that dim over TP),
+    ``tp_partition_sizes`` (the full dim is several segments each sharded on its own,
+    e.g. fused q/k/v) and ``sequence_parallel`` (replicated, gradient needs a TP sum)."""
+    if partition_dim is not None:
+        param.tp_partition_dim = partition_dim
+        if partition_sizes is not None:
+            param.tp_partition_sizes = tuple(partition_sizes)
+    if sequence_parallel:
+        param.sequence_parallel = True
+    return param
+
+
+def init_shard(weight: torch.Tensor, init_method, fan_in: int, tp_size: int) -> None:
+    """Initialise a weight shard: ``init_method(weight)`` or uniform(+-1/sqrt(fan_in)) (the
+    global fan-in, nn.Linear's scale), on the RNG tracker's model-parallel stream so
+    shards differ across TP ranks. Tests load full weights instead (tpkit.checkpoint)."""
+    from ..random import MODEL_PARALLEL_RNG, get_rng_tracker
+    tracker = get_rng_tracker()
+    fn = init_method or (lambda w: torch.nn.init.uniform_(w, -1 / math.sqrt(fan_in),
+                                                          1 / math.sqrt(fan_in)))
+    if MODEL_PARALLEL_RNG in tracker.states_ and tracker.device.type == weight.device.type:
+        with torch.no_grad(), tracker.fork():
+            fn(weight)
+    elif tp_size == 1:
+        with torch.no_grad():
+            fn(weight)
+    else:
+        raise ValueError("the RNG tracker has no model-parallel stream on this device, so TP "
+                         "shards would be initialised identically; seed it with "
+                         "tpkit.init_parallel(seed=...) / tpkit.random.model_parallel_seed, "
+                         "or load weights with tpkit.checkpoint.load_full_state_dict")

@@ -1,0 +1,76 @@
+"""ParallelSelfAttention: QKV column-parallel (GQA), heads split over TP, proj row-parallel.
+
+The fused QKV weight's full layout is ``[Q (heads*d); K (groups*d); V (groups*d)]`` along
+dim 0; it is sharded per segment (``tp_partition_sizes``), so each rank holds its heads'
+q rows and its groups' k and v rows, and one matmul + one collective serves all three.
+The attention core is the swappable submodule ``self.core_attention`` (see sdpa.py for
+the contract the context-parallel DotProductAttention follows).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ._backend import TEBackendMixin
+from ._common import check_sbh, divide, resolve_sp, resolve_state
+from .linear import ColumnParallelLinear, RowParallelLinear
+from .rope import apply_rotary_pos_emb
+from .sdpa import SDPAttention
+
+__all__ = ["ParallelSelfAttention"]
+
+
+class ParallelSelfAttention(TEBackendMixin, nn.Module):
+    """Multi-head / grouped-query self-attention on ``[s, b, h]`` (``[s/tp, b, h]`` under
+    SP). ``num_gqa_groups`` is TE's: the number of kv heads (None = num_attention_heads)."""
+    _te_kind = "self_attention"  # backend="te" refuses (no TE counterpart), "auto" = torch
+
+    def __init__(self, hidden_size: int, num_attention_heads: int, *,
+                 num_gqa_groups: int | None = None, attention_dropout: float = 0.0,
+                 attn_mask_type: str = "causal", bias: bool = True,
+                 sequence_parallel: bool | None = None, init_method=None,
+                 output_layer_init_method=None, state=None, device=None, dtype=None,
+                 backend: str = "torch"):
+        super().__init__()
+        self.state = resolve_state(state)
+        tp = self.state.tp_size
+        self.sequence_parallel = resolve_sp(sequence_parallel, self.state)
+        groups = num_attention_heads if num_gqa_groups is None else num_gqa_groups
+        divide(hidden_size, 1, "hidden_size")
+        self.heads_local = divide(num_attention_heads, tp, "num_attention_heads")
+        self.groups_local = divide(groups, tp, "num_gqa_groups")
+        if num_attention_heads % groups:
+            raise ValueError(f"num_attention_heads={num_attention_heads} is not divisible by "
+                             f"num_gqa_groups={groups}; pick groups dividing the heads")
+        if hidden_size % num_attention_heads:
+            raise ValueError(f"hidden_size={hidden_size} is not divisible by "
+                             f"num_attention_heads={num_attention_heads}")
+        self.hidden_size = hidden_size
+        self.num_attention_heads, self.num_gqa_groups = num_attention_heads, groups
+        d = self.kv_channels = hidden_size // num_attention_heads
+        kw = dict(sequence_parallel=self.sequence_parallel, state=self.state, device=device,
+                  dtype=dtype)
+        sizes = (num_attention_heads * d, groups * d, groups * d)
+        self.linear_qkv = ColumnParallelLinear(hidden_size, sum(sizes), bias,
+                                               init_method=init_method, partition_sizes=sizes,
+                                               **kw)
+        self.core_attention = SDPAttention(attention_dropout=attention_dropout,
+                                           attn_mask_type=attn_mask_type)
+        self.linear_proj = RowParallelLinear(num_attention_heads * d, hidden_size, bias,
+                                             input_is_parallel=True,
+                                             init_method=output_layer_init_method or init_method,
+                                             **kw)
+
+    def forward(self, hidden_states: torch.Tensor,
+                rotary_pos_emb: torch.Tensor | None = None) -> torch.Tensor:
+        check_sbh(hidden_states, self.hidden_size, type(self).__name__)
+        qkv = self.linear_qkv(hidden_states)                   # [s, b, (hl + 2 gl) * d]
+        s, b, _ = qkv.shape
+        d, hl, gl = self.kv_channels, self.heads_local, self.groups_local
+        q, k, v = qkv.split([hl * d, gl * d, gl * d], dim=-1)
+        q, k, v = q.view(s, b, hl, d), k.view(s, b, gl, d), v.view(s, b, gl, d)
+        if rotary_pos_emb is not None:
+            q = apply_rotary_pos_emb(q, rotary_pos_emb)
+            k = apply_rotary_pos_emb(k, rotary_pos_emb)
+        ctx = self.core_attention(q, k, v)                      # [s, b, hl * d]
+        return self.linear_proj(ctx)
