@@ -42,8 +42,8 @@ def finish(proc: subprocess.Popen) -> tuple[int, str, str]:
 
 
 def ok_lines(out: str) -> dict[int, str]:
-    return {int(m.group(1)): line for line in out.splitlines()
-            if (m := re.match(r"OK rank=(\d+) ", line))}
+    return {int(m.group(1)): m.group(0)
+            for m in re.finditer(r"OK rank=(\d+) .*?args=\[.*?\]", out)}
 
 
 def test_2x2_layout_reaches_init_parallel():

@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 
 import pytest
 
@@ -42,11 +43,16 @@ def slurm_conf():
         shutil.rmtree(state, ignore_errors=True)
 
 
-def test_cpu_sbatch_two_tasks_runs_to_completion(slurm_conf, tmp_path):
+def job_env(slurm_conf: str) -> dict:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("SLURM_", "TPKIT_", "PET_", "TORCHELASTIC_"))}
     env.update(SLURM_CONF=slurm_conf, PYTHONPATH=ROOT,
                TPKIT_LAUNCH=f"{sys.executable} -m tpkit.cli.launch")
+    return env
+
+
+def test_cpu_sbatch_two_tasks_runs_to_completion(slurm_conf, tmp_path):
+    env = job_env(slurm_conf)
     cmd = ["sbatch", "--wait", "--parsable", "--job-name=tpkit-test", "--nodes=1",
            "--ntasks-per-node=2", f"--output={tmp_path}/%x-%j.out",
            "slurm/cpu.sbatch", "--tp", "2", SCRIPT, "2", "1"]
@@ -65,10 +71,51 @@ def test_cpu_sbatch_two_tasks_runs_to_completion(slurm_conf, tmp_path):
     log = (tmp_path / f"tpkit-test-{job}.out").read_text()
     assert proc.returncode == 0, f"sbatch exit {proc.returncode}: {err}\n{log[-4000:]}"
     assert f"[tpkit] job {job}: 1 node(s) x 2 ranks on localhost" in log
-    oks = {int(m.group(1)): line for line in log.splitlines()
-           if (m := re.match(r"OK rank=(\d+) ", line))}
+    oks = {int(m.group(1)): m.group(0)
+           for m in re.finditer(r"OK rank=(\d+) .*?args=\[.*?\]", log)}
     assert sorted(oks) == [0, 1], log
     for rank, line in oks.items():
         # layout checked inside; rendezvous id derived from the Slurm job and step
         assert f"world=2 local_rank={rank} tp={rank} cp=0 dp=0" in line
         assert f"run_id=slurm-{job}.0" in line
+
+
+def _poll(what, check, timeout=120):
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.2)
+
+
+def test_gpu_sbatch_usr1_stops_ranks_and_requeues(slurm_conf, tmp_path):
+    """slurm/gpu.sbatch's time-limit path, on CPUs: USR1 to the batch script -> SIGTERM
+    reaches every rank through tpkit-launch -> the job is requeued."""
+    env = job_env(slurm_conf)
+    sig = tmp_path / "sig"
+    sig.mkdir()
+    cmd = ["sbatch", "--parsable", "--job-name=tpkit-gpu-test", "--nodes=1",
+           "--gpus-per-node=0", "--cpus-per-task=2", f"--chdir={tmp_path}",
+           f"--output={tmp_path}/%x-%j.out", "slurm/gpu.sbatch",
+           "--nproc-per-node", "2", "--backend", "gloo",  # override the template's nccl
+           os.path.join(ROOT, SCRIPT), "1", "1", "--wait-signal", str(sig)]
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    job = out.stdout.split(";")[0].strip()
+    try:
+        _poll("both ranks to start", lambda: {"ready.0", "ready.1"} <= set(os.listdir(sig)))
+        subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=env, check=True,
+                       timeout=30)
+
+        def restarted():
+            show = subprocess.run(["scontrol", "show", "job", job], env=env,
+                                  capture_output=True, text=True, timeout=30).stdout
+            return "Restarts=1" in show
+        _poll("the job to be requeued", restarted)
+        assert {"SIGTERM.0", "SIGTERM.1"} <= set(os.listdir(sig))
+        log = (tmp_path / f"tpkit-gpu-test-{job}.out").read_text()
+        assert "time limit near: SIGTERM to the ranks, then requeue" in log
+        assert "tpkit-launch: stopped by SIGTERM" in log
+        assert (tmp_path / "logs" / f"tpkit-gpu-test-{job}" / "restart-0").is_dir()
+    finally:
+        subprocess.run(["scancel", job], env=env, timeout=30)

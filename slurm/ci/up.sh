@@ -55,6 +55,9 @@ print(*(s.getsockname()[1] for s in socks))
 PY
 )
 cpus=$(nproc); [ "$cpus" -ge 4 ] || cpus=4
+# MinJobAge=4: `sbatch --wait` multiplies its 2 s poll interval by 4 (up to 32 s) while it
+# is below MinJobAge/2 (Slurm 22.05), so the default 300 makes a 12 s job wait 42 s.
+# With 4 it polls every 2 s; a finished job stays visible for 4 s, enough for that poll.
 cat > "$state/slurm.conf" <<CONF
 ClusterName=tpkit
 SlurmctldHost=localhost
@@ -74,7 +77,7 @@ SelectTypeParameters=CR_CPU
 SlurmdParameters=config_overrides
 ReturnToService=2
 KillWait=5
-MinJobAge=600
+MinJobAge=4
 StateSaveLocation=$state/ctld
 SlurmdSpoolDir=$state/d
 SlurmctldPidFile=$state/slurmctld.pid

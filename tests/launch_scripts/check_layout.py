@@ -64,10 +64,13 @@ def main() -> None:
         t = torch.tensor([float(r)])
         dist.all_reduce(t, group=getattr(state, f"{name}_group"))
         assert t.item() == sum(ranks), (name, t.item(), ranks)
-    print(f"OK rank={r} world={w} local_rank={os.environ['LOCAL_RANK']} "
-          f"tp={state.tp_rank} cp={state.cp_rank} dp={state.dp_rank} "
-          f"omp={os.environ.get('OMP_NUM_THREADS')} run_id={os.environ['TORCHELASTIC_RUN_ID']} "
-          f"args={sys.argv[1:]}", flush=True)
+    # One write per line: with `python -u` print() writes the text and the newline
+    # separately, and the ranks share one pipe.
+    sys.stdout.write(f"OK rank={r} world={w} local_rank={os.environ['LOCAL_RANK']} "
+                     f"tp={state.tp_rank} cp={state.cp_rank} dp={state.dp_rank} "
+                     f"omp={os.environ.get('OMP_NUM_THREADS')} "
+                     f"run_id={os.environ['TORCHELASTIC_RUN_ID']} args={sys.argv[1:]}\n")
+    sys.stdout.flush()
     if args.fail_rank == r:
         raise RuntimeError(f"boom on rank {r}")
     # Without this barrier a rank that tears its gloo groups down while a peer is still

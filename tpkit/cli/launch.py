@@ -200,7 +200,7 @@ def resolve(args, env: Mapping[str, str]) -> Plan:
 
 
 def _command(args, env: Mapping[str, str]) -> list[str]:
-    """The worker command line; scripts and modules run under tpkit's @record wrapper."""
+    """The worker command line; scripts and modules run under the error-recording wrapper."""
     script = args.training_script
     if args.no_python or args.run_path:
         return [script, *args.training_script_args]  # torchrun's own handling, unwrapped
