@@ -98,3 +98,8 @@ def load_full_state_dict(model: nn.Module, sd: dict[str, torch.Tensor], state=No
                 raise ValueError(f"{name}: shape {tuple(src.shape)} does not match the "
                                  f"model's {tuple(t.shape)}")
             t.copy_(src)
+
+# Sharded, reshardable checkpoints with torch.distributed.checkpoint (tpkit/_dcp.py).
+from ._dcp import load, save  # noqa: E402
+
+__all__ += ["save", "load"]

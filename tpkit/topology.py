@@ -246,6 +246,8 @@ def init_parallel(tp: int | None = None, cp: int | None = None, pp: int | None =
     elif any(v is not None for v in (tp, cp, pp, dp, sequence_parallel, cp_comm_type,
                                       cp_a2a_size)):
         raise ValueError("pass either config= or individual sizes to init_parallel, not both")
+    if backend is None and os.environ.get("TPKIT_BACKEND"):
+        backend = os.environ["TPKIT_BACKEND"]  # exported by tpkit-launch
     if backend is not None and backend not in ("nccl", "gloo"):
         raise ValueError(f"backend={backend!r} is not supported; use 'nccl' or 'gloo'")
     if dist.is_initialized():

@@ -4,6 +4,7 @@ Global sizes in constructors, ``[s, b, h]`` activations, sequence parallelism on
 ``state=None`` meaning the current tpkit.get_parallel_state().
 """
 from .attention import ParallelSelfAttention
+from .dot_product_attention import DotProductAttention
 from .embedding import VocabParallelEmbedding
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .loss import vocab_parallel_cross_entropy
@@ -16,4 +17,5 @@ from .transformer import TransformerLayer
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
            "vocab_parallel_cross_entropy", "LayerNorm", "RMSNorm",
            "sync_sequence_parallel_grads", "ParallelMLP", "ParallelSelfAttention",
-           "TransformerLayer", "RotaryEmbedding", "apply_rotary_pos_emb", "SDPAttention"]
+           "TransformerLayer", "RotaryEmbedding", "apply_rotary_pos_emb", "SDPAttention",
+           "DotProductAttention"]

@@ -50,6 +50,11 @@ class ParallelModule(nn.Module):
     def __deepcopy__(self, memo):
         new = self.__class__.__new__(self.__class__)
         memo[id(self)] = new
+        state = self.state  # shared, with its groups, by every submodule holding them
+        memo.setdefault(id(state), state)
+        all_groups = getattr(state, "all_groups", None)
+        for g in (all_groups().values() if all_groups is not None else ()):
+            memo.setdefault(id(g), g)
         for k, v in self.__dict__.items():
             new.__dict__[k] = copy.deepcopy(v, memo)
         for name, p in self._parameters.items():

@@ -4,29 +4,33 @@ The fused QKV weight's full layout is ``[Q (heads*d); K (groups*d); V (groups*d)
 dim 0; it is sharded per segment (``tp_partition_sizes``), so each rank holds its heads'
 q rows and its groups' k and v rows, and one matmul + one collective serves all three.
 The attention core is the swappable submodule ``self.core_attention`` (see sdpa.py for
-the contract the context-parallel DotProductAttention follows).
+the contract): tpkit's DotProductAttention, so with CP the local (load-balanced) sequence
+shard attends to the whole sequence with the state's cp_comm_type.
 """
 from __future__ import annotations
 
 import torch
 
+from ._backend import TEBackendMixin
 from ._common import ParallelModule, check_sbh, divide, resolve_sp
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .rope import apply_rotary_pos_emb
-from .sdpa import SDPAttention
+from .dot_product_attention import DotProductAttention
 
 __all__ = ["ParallelSelfAttention"]
 
 
-class ParallelSelfAttention(ParallelModule):
+class ParallelSelfAttention(TEBackendMixin, ParallelModule):
     """Multi-head / grouped-query self-attention on ``[s, b, h]`` (``[s/tp, b, h]`` under
     SP). ``num_gqa_groups`` is TE's: the number of kv heads (None = num_attention_heads)."""
+    _te_kind = "self_attention"  # backend="te" refuses (no TE counterpart), "auto" = torch
 
     def __init__(self, hidden_size: int, num_attention_heads: int, *,
                  num_gqa_groups: int | None = None, attention_dropout: float = 0.0,
                  attn_mask_type: str = "causal", bias: bool = True,
                  sequence_parallel: bool | None = None, init_method=None,
-                 output_layer_init_method=None, state=None, device=None, dtype=None):
+                 output_layer_init_method=None, state=None, device=None, dtype=None,
+                 backend: str = "torch"):
         super().__init__()
         self._bind_state(state)
         tp = self.state.tp_size
@@ -50,8 +54,9 @@ class ParallelSelfAttention(ParallelModule):
         self.linear_qkv = ColumnParallelLinear(hidden_size, sum(sizes), bias,
                                                init_method=init_method, partition_sizes=sizes,
                                                **kw)
-        self.core_attention = SDPAttention(attention_dropout=attention_dropout,
-                                           attn_mask_type=attn_mask_type)
+        self.core_attention = DotProductAttention(
+            num_attention_heads, d, num_gqa_groups=groups, attention_dropout=attention_dropout,
+            attn_mask_type=attn_mask_type, state=self.state)
         self.linear_proj = RowParallelLinear(num_attention_heads * d, hidden_size, bias,
                                              input_is_parallel=True,
                                              init_method=output_layer_init_method or init_method,

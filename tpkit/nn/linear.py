@@ -11,10 +11,10 @@ then sees only its tokens' share of the bias gradient).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from . import mappings
+from ._backend import TEBackendMixin
 from ._common import (ParallelModule, check_last_dim, divide, init_shard,
                       resolve_sp, set_tp_attrs)
 
@@ -25,11 +25,12 @@ def linear_fn(layer: nn.Module, x: torch.Tensor, weight: torch.Tensor,
               bias: torch.Tensor | None) -> torch.Tensor:
     """The ONE place where every Column/RowParallelLinear matmul happens.
 
-    Plain ``F.linear`` today. tpkit.fp8 routes this through emulated fp8 when an fp8
-    autocast is active (``layer`` identifies the module, for its scaling state), so keep
-    all parallel-linear matmuls going through this function (a module global, looked
-    up at call time, so assigning ``tpkit.nn.linear.linear_fn`` reroutes every layer)."""
-    return F.linear(x, weight, bias)
+    ``F.linear``, or emulated fp8 inside ``tpkit.fp8.fp8_autocast`` (``layer`` owns the
+    scaling state, ``layer.fp8_meta``), so keep all parallel-linear matmuls going through
+    this function (a module global, looked up at call time, so assigning
+    ``tpkit.nn.linear.linear_fn`` reroutes every layer)."""
+    from .. import fp8  # lazy: fp8 sits above nn in the dependency order
+    return fp8.linear(layer, x, weight, bias)
 
 
 class _ParallelLinearBase(ParallelModule):
@@ -55,19 +56,20 @@ class _ParallelLinearBase(ParallelModule):
                 f"sequence_parallel={self.sequence_parallel}")
 
 
-class ColumnParallelLinear(_ParallelLinearBase):
+class ColumnParallelLinear(TEBackendMixin, _ParallelLinearBase):
     """Y = X A^T + b with A split by rows (output features) over the TP group.
 
     ``partition_sizes`` (optional, global sizes summing to out_features) says the output
     is several segments each sharded on its own (fused q/k/v, gate/up): the local
     weight is the concatenation of this rank's chunk of every segment, and the params
     carry ``tp_partition_sizes`` so tpkit.checkpoint can rebuild the full layout."""
+    _te_kind = "column"  # backend="te": te.Linear(parallel_mode="column") (tpkit.nn._backend)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  gather_output: bool = False, sequence_parallel: bool | None = None,
                  init_method=None, skip_bias_add: bool = False, return_bias: bool = False,
                  partition_sizes: tuple[int, ...] | None = None, state=None, device=None,
-                 dtype=None):
+                 dtype=None, backend: str = "torch"):
         super().__init__()
         kw = self._setup(in_features, out_features, bias, skip_bias_add, return_bias,
                          sequence_parallel, state, device, dtype)
@@ -111,13 +113,14 @@ class ColumnParallelLinear(_ParallelLinearBase):
         return self._finish(out, self.bias)
 
 
-class RowParallelLinear(_ParallelLinearBase):
+class RowParallelLinear(TEBackendMixin, _ParallelLinearBase):
     """Y = X A^T + b with A split by columns (input features) over the TP group."""
+    _te_kind = "row"  # backend="te": te.Linear(parallel_mode="row") (tpkit.nn._backend)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  input_is_parallel: bool = True, sequence_parallel: bool | None = None,
                  init_method=None, skip_bias_add: bool = False, return_bias: bool = False,
-                 state=None, device=None, dtype=None):
+                 state=None, device=None, dtype=None, backend: str = "torch"):
         super().__init__()
         kw = self._setup(in_features, out_features, bias, skip_bias_add, return_bias,
                          sequence_parallel, state, device, dtype)

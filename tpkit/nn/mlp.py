@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ._backend import TEBackendMixin
 from ._common import ParallelModule, check_sbh, divide, resolve_sp
 from .linear import ColumnParallelLinear, RowParallelLinear
 
@@ -21,13 +22,15 @@ _GATED = {"swiglu": F.silu, "geglu": F.gelu}
 ACTIVATIONS = tuple(_PLAIN) + tuple(_GATED)
 
 
-class ParallelMLP(ParallelModule):
+class ParallelMLP(TEBackendMixin, ParallelModule):
     """``fc2(act(fc1(x)))`` on ``[s, b, h]`` (``[s/tp, b, h]`` under SP). "gelu" is the
     exact (erf) GELU, ``F.gelu``."""
+    _te_kind = "mlp"  # no TE counterpart without the norm: backend="te" refuses, "auto" = torch
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, *, activation: str = "gelu",
                  bias: bool = True, sequence_parallel: bool | None = None, init_method=None,
-                 output_layer_init_method=None, state=None, device=None, dtype=None):
+                 output_layer_init_method=None, state=None, device=None, dtype=None,
+                 backend: str = "torch"):
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation={activation!r} is not supported; use one of "

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from ._backend import TEBackendMixin
 from ._common import ParallelModule, divide, resolve_sp, resolve_state, set_tp_attrs
 
 __all__ = ["LayerNorm", "RMSNorm", "sync_sequence_parallel_grads"]
@@ -44,11 +45,13 @@ class _Norm(ParallelModule):
         return f"{self.hidden_size}, eps={self.eps}, sequence_parallel={self.sequence_parallel}"
 
 
-class LayerNorm(_Norm):
+class LayerNorm(TEBackendMixin, _Norm):
     """nn.LayerNorm over the last dim; params tagged ``sequence_parallel`` under SP."""
+    _te_kind = "layernorm"  # backend="te": te.LayerNorm (tpkit.nn._backend)
 
     def __init__(self, hidden_size: int, eps: float = 1e-5, *, bias: bool = True,
-                 sequence_parallel: bool | None = None, state=None, device=None, dtype=None):
+                 sequence_parallel: bool | None = None, state=None, device=None, dtype=None,
+                 backend: str = "torch"):
         super().__init__(hidden_size, eps, bias, sequence_parallel, state, device, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -56,11 +59,13 @@ class LayerNorm(_Norm):
         return F.layer_norm(x, (self.hidden_size,), self.weight, self.bias, self.eps)
 
 
-class RMSNorm(_Norm):
+class RMSNorm(TEBackendMixin, _Norm):
     """nn.RMSNorm over the last dim; weight tagged ``sequence_parallel`` under SP."""
+    _te_kind = "rmsnorm"  # backend="te": te.RMSNorm (tpkit.nn._backend)
 
     def __init__(self, hidden_size: int, eps: float = 1e-5, *,
-                 sequence_parallel: bool | None = None, state=None, device=None, dtype=None):
+                 sequence_parallel: bool | None = None, state=None, device=None, dtype=None,
+                 backend: str = "torch"):
         super().__init__(hidden_size, eps, False, sequence_parallel, state, device, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ._backend import TEBackendMixin
 from ._common import ParallelModule, check_sbh, resolve_sp
 from .attention import ParallelSelfAttention
 from .mlp import ParallelMLP
@@ -22,8 +23,9 @@ __all__ = ["TransformerLayer"]
 _NORMS = {"LayerNorm": LayerNorm, "RMSNorm": RMSNorm}
 
 
-class TransformerLayer(ParallelModule):
+class TransformerLayer(TEBackendMixin, ParallelModule):
     """One pre-norm transformer block (self-attention + MLP), TE-like arguments."""
+    _te_kind = "transformer_layer"  # backend="te": te.TransformerLayer (tpkit.nn._backend)
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, num_attention_heads: int, *,
                  num_gqa_groups: int | None = None, normalization: str = "LayerNorm",
@@ -31,7 +33,8 @@ class TransformerLayer(ParallelModule):
                  attention_dropout: float = 0.0, attn_mask_type: str = "causal",
                  bias: bool = True, activation: str = "gelu",
                  sequence_parallel: bool | None = None, init_method=None,
-                 output_layer_init_method=None, state=None, device=None, dtype=None):
+                 output_layer_init_method=None, state=None, device=None, dtype=None,
+                 backend: str = "torch"):
         super().__init__()
         if normalization not in _NORMS:
             raise ValueError(f"normalization={normalization!r} is not supported; use one of "

@@ -1,0 +1,70 @@
+"""A small real-text corpus and a byte-level tokenizer, with no downloads.
+
+The text is the documentation of Python's standard library (module, class and function
+docstrings of a fixed list of modules), about 0.5 MB of English prose and code, built at
+run time from the interpreter that runs the job. Tokens are bytes (vocabulary 256).
+"""
+from __future__ import annotations
+
+import importlib
+import warnings
+
+import torch
+
+VOCAB_SIZE = 256
+MODULES = (
+    "json", "collections", "functools", "itertools", "argparse", "pathlib", "dataclasses",
+    "asyncio", "logging", "re", "os", "subprocess", "threading", "unittest", "email",
+    "http.client", "urllib.request", "csv", "sqlite3", "textwrap", "string", "random",
+    "statistics", "decimal", "fractions", "datetime", "calendar", "heapq", "bisect", "shutil",
+    "tempfile", "zipfile", "tarfile", "pickle", "copy", "pprint", "enum", "contextlib", "abc",
+    "inspect", "ast", "tokenize", "difflib", "socket", "selectors", "queue",
+    "multiprocessing", "concurrent.futures", "xml.etree.ElementTree", "html.parser",
+    "urllib.parse", "base64", "hashlib", "hmac", "secrets", "uuid", "operator", "weakref",
+    "traceback", "warnings", "types", "io", "codecs", "locale", "gettext", "sched", "struct",
+    "timeit", "pdb", "doctest", "trace", "platform", "glob", "fnmatch", "filecmp", "shlex",
+    "configparser", "plistlib", "mailbox", "mimetypes", "wave", "colorsys", "cmd", "ftplib",
+    "smtplib", "http.server", "http.cookies", "ipaddress", "optparse", "getopt",
+)
+
+
+def corpus_text() -> str:
+    parts = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name in MODULES:
+            try:
+                mod = importlib.import_module(name)
+            except ImportError:
+                continue
+            if mod.__doc__:
+                parts.append(mod.__doc__)
+            for attr in sorted(dir(mod)):
+                obj = getattr(mod, attr, None)
+                doc = getattr(obj, "__doc__", None)
+                if callable(obj) and isinstance(doc, str) and \
+                        getattr(obj, "__module__", None) == mod.__name__:
+                    parts.append(doc)
+    return "\n\n".join(parts)
+
+
+def tokens() -> torch.Tensor:
+    """The corpus as a 1-D int64 tensor of byte values."""
+    data = corpus_text().encode("utf-8", errors="replace")
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+
+
+def split(data: torch.Tensor, val_fraction: float = 0.05) -> tuple[torch.Tensor, torch.Tensor]:
+    n = int(len(data) * (1 - val_fraction))
+    return data[:n], data[n:]
+
+
+def batch(data: torch.Tensor, step: int, global_batch: int, seq_len: int,
+          seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Deterministic global batch ``step``: inputs and next-byte targets, ``[B, S]`` each.
+    Every rank computes the same global batch and keeps its DP slice."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    starts = torch.randint(0, len(data) - seq_len - 1, (global_batch,), generator=g)
+    idx = starts[:, None] + torch.arange(seq_len + 1)
+    chunk = data[idx]
+    return chunk[:, :-1], chunk[:, 1:]

@@ -1,0 +1,68 @@
+"""A small GPT built only from tpkit.nn layers (the reference model of launch/train.py).
+
+Inputs are this rank's tokens: the DP slice of the global batch, and under CP the
+load-balanced sequence shard (tpkit.data.shard_sequence) with matching RoPE positions.
+``forward`` returns the mean next-token loss over this rank's tokens; every rank holds
+the same number of tokens, so averaging gradients over the dp×cp group (what
+TPKitStrategy's DDP does) gives exactly the gradient of the global mean loss.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from tpkit.data import shard_position_ids, shard_sequence
+from tpkit.nn import (ColumnParallelLinear, RMSNorm, RotaryEmbedding, TransformerLayer,
+                      VocabParallelEmbedding, vocab_parallel_cross_entropy)
+from tpkit.recompute import checkpoint
+from tpkit.topology import get_parallel_state
+
+
+@dataclasses.dataclass
+class GPTConfig:
+    vocab_size: int = 256
+    hidden_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 8
+    num_gqa_groups: int | None = 4
+    ffn_hidden_size: int = 512
+    dropout: float = 0.0
+    recompute: bool = False
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig, state=None):
+        super().__init__()
+        self.cfg = cfg
+        self.state = state or get_parallel_state()
+        kw = dict(state=self.state)
+        self.embedding = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, **kw)
+        self.rope = RotaryEmbedding(cfg.hidden_size // cfg.num_heads)
+        self.layers = nn.ModuleList(
+            TransformerLayer(cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_heads,
+                             num_gqa_groups=cfg.num_gqa_groups, normalization="RMSNorm",
+                             hidden_dropout=cfg.dropout, attention_dropout=cfg.dropout,
+                             bias=False, **kw)
+            for _ in range(cfg.num_layers))
+        self.final_norm = RMSNorm(cfg.hidden_size, **kw)
+        self.output = ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size, bias=False,
+                                           gather_output=False, **kw)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """``tokens``/``targets``: ``[b, s]`` over the full sequence of this DP slice; the
+        CP shard is taken here. Returns the mean loss over this rank's tokens."""
+        s = self.state
+        seq = tokens.shape[1]
+        tokens = shard_sequence(tokens, 1, s).t().contiguous()     # [s_cp, b]
+        targets = shard_sequence(targets, 1, s).t().contiguous()
+        freqs = self.rope(shard_position_ids(seq, s, device=tokens.device))
+        x = self.embedding(tokens)                                 # [s_cp(/tp under SP), b, h]
+        for layer in self.layers:
+            if self.cfg.recompute and self.training:
+                x = checkpoint(layer, x, freqs)
+            else:
+                x = layer(x, freqs)
+        logits = self.output(self.final_norm(x))                   # [s_cp, b, V/tp]
+        return vocab_parallel_cross_entropy(logits, targets).mean()

@@ -1,0 +1,194 @@
+"""Train the reference GPT (launch/gpt.py) with Fabric + TPKitStrategy + TPKitPrecision.
+
+    tpkit-launch --tp 2 --cp 2 launch/train.py                 # CPU, 4 gloo ranks
+    tpkit-launch --nproc-per-node auto --tp 2 launch/train.py --precision bf16-mixed
+
+The layout comes from tpkit-launch (TPKIT_* variables) or from --tp/--cp here. Weights are
+initialised at full size from --seed and sharded onto the layout, and the global batch of
+step k is the same at every layout, so runs at different layouts follow the same loss
+curve (tests/test_train.py proves it). Rank 0 prints one progress line per --log-every.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import corpus  # noqa: E402
+from gpt import GPT, GPTConfig  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    lay = ap.add_argument_group("layout (default: from tpkit-launch's TPKIT_* variables)")
+    lay.add_argument("--tp", type=int, default=None)
+    lay.add_argument("--cp", type=int, default=None)
+    lay.add_argument("--sequence-parallel", action="store_true", default=None)
+    lay.add_argument("--cp-comm-type", default=None,
+                     choices=["p2p", "all_gather", "a2a", "a2a+p2p"])
+    lay.add_argument("--data-parallel", default="ddp", choices=["ddp", "fsdp"])
+    m = ap.add_argument_group("model")
+    m.add_argument("--hidden", type=int, default=128)
+    m.add_argument("--layers", type=int, default=2)
+    m.add_argument("--heads", type=int, default=8)
+    m.add_argument("--gqa-groups", type=int, default=4)
+    m.add_argument("--ffn", type=int, default=512)
+    m.add_argument("--dropout", type=float, default=0.0)
+    t = ap.add_argument_group("training")
+    t.add_argument("--steps", type=int, default=150)
+    t.add_argument("--global-batch", type=int, default=8)
+    t.add_argument("--seq-len", type=int, default=128)
+    t.add_argument("--lr", type=float, default=3e-3)
+    t.add_argument("--warmup", type=int, default=10)
+    t.add_argument("--clip", type=float, default=1.0)
+    t.add_argument("--seed", type=int, default=1234)
+    t.add_argument("--precision", default="32-true",
+                   choices=["32-true", "bf16-mixed", "16-mixed", "fp8"])
+    t.add_argument("--recompute", action="store_true")
+    t.add_argument("--log-every", type=int, default=10)
+    c = ap.add_argument_group("checkpoints")
+    c.add_argument("--save", default=None,
+                   help="directory for sharded checkpoints, written as SAVE/stepNNNNNN")
+    c.add_argument("--save-every", type=int, default=0, help="0: only at the end")
+    c.add_argument("--resume", default=None,
+                   help="a checkpoint (SAVE/stepNNNNNN) or a --save directory (its latest); "
+                        "it may have been written at any layout")
+    args = ap.parse_args(argv)
+    for name in ("steps", "global_batch", "seq_len", "hidden", "layers", "heads", "ffn"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+    if not 0.0 <= args.dropout < 1.0:
+        ap.error(f"--dropout={args.dropout} must be in [0, 1)")
+    return args
+
+
+def full_init(model: torch.nn.Module, seed: int) -> None:
+    """Layout-independent initialisation: draw every parameter at its full (unsharded)
+    shape from a generator seeded by (seed, parameter index), then shard it in."""
+    from tpkit.checkpoint import full_state_dict, load_full_state_dict
+    full = full_state_dict(model)
+    new = {}
+    for i, (name, t) in enumerate(sorted(full.items())):
+        g = torch.Generator().manual_seed(seed * 10_007 + i)
+        if name.endswith("weight") and t.dim() == 1:      # norm scales
+            new[name] = torch.ones_like(t)
+        elif t.dim() == 1:                                 # biases
+            new[name] = torch.zeros_like(t)
+        else:
+            std = 0.02 / math.sqrt(2 * model.cfg.num_layers) if "proj" in name or "fc2" in name \
+                else 0.02
+            new[name] = torch.randn(t.shape, generator=g, dtype=torch.float32).mul_(std).to(t)
+    load_full_state_dict(model, new)
+
+
+def checkpoint_path(save_dir: str, steps_done: int) -> str:
+    return os.path.join(save_dir, f"step{steps_done:06d}")
+
+
+def resolve_resume(path: str) -> str:
+    """``path`` itself if it is a checkpoint, else the latest SAVE/stepNNNNNN inside it."""
+    if not os.path.isdir(path):
+        raise ValueError(f"--resume={path!r} does not exist; pass a checkpoint directory "
+                         "written by --save")
+    steps = sorted(d for d in os.listdir(path) if d.startswith("step") and d[4:].isdigit())
+    return os.path.join(path, steps[-1]) if steps else path
+
+
+def lr_at(step: int, args) -> float:
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    frac = (step - args.warmup) / max(1, args.steps - args.warmup)
+    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+
+
+def make_fabric(args):
+    from lightning.fabric import Fabric
+    from tpkit.fabric import TPKitPrecision, TPKitStrategy
+    accelerator = "cuda" if torch.cuda.is_available() else "cpu"
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    nodes = max(1, int(os.environ.get("WORLD_SIZE", local)) // local)
+    strategy = TPKitStrategy(tp=args.tp, cp=args.cp, sequence_parallel=args.sequence_parallel,
+                             cp_comm_type=args.cp_comm_type, data_parallel=args.data_parallel,
+                             seed=args.seed)
+    # Lightning takes precision plugin objects through plugins=, not precision=.
+    return Fabric(accelerator=accelerator, devices=local, num_nodes=nodes, strategy=strategy,
+                  plugins=[TPKitPrecision(args.precision)])
+
+
+def train(args) -> list[float]:
+    """Run the training loop; returns the global mean loss of every step run here."""
+    fabric = make_fabric(args)
+    fabric.launch()
+    state = fabric.strategy.parallel_state
+    cfg = GPTConfig(vocab_size=corpus.VOCAB_SIZE, hidden_size=args.hidden,
+                    num_layers=args.layers, num_heads=args.heads,
+                    num_gqa_groups=args.gqa_groups, ffn_hidden_size=args.ffn,
+                    dropout=args.dropout, recompute=args.recompute)
+    if args.global_batch % state.dp_size:
+        raise ValueError(f"--global-batch={args.global_batch} is not divisible by dp="
+                         f"{state.dp_size}; use a multiple of {state.dp_size}")
+    model = GPT(cfg, state)
+    full_init(model, args.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
+                                  weight_decay=0.0)
+    model, optimizer = fabric.setup(model, optimizer)
+    start = 0
+    if args.resume:
+        extra = fabric.load(resolve_resume(args.resume), {"model": model, "optimizer": optimizer})
+        start = int(extra["step"]) + 1
+    data, _ = corpus.split(corpus.tokens())
+    local_batch = args.global_batch // state.dp_size
+    losses, t_last, tokens_since = [], time.perf_counter(), 0
+    for step in range(start, args.steps):
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, args)
+        x, y = corpus.batch(data, step, args.global_batch, args.seq_len, seed=args.seed)
+        rows = slice(state.dp_rank * local_batch, (state.dp_rank + 1) * local_batch)
+        x, y = x[rows].to(fabric.device), y[rows].to(fabric.device)
+        loss = model(x, y)
+        fabric.backward(loss)
+        if args.clip > 0:
+            fabric.clip_gradients(model, optimizer, max_norm=args.clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        report = loss.detach().float().clone()
+        dist.all_reduce(report, group=state.dp_cp_group)
+        losses.append(report.item() / state.dp_cp_size)
+        tokens_since += args.global_batch * args.seq_len
+        last = step == args.steps - 1
+        if state.rank == 0 and (step % args.log_every == 0 or last):
+            dt = time.perf_counter() - t_last
+            print(f"step {step:5d}  loss {losses[-1]:.4f}  lr {lr_at(step, args):.2e}  "
+                  f"{tokens_since / dt:,.0f} tokens/s", flush=True)
+            t_last, tokens_since = time.perf_counter(), 0
+        if args.save and ((args.save_every and (step + 1) % args.save_every == 0) or last):
+            fabric.save(checkpoint_path(args.save, step + 1),
+                        {"model": model, "optimizer": optimizer, "step": step})
+    return losses
+
+
+def main(argv=None) -> list[float]:
+    args = parse_args(argv)
+    losses = train(args)
+    if losses and int(os.environ.get("RANK", 0)) == 0:
+        k = max(1, len(losses) // 10)
+        first, final = sum(losses[:k]) / k, sum(losses[-k:]) / k
+        print(f"done: mean loss of first {k} steps {first:.4f} -> last {k} steps {final:.4f}",
+              flush=True)
+    return losses
+
+
+if __name__ == "__main__":
+    main()
+    import tpkit
+    tpkit.destroy_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

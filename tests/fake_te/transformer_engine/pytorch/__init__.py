@@ -1,0 +1,285 @@
+"""Fake ``transformer_engine.pytorch`` with TE 2.20.2's signatures (the subset tpkit uses).
+
+Every constructor records its bound arguments (defaults included) in ``init_args`` and
+every ``set_*_parallel_group`` call in ``calls``; the container setters recurse into
+children the way TE's do. ``tp_size`` follows TE: the group's size when ``tp_group`` is
+given, else the ``tp_size`` argument. No math: ``forward`` raises. ``tests/te_contract.py``
+compares these signatures with TE's real sources.
+"""
+from __future__ import annotations
+
+import enum
+import inspect
+
+import torch
+import torch.distributed as dist
+
+RECORD: list = []  # (name, bound arguments) of module-level calls: autocast, model init
+
+
+class CPLoadBalancingStrategy(enum.Enum):
+    DUAL_CHUNK_SWAP = "dual_chunk_swap"
+    NO_LOAD_BALANCE = "no_load_balance"
+
+
+def _bound(fn, args, kwargs) -> dict:
+    sig = inspect.signature(fn)
+    b = sig.bind(*args, **kwargs)
+    b.apply_defaults()
+    out = dict(b.arguments)
+    out.pop("self", None)
+    return out
+
+
+def _group_size(group) -> int:
+    return dist.get_world_size(group)
+
+
+class _FakeModule(torch.nn.Module):
+    """Shared recording; ``__init__`` of subclasses binds their own arguments."""
+
+    def _record_init(self, init, loc):
+        """Record ``init``'s arguments from its ``locals()`` (taken first thing)."""
+        torch.nn.Module.__init__(self)
+        loc = {k: v for k, v in loc.items() if k not in ("self", "__class__")}
+        extra = loc.pop("kwargs", {})
+        self.init_args = _bound(init, (self,), {**loc, **extra})
+        self.calls = []
+
+    def forward(self, *args, **kwargs):
+        raise NotImplementedError("fake Transformer Engine module: no forward on CPU")
+
+
+class _TPModule(_FakeModule):
+    """Like TE's TransformerEngineBaseModule: a non-recursive set_tensor_parallel_group."""
+
+    def _init_tp(self, tp_group, tp_size):
+        self.tp_group_initialized = False
+        self.tp_group = None
+        if tp_group is None:
+            self.tp_size = tp_size
+            if tp_size == 1:
+                self.set_tensor_parallel_group(tp_group)
+        else:
+            self.tp_size = _group_size(tp_group)
+            self.set_tensor_parallel_group(tp_group)
+        self.calls.clear()  # construction-time calls are not wiring
+
+    def set_tensor_parallel_group(self, tp_group):
+        self.calls.append(("set_tensor_parallel_group", {"tp_group": tp_group}))
+        self.tp_group = tp_group
+        self.tp_group_initialized = True
+
+
+class Linear(_TPModule):
+    def __init__(self, in_features, out_features, sequence_parallel=False,
+                 fuse_wgrad_accumulation=False, tp_group=None, tp_size=1,
+                 get_rng_state_tracker=None, rng_tracker_name=None, init_method=None,
+                 bias=True, return_bias=False, params_dtype=None, parallel_mode=None,
+                 parameters_split=None, device='cuda', ub_overlap_ag=False,
+                 ub_overlap_rs=False, ub_overlap_rs_dgrad=False, ub_bulk_dgrad=False,
+                 ub_bulk_wgrad=False, ub_name=None, delay_wgrad_compute=False,
+                 symmetric_ar_type=None, save_original_input=False, name=None):
+        self._record_init(Linear.__init__, locals())
+        if parallel_mode not in ("column", "row", None):
+            raise AssertionError(f"parallel_mode {parallel_mode} not supported")
+        self.parallel_mode = parallel_mode
+        self.sequence_parallel = sequence_parallel
+        self._init_tp(tp_group, tp_size)
+
+
+class LayerNormLinear(_TPModule):
+    def __init__(self, in_features, out_features, eps=1e-05, sequence_parallel=False,
+                 fuse_wgrad_accumulation=False, tp_group=None, tp_size=1,
+                 get_rng_state_tracker=None, init_method=None, bias=True,
+                 normalization='LayerNorm', return_bias=False, params_dtype=None,
+                 parallel_mode=None, return_layernorm_output=False,
+                 return_layernorm_output_gathered=False, parameters_split=None,
+                 zero_centered_gamma=False, device='cuda', ub_overlap_ag=False,
+                 ub_overlap_rs=False, ub_overlap_rs_dgrad=False, ub_bulk_wgrad=False,
+                 ub_bulk_dgrad=False, ub_name=None, delay_wgrad_compute=False,
+                 symmetric_ar_type=None, name=None):
+        self._record_init(LayerNormLinear.__init__, locals())
+        self.parallel_mode = parallel_mode
+        self.sequence_parallel = sequence_parallel
+        self._init_tp(tp_group, tp_size)
+
+
+class LayerNormMLP(_TPModule):
+    def __init__(self, hidden_size, ffn_hidden_size, eps=1e-05, sequence_parallel=False,
+                 return_bias=False, get_rng_state_tracker=None, tp_group=None, tp_size=1,
+                 init_method=None, bias=True, normalization='LayerNorm', activation='gelu',
+                 activation_params=None, output_layer_init_method=None,
+                 fuse_wgrad_accumulation=False, params_dtype=None,
+                 return_layernorm_output=False, return_layernorm_output_gathered=False,
+                 seq_length=None, micro_batch_size=None, set_parallel_mode=False,
+                 zero_centered_gamma=False, device='cuda', ub_overlap_ag=False, name=None,
+                 ub_overlap_rs=False, ub_overlap_rs_dgrad=False, ub_bulk_dgrad=False,
+                 ub_bulk_wgrad=False, delay_wgrad_compute=False, symmetric_ar_type=None,
+                 checkpoint=False):
+        self._record_init(LayerNormMLP.__init__, locals())
+        self.sequence_parallel = sequence_parallel
+        self.set_parallel_mode = set_parallel_mode
+        self._init_tp(tp_group, tp_size)
+
+
+# Keyword-only options TE's LayerNorm/RMSNorm forward through **kwargs to their fused op
+# (ops/basic/layer_norm.py and rmsnorm.py); the contract test checks this list too.
+NORM_OP_KWARGS = ("eps", "device", "dtype", "zero_centered_gamma", "sm_margin")
+
+
+class _Norm(_FakeModule):
+    def _init_norm(self, init, loc):
+        self._record_init(init, loc)
+        extra = set(self.init_args["kwargs"]) - set(NORM_OP_KWARGS)
+        if extra:
+            raise TypeError(f"unexpected keyword arguments {sorted(extra)}")
+        self.sequence_parallel = self.init_args["sequence_parallel"]
+
+
+class LayerNorm(_Norm):
+    def __init__(self, normalized_shape=None, eps=1e-05, sequence_parallel=None,
+                 params_dtype=None, zero_centered_gamma=False, hidden_size=None, **kwargs):
+        self._init_norm(LayerNorm.__init__, locals())
+
+
+class RMSNorm(_Norm):
+    def __init__(self, normalized_shape=None, eps=1e-05, sequence_parallel=None,
+                 params_dtype=None, zero_centered_gamma=False, hidden_size=None, **kwargs):
+        self._init_norm(RMSNorm.__init__, locals())
+
+
+class DotProductAttention(_TPModule):
+    def __init__(self, num_attention_heads, kv_channels, num_gqa_groups=None,
+                 attention_dropout=0.0, qkv_format='sbhd', attn_mask_type='causal',
+                 window_size=None, bottom_right_diagonal=None, softcap=0.0,
+                 sequence_parallel=False, tp_size=1, get_rng_state_tracker=None,
+                 tp_group=None, layer_number=None, attention_type='self', cp_group=None,
+                 cp_global_ranks=None, cp_stream=None, cp_comm_type='p2p',
+                 softmax_scale=None, softmax_type='vanilla', return_max_logit=False,
+                 name=None):
+        self._record_init(DotProductAttention.__init__, locals())
+        self._init_tp(tp_group, tp_size)
+        self.cp_group, self.cp_global_ranks = cp_group, cp_global_ranks
+        self.cp_stream, self.cp_comm_type = cp_stream, cp_comm_type
+
+    def set_context_parallel_group(self, cp_group, cp_global_ranks, cp_stream,
+                                   cp_comm_type='p2p',
+                                   load_balancing_strategy=CPLoadBalancingStrategy.DUAL_CHUNK_SWAP):
+        self.calls.append(("set_context_parallel_group", _bound(
+            DotProductAttention.set_context_parallel_group,
+            (self, cp_group, cp_global_ranks, cp_stream, cp_comm_type, load_balancing_strategy),
+            {})))
+        self.cp_group, self.cp_global_ranks = cp_group, cp_global_ranks
+        self.cp_stream, self.cp_comm_type = cp_stream, cp_comm_type
+
+
+class TransformerLayer(_FakeModule):
+    """Children mirror TE's structure closely enough for wiring: a column-parallel QKV,
+    the core attention, a row-parallel projection and the MLP."""
+
+    def __init__(self, hidden_size, ffn_hidden_size, num_attention_heads, num_gqa_groups=None,
+                 layernorm_epsilon=1e-05, hidden_dropout=0.1, attention_dropout=0.1,
+                 init_method=None, output_layer_init_method=None, layer_number=None,
+                 kv_channels=None, self_attn_mask_type='causal', window_size=None,
+                 bottom_right_diagonal=None, softcap=0.0, enc_dec_attn_mask_type='no_mask',
+                 enc_dec_bottom_right_diagonal=None, enc_dec_window_size=None, tp_group=None,
+                 tp_size=1, params_dtype=None, get_rng_state_tracker=None,
+                 fuse_wgrad_accumulation=False, seq_length=None, micro_batch_size=None,
+                 sequence_parallel=False, apply_residual_connection_post_layernorm=False,
+                 output_layernorm=False, parallel_attention_mlp=False, layer_type='encoder',
+                 drop_path_rate=0.0, set_parallel_mode=False, fuse_qkv_params=False,
+                 rotary_pos_interleaved=False, zero_centered_gamma=False,
+                 qkv_weight_interleaved=True, ub_tp_comm_overlap=False, ub_overlap_ag=True,
+                 ub_overlap_rs=True, ub_overlap_rs_dgrad=False, ub_bulk_dgrad=True,
+                 ub_bulk_wgrad=True, bias=True, activation='gelu', activation_params=None,
+                 normalization='LayerNorm', device='cuda', attn_input_format='sbhd', name=None,
+                 qk_norm_type=None, qk_norm_eps=1e-06, qk_norm_before_rope=False,
+                 softmax_type='vanilla'):
+        self._record_init(TransformerLayer.__init__, locals())
+        self.tp_group = tp_group
+        self.tp_size = tp_size if tp_group is None else _group_size(tp_group)
+        self.sequence_parallel = sequence_parallel
+        common = dict(tp_group=tp_group, tp_size=tp_size, sequence_parallel=sequence_parallel,
+                      get_rng_state_tracker=get_rng_state_tracker, device=device)
+        kv = kv_channels or hidden_size // num_attention_heads
+        self.layernorm_qkv = LayerNormLinear(hidden_size, 3 * hidden_size,
+                                             parallel_mode="column", **common)
+        self.core_attention = DotProductAttention(
+            num_attention_heads, kv, num_gqa_groups=num_gqa_groups, qkv_format=attn_input_format,
+            tp_size=tp_size, tp_group=tp_group, sequence_parallel=sequence_parallel,
+            get_rng_state_tracker=get_rng_state_tracker)
+        self.proj = Linear(hidden_size, hidden_size, parallel_mode="row", **common)
+        self.layernorm_mlp = LayerNormMLP(hidden_size, ffn_hidden_size,
+                                          set_parallel_mode=set_parallel_mode, **common)
+
+    def set_tensor_parallel_group(self, tp_group):
+        self.calls.append(("set_tensor_parallel_group", {"tp_group": tp_group}))
+        self.tp_group = tp_group
+        for index, child in enumerate(self.modules()):
+            if index and hasattr(child, "set_tensor_parallel_group"):
+                child.set_tensor_parallel_group(tp_group)
+
+    def set_context_parallel_group(self, cp_group, cp_global_ranks, cp_stream,
+                                   cp_comm_type='p2p',
+                                   load_balancing_strategy=CPLoadBalancingStrategy.DUAL_CHUNK_SWAP):
+        self.calls.append(("set_context_parallel_group", _bound(
+            TransformerLayer.set_context_parallel_group,
+            (self, cp_group, cp_global_ranks, cp_stream, cp_comm_type, load_balancing_strategy),
+            {})))
+        for index, child in enumerate(self.modules()):
+            if index and hasattr(child, "set_context_parallel_group"):
+                child.set_context_parallel_group(cp_group, cp_global_ranks, cp_stream,
+                                                 cp_comm_type)
+
+
+class autocast:
+    def __init__(self, enabled=True, calibrating=False, recipe=None,
+                 amax_reduction_group=None, _graph=False):
+        self.args = _bound(autocast.__init__, (self, enabled, calibrating, recipe,
+                                               amax_reduction_group, _graph), {})
+
+    def __enter__(self):
+        RECORD.append(("autocast", self.args))
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+
+def fp8_autocast(enabled=True, calibrating=False, fp8_recipe=None, fp8_group=None,
+                 _graph=False):
+    return _Recorded("fp8_autocast", _bound(fp8_autocast, (enabled, calibrating, fp8_recipe,
+                                                          fp8_group, _graph), {}))
+
+
+class _Recorded:
+    """A context manager recording its call when entered."""
+
+    def __init__(self, name, args):
+        self.name, self.args = name, args
+
+    def __enter__(self):
+        RECORD.append((self.name, self.args))
+
+    def __exit__(self, *exc):
+        return None
+
+
+def quantized_model_init(enabled=True, recipe=None, preserve_high_precision_init_val=False):
+    return _Recorded("quantized_model_init", _bound(
+        quantized_model_init, (enabled, recipe, preserve_high_precision_init_val), {}))
+
+
+def fp8_model_init(enabled=True, recipe=None, preserve_high_precision_init_val=False):
+    return _Recorded("fp8_model_init", _bound(
+        fp8_model_init, (enabled, recipe, preserve_high_precision_init_val), {}))
+
+
+def checkpoint(function, *args, **kwargs):
+    """Records TE's keywords, then calls ``function`` with the rest (no recompute)."""
+    te_kwargs = {k: kwargs.pop(k) for k in ("distribute_saved_activations",
+                                            "get_rng_state_tracker", "tp_group",
+                                            "use_reentrant") if k in kwargs}
+    RECORD.append(("checkpoint", dict(te_kwargs, function=function)))
+    return function(*args, **kwargs)

@@ -1,0 +1,140 @@
+"""Contract between tests/fake_te and Transformer Engine's real Python sources.
+
+``obtain_wheel()`` gets the pinned ``transformer-engine`` wheel (pure Python, ~1.2 MB,
+it holds ``transformer_engine/pytorch``) into ``~/.cache/tpkit/te`` with ``pip download``;
+``signature()`` reads a function's parameters (name, kind, default source text) with
+``ast`` — nothing of TE is imported, so this runs on CPU machines without CUDA.
+"""
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+import zipfile
+
+TE_VERSION = "2.20.2"  # the version the fake is checked against (README, pyproject comment)
+WHEEL = f"transformer_engine-{TE_VERSION}-py3-none-any.whl"
+FAKE_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fake_te",
+                         "transformer_engine", "pytorch", "__init__.py")
+PT = "transformer_engine/pytorch/"
+
+# fake callable (qualname in the fake module) -> (real file in the wheel, real qualname)
+SIGNATURES = {
+    "Linear.__init__": (PT + "module/linear.py", "Linear.__init__"),
+    "LayerNormLinear.__init__": (PT + "module/layernorm_linear.py", "LayerNormLinear.__init__"),
+    "LayerNormMLP.__init__": (PT + "module/layernorm_mlp.py", "LayerNormMLP.__init__"),
+    "LayerNorm.__init__": (PT + "module/layernorm.py", "LayerNorm.__init__"),
+    "RMSNorm.__init__": (PT + "module/rmsnorm.py", "RMSNorm.__init__"),
+    "_TPModule.set_tensor_parallel_group": (
+        PT + "module/base.py", "TransformerEngineBaseModule.set_tensor_parallel_group"),
+    "DotProductAttention.__init__": (
+        PT + "attention/dot_product_attention/dot_product_attention.py",
+        "DotProductAttention.__init__"),
+    "DotProductAttention.set_context_parallel_group": (
+        PT + "attention/dot_product_attention/dot_product_attention.py",
+        "DotProductAttention.set_context_parallel_group"),
+    "TransformerLayer.__init__": (PT + "transformer.py", "TransformerLayer.__init__"),
+    "TransformerLayer.set_tensor_parallel_group": (
+        PT + "transformer.py", "TransformerLayer.set_tensor_parallel_group"),
+    "TransformerLayer.set_context_parallel_group": (
+        PT + "transformer.py", "TransformerLayer.set_context_parallel_group"),
+    "autocast.__init__": (PT + "quantization.py", "autocast.__init__"),
+    "fp8_autocast": (PT + "quantization.py", "fp8_autocast"),
+    "quantized_model_init": (PT + "quantization.py", "quantized_model_init"),
+    "fp8_model_init": (PT + "quantization.py", "fp8_model_init"),
+    "checkpoint": (PT + "distributed.py", "checkpoint"),
+}
+# Names tpkit.te reads from ``transformer_engine.pytorch``.
+EXPORTS = ("Linear", "LayerNormLinear", "LayerNormMLP", "LayerNorm", "RMSNorm",
+           "DotProductAttention", "TransformerLayer", "autocast", "fp8_autocast",
+           "quantized_model_init", "fp8_model_init", "checkpoint")
+# Classes whose constructor sets the ``tp_size`` attribute wire_parallel_groups checks.
+TP_SIZE_CLASSES = {
+    PT + "module/linear.py": "Linear", PT + "module/layernorm_linear.py": "LayerNormLinear",
+    PT + "module/layernorm_mlp.py": "LayerNormMLP", PT + "transformer.py": "TransformerLayer",
+    PT + "attention/dot_product_attention/dot_product_attention.py": "DotProductAttention"}
+# The fused ops TE's LayerNorm/RMSNorm forward ``**kwargs`` to.
+NORM_OPS = {PT + "ops/basic/layer_norm.py": "LayerNorm.__init__",
+            PT + "ops/basic/rmsnorm.py": "RMSNorm.__init__"}
+
+
+def cache_dir() -> str:
+    """``$XDG_CACHE_HOME/tpkit/te`` (``~/.cache/tpkit/te`` by default)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "tpkit", "te")
+
+
+def obtain_wheel() -> str:
+    """Path of the pinned wheel, downloading it if needed; RuntimeError saying why not."""
+    path = os.path.join(cache_dir(), WHEEL)
+    if os.path.exists(path) and zipfile.is_zipfile(path):
+        return path
+    os.makedirs(cache_dir(), exist_ok=True)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+           f"transformer-engine=={TE_VERSION}", "-d", cache_dir()]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise RuntimeError(f"`{' '.join(cmd)}` failed: {exc}") from exc
+    if proc.returncode != 0 or not os.path.exists(path):
+        raise RuntimeError(f"`{' '.join(cmd)}` did not produce {WHEEL} (exit "
+                           f"{proc.returncode}): {proc.stderr.strip()[-800:]}")
+    return path
+
+
+def read_sources(wheel: str, names) -> dict[str, str]:
+    with zipfile.ZipFile(wheel) as z:
+        return {n: z.read(n).decode() for n in names}
+
+
+def _find(tree: ast.AST, qualname: str):
+    node = tree
+    for part in qualname.split("."):
+        found = [n for n in ast.iter_child_nodes(node)
+                 if isinstance(n, (ast.ClassDef, ast.FunctionDef)) and n.name == part]
+        if not found:
+            raise LookupError(f"{qualname} not found")
+        node = found[-1]  # the last definition wins, as at import time
+    return node
+
+
+def signature(source: str, qualname: str) -> list[tuple[str, str, str | None]]:
+    """(name, kind, default source) per parameter of ``qualname``, ``self`` dropped."""
+    a = _find(ast.parse(source), qualname).args
+    out = []
+    pos = a.posonlyargs + a.args
+    pos_defaults = [None] * (len(pos) - len(a.defaults)) + list(a.defaults)
+    for i, (arg, d) in enumerate(zip(pos, pos_defaults)):
+        kind = "POSITIONAL_ONLY" if i < len(a.posonlyargs) else "POSITIONAL_OR_KEYWORD"
+        out.append((arg.arg, kind, None if d is None else ast.unparse(d)))
+    if a.vararg:
+        out.append((a.vararg.arg, "VAR_POSITIONAL", None))
+    for arg, d in zip(a.kwonlyargs, a.kw_defaults):
+        out.append((arg.arg, "KEYWORD_ONLY", None if d is None else ast.unparse(d)))
+    if a.kwarg:
+        out.append((a.kwarg.arg, "VAR_KEYWORD", None))
+    return [p for p in out if p[0] != "self"]
+
+
+def exported_names(init_source: str) -> set[str]:
+    """Names a package ``__init__`` binds by ``from ... import`` (top level)."""
+    names = set()
+    for node in ast.parse(init_source).body:
+        if isinstance(node, ast.ImportFrom):
+            names.update(alias.asname or alias.name for alias in node.names)
+    return names
+
+
+def assigns_self_attr(source: str, qualname: str, attr: str) -> bool:
+    fn = _find(ast.parse(source), qualname)
+    return any(isinstance(t, ast.Attribute) and t.attr == attr and
+               isinstance(t.value, ast.Name) and t.value.id == "self"
+               for node in ast.walk(fn) if isinstance(node, (ast.Assign, ast.AnnAssign))
+               for t in (node.targets if isinstance(node, ast.Assign) else [node.target]))
+
+
+def enum_members(source: str, qualname: str) -> dict[str, str]:
+    cls = _find(ast.parse(source), qualname)
+    return {t.id: ast.unparse(n.value) for n in cls.body if isinstance(n, ast.Assign)
+            for t in n.targets if isinstance(t, ast.Name)}

@@ -1,0 +1,89 @@
+"""tpkit.data: load-balanced CP sharding, position ids, unshard (values and gradient)."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dist import run
+from tpkit.data import check_sequence_length, shard_position_ids, shard_sequence
+
+
+def fake(cp, rank, tp=1, sp=False):
+    return SimpleNamespace(cp_size=cp, cp_rank=rank, tp_size=tp, sequence_parallel=sp)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_layout_is_chunks_r_and_mirror(cp):
+    s = 4 * cp  # chunks of 2 tokens
+    seen = []
+    for r in range(cp):
+        pos = shard_position_ids(s, fake(cp, r)).tolist()
+        a, b = 2 * r, 2 * (2 * cp - 1 - r)
+        assert pos == [a, a + 1, b, b + 1]
+        seen += pos
+        x = torch.arange(s * 3).view(3, s)  # seq_dim=1 works like seq_dim=0
+        assert torch.equal(shard_sequence(x, 1, fake(cp, r)), x[:, pos])
+    assert sorted(seen) == list(range(s))
+
+
+def test_balance_of_causal_work():
+    # keys visible to a rank's queries: equal for every rank under the load-balanced layout
+    cp, s = 4, 32
+    work = [sum(p + 1 for p in shard_position_ids(s, fake(cp, r)).tolist()) for r in range(cp)]
+    assert len(set(work)) == 1
+    contiguous = [sum(range(r * s // cp + 1, (r + 1) * s // cp + 1)) for r in range(cp)]
+    assert len(set(contiguous)) == cp  # what the layout avoids
+
+
+def test_divisibility_errors():
+    with pytest.raises(ValueError, match=r"sequence length 12 is not divisible by 2\*cp = 8"):
+        shard_sequence(torch.zeros(12), 0, fake(4, 0))
+    with pytest.raises(ValueError, match=r"2\*cp\*tp = 2\*2\*2 = 8"):
+        check_sequence_length(12, fake(2, 0, tp=2, sp=True))
+    check_sequence_length(16, fake(2, 0, tp=2, sp=True))
+    check_sequence_length(12, fake(2, 0, tp=2, sp=False))
+    with pytest.raises(ValueError, match=r"tp = 2 \(sequence parallelism\)"):
+        check_sequence_length(7, fake(1, 0, tp=2, sp=True))
+    x = torch.zeros(7)
+    assert shard_sequence(x, 0, fake(1, 0)) is x  # cp=1: nothing to cut, any length
+
+
+def _unshard_worker(cp):
+    import torch
+    import tpkit
+    from tpkit.data import shard_sequence, unshard_sequence
+
+    tpkit.init_parallel(cp=cp)
+    full = torch.arange(2 * 16 * 3, dtype=torch.float32).view(2, 16, 3)
+    local = shard_sequence(full, 1).clone().requires_grad_()
+    back = unshard_sequence(local, -2)
+    w = torch.randn(full.shape, generator=torch.Generator().manual_seed(3))
+    (back * w).sum().backward()
+    errors = []
+    try:
+        unshard_sequence(torch.zeros(3, 2), 0)
+    except ValueError as e:
+        errors.append(str(e))
+    return (torch.equal(back, full), torch.equal(local.grad, shard_sequence(w, 1)), errors)
+
+
+def test_unshard_roundtrip_and_grad():
+    for ok_val, ok_grad, errors in run(_unshard_worker, 4, 4):
+        assert ok_val and ok_grad
+        assert "odd" in errors[0]
+
+
+def test_set_context_parallel_group_has_te_signature():
+    """Same parameters as TE's (tests/fake_te mirrors TE, checked by test_te_contract)."""
+    import os
+    import te_contract
+    from tpkit.nn.dot_product_attention import DotProductAttention
+    with open(te_contract.FAKE_FILE) as f:
+        fake = te_contract.signature(f.read(), "DotProductAttention.set_context_parallel_group")
+    mine = os.path.abspath(DotProductAttention.__module__.replace(".", "/") + ".py")
+    with open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "tpkit", "nn",
+                           os.path.basename(mine))) as f:
+        ours = te_contract.signature(f.read(), "DotProductAttention.set_context_parallel_group")
+    assert [n for n, _, _ in ours] == [n for n, _, _ in fake]
+    assert ours[:4] == fake[:4]  # cp_comm_type defaults to 'p2p'; the strategy to dual chunk swap
+    assert fake[4][2] == "CPLoadBalancingStrategy.DUAL_CHUNK_SWAP"

@@ -1,0 +1,376 @@
+"""Sharded, reshardable checkpoints with torch.distributed.checkpoint (DCP).
+
+Re-exported as ``tpkit.checkpoint.save`` / ``tpkit.checkpoint.load``.
+
+Format: one DCP directory. Every tensor is stored under its *global* shape, so a
+checkpoint written at one layout loads at any other (tp, cp, dp change freely):
+- a parameter sharded over TP (tpkit's ``tp_partition_dim``, or TE's ``partition_dim``
+  with ``tensor_model_parallel=True``) is presented to DCP as a DTensor view of the local
+  shard with ``Shard(dim)`` on the 1-D TP mesh. It is replicated over dp/cp, and DCP's
+  planner de-duplicates identical chunks, so exactly one replica writes each chunk;
+- a parameter with ``tp_partition_sizes`` (fused q/k/v, gate/up: each segment sharded on
+  its own) is stored as one entry per segment, ``<key>.seg<i>``;
+- replicated tensors (norms, the step counter) are plain tensors, written once;
+- optimizer state is keyed by parameter name (not by index) and every state tensor shaped
+  like its parameter (Adam's exp_avg/exp_avg_sq) gets the parameter's sharding;
+- FSDP2 parameters (DTensors over the dp(x cp) mesh) are gathered to the TP-local tensor
+  on save and re-sliced on load;
+- TE ``_extra_state`` (fp8 amax history and scales) is dropped: it is per-rank
+  calibration state tied to the amax group of the writing layout, not a model weight,
+  and TE rebuilds it within ``amax_history_len`` steps. fp8 runs therefore resume with
+  fresh scaling factors (the first steps after a resume can differ slightly).
+
+Saves are atomic: ranks write into ``<path>.tmp-<id>``; after a barrier rank 0 swaps it
+into place, so a crash mid-save leaves the previous checkpoint at ``path`` untouched.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.tensor import DTensor, Shard
+
+EXTRA_STATE_SUFFIX = "_extra_state"
+
+
+# --- which tensors are TP-sharded ----------------------------------------------------------
+def tp_spec(t) -> tuple[int, tuple[int, ...] | None] | None:
+    """(partition dim, segment sizes or None) of a TP-sharded tensor, else None."""
+    dim = getattr(t, "tp_partition_dim", None)
+    if dim is None and getattr(t, "tensor_model_parallel", False):
+        dim = getattr(t, "partition_dim", None)  # TE's attribute
+        if dim is not None and dim < 0:
+            dim = None
+    if dim is None:
+        return None
+    return int(dim), getattr(t, "tp_partition_sizes", None)
+
+
+def unwrap_module(module: nn.Module) -> nn.Module:
+    """The user module inside DDP (FSDP2 modifies the module in place)."""
+    return module.module if isinstance(module, nn.parallel.DistributedDataParallel) else module
+
+
+def _state():
+    from .topology import get_parallel_state
+    return get_parallel_state()
+
+
+# --- presenting local tensors as global ones ----------------------------------------------
+class _Slot:
+    """One model/optimizer tensor: its DCP view (tensor, DTensor or dict of segments) and
+    how to write the loaded values back into the live tensor."""
+
+    def __init__(self, live: torch.Tensor, spec, state, *, for_load: bool):
+        self.live = live
+        self.fsdp = isinstance(live, DTensor)
+        if self.fsdp:  # FSDP2 shard over dp(x cp): work on the TP-local full tensor
+            local = (torch.empty(live.shape, dtype=live.dtype, device=live.to_local().device)
+                     if for_load else _gather_fsdp(live, state.dp_cp_group))
+        else:
+            local = live.detach()
+        self.local = local
+        if spec is None:
+            self.view = local
+            return
+        dim, sizes = spec
+        tp = state.tp_size
+        if sizes is None:
+            self.view = DTensor.from_local(local, state.tp_mesh, [Shard(dim)], run_check=False)
+            return
+        parts = torch.split(local, [s // tp for s in sizes], dim=dim)
+        self.view = {f"seg{i}": DTensor.from_local(p, state.tp_mesh, [Shard(dim)],
+                                                   run_check=False)
+                     for i, p in enumerate(parts)}
+
+    def write_back(self) -> None:
+        views = self.view.values() if isinstance(self.view, dict) else [self.view]
+        locs = [v.to_local() if isinstance(v, DTensor) else v for v in views]
+        full = locs[0] if len(locs) == 1 else None
+        with torch.no_grad():
+            if full is None:  # segments: they are views of self.local unless DCP replaced them
+                dim = self.view["seg0"].placements[0].dim
+                offset = 0
+                for loc in locs:
+                    dst = self.local.narrow(dim, offset, loc.shape[dim])
+                    if dst.data_ptr() != loc.data_ptr():
+                        dst.copy_(loc)
+                    offset += loc.shape[dim]
+            elif full.data_ptr() != self.local.data_ptr():
+                self.local.copy_(full)
+            if self.fsdp:
+                from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+                shape, offset = compute_local_shape_and_global_offset(
+                    self.live.shape, self.live.device_mesh, self.live.placements)
+                src = self.local
+                for d, (n, o) in enumerate(zip(shape, offset)):
+                    src = src.narrow(d, o, n)
+                self.live.to_local().copy_(src)
+
+
+def _gather_fsdp(t: DTensor, group) -> torch.Tensor:
+    """The full tensor of an FSDP2 ``Shard(0)`` DTensor over the dp(x cp) ``group``, with
+    one all-gather. Not ``t.full_tensor()``: torch caches DTensor specs/plans by mesh
+    *layout*, so after a layout is destroyed and rebuilt in one process (tests) a DTensor's
+    mesh can name dead groups; the current state's group is always the live one."""
+    if t.device_mesh.ndim != 1 or tuple(t.placements) != (Shard(0),):
+        raise ValueError(f"FSDP parameter placements {t.placements} on a {t.device_mesh.ndim}-D "
+                         "mesh are not supported; use TPKitStrategy(data_parallel='fsdp')")
+    n = dist.get_world_size(group)
+    assert n == t.device_mesh.size(), "FSDP mesh is not the state's dp x cp mesh"
+    rows = -(-t.shape[0] // n)  # torch.chunk's chunk size
+    with torch.no_grad():
+        local = t.to_local().detach()
+        padded = local.new_zeros((rows, *t.shape[1:]))
+        padded[: local.shape[0]] = local
+        out = local.new_empty((rows * n, *t.shape[1:]))
+        dist.all_gather_into_tensor(out, padded, group=group)
+        sizes = [c.shape[0] for c in torch.empty(t.shape[0]).chunk(n)]
+        return torch.cat([out[i * rows: i * rows + c] for i, c in enumerate(sizes)], 0)
+
+
+def _module_views(module, state, slots, *, for_load):
+    out = {}
+    for key, value in unwrap_module(module).state_dict(keep_vars=True).items():
+        if key.endswith(EXTRA_STATE_SUFFIX):
+            continue  # TE fp8 meta: see the module docstring
+        if isinstance(value, torch.Tensor):
+            slot = _Slot(value, tp_spec(value), state, for_load=for_load)
+            slots.append(slot)
+            out[key] = slot.view
+        else:
+            out[key] = value
+    return out
+
+
+def _param_names(modules) -> dict[int, tuple[str, torch.Tensor]]:
+    names = {}
+    for m in modules:
+        for n, p in unwrap_module(m).named_parameters():
+            names.setdefault(id(p), (n, p))
+    return names
+
+
+def _init_optimizer_state(opt: torch.optim.Optimizer) -> None:
+    """Create the optimizer's lazy state (exp_avg, ...) so DCP can load into it: one step
+    with zero gradients and lr=0, which leaves the parameters unchanged."""
+    if opt.state:
+        return
+    saved = []
+    for g in opt.param_groups:
+        lr = g.get("lr")
+        saved.append(lr.clone() if isinstance(lr, torch.Tensor) else lr)
+        if isinstance(lr, torch.Tensor):
+            lr.zero_()  # keep the tensor object (capturable/compiled optimizers hold it)
+        elif lr is not None:
+            g["lr"] = 0.0
+        for p in g["params"]:
+            if p.grad is not None:
+                raise ValueError("load the optimizer state before the first backward (a "
+                                 "parameter already has a gradient)")
+            p.grad = torch.zeros_like(p)
+    opt.step()
+    for g, lr in zip(opt.param_groups, saved):
+        if isinstance(lr, torch.Tensor):
+            g["lr"].copy_(lr)
+        elif lr is not None:
+            g["lr"] = lr
+        for p in g["params"]:
+            p.grad = None
+
+
+def _optimizer_views(opt, names, state, slots, *, for_load):
+    if for_load:
+        _init_optimizer_state(opt)
+    groups, per_param = [], {}
+    for gi, g in enumerate(opt.param_groups):
+        fqns = []
+        for p in g["params"]:
+            if id(p) not in names:
+                raise ValueError(f"optimizer param group {gi} holds a parameter of shape "
+                                 f"{tuple(p.shape)} that belongs to no module in the state "
+                                 "dict; put the module in the same state dict as its optimizer")
+            fqn, _ = names[id(p)]
+            fqns.append(fqn)
+            entry = {}
+            for k, v in opt.state.get(p, {}).items():
+                if isinstance(v, torch.Tensor):
+                    spec = tp_spec(p) if v.shape == p.shape and v.dim() > 0 else None
+                    slot = _Slot(v, spec, state, for_load=for_load)
+                    slots.append(slot)
+                    entry[k] = slot.view
+                else:
+                    entry[k] = v
+            per_param[fqn] = entry
+        groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": fqns})
+    return {"state": per_param, "param_groups": groups}
+
+
+def _build(state_dict: dict, *, for_load: bool):
+    state = _state()
+    modules = [v for v in state_dict.values() if isinstance(v, nn.Module)]
+    names = _param_names(modules)
+    slots: list[_Slot] = []
+    out: dict[str, Any] = {}
+    for key, obj in state_dict.items():
+        if isinstance(obj, nn.Module):
+            out[key] = _module_views(obj, state, slots, for_load=for_load)
+        elif isinstance(obj, torch.optim.Optimizer):
+            out[key] = _optimizer_views(obj, names, state, slots, for_load=for_load)
+        elif hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict"):
+            out[key] = obj.state_dict()
+        else:
+            out[key] = obj
+    return out, slots
+
+
+# --- save ------------------------------------------------------------------------------
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def save(path: str | os.PathLike, state_dict: dict[str, Any]) -> None:
+    """Write ``state_dict`` (modules, optimizers, objects with ``state_dict()``, plain
+    values) as a sharded checkpoint directory at ``path``, atomically. Collective."""
+    path = os.path.abspath(os.fspath(path))
+    name = [f"{path}.tmp-{uuid.uuid4().hex[:8]}" if _rank() == 0 else None]
+    if dist.is_initialized():
+        dist.broadcast_object_list(name, src=0)
+    tmp = name[0]
+    views, _ = _build(state_dict, for_load=False)
+    try:
+        dcp.save(views, storage_writer=dcp.FileSystemWriter(tmp))
+    except BaseException:
+        # DCP gathers write failures to every rank, so all ranks land here together.
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _barrier()
+    if _rank() == 0:
+        old = None
+        if os.path.lexists(path):
+            old = f"{path}.old-{uuid.uuid4().hex[:8]}"
+            os.rename(path, old)
+        os.rename(tmp, path)
+        if old is not None:
+            shutil.rmtree(old) if os.path.isdir(old) else os.remove(old)
+    _barrier()
+
+
+# --- load ------------------------------------------------------------------------------
+def _check_against(path: str, flat: dict, strict: bool) -> list[str]:
+    """ValueError for tensors whose global shape differs from the checkpoint's; returns
+    the keys absent from the checkpoint (ValueError if ``strict``)."""
+    meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    missing = []
+    for key, value in flat.items():
+        if key not in meta:
+            missing.append(key)
+            continue
+        md = meta[key]
+        if isinstance(value, torch.Tensor):
+            if not isinstance(md, TensorStorageMetadata):
+                raise ValueError(f"checkpoint entry {key!r} is not a tensor but the target is "
+                                 f"a tensor of shape {tuple(value.shape)}")
+            if tuple(md.size) != tuple(value.shape):
+                raise ValueError(
+                    f"checkpoint tensor {key!r} has global shape {tuple(md.size)} but the "
+                    f"target expects {tuple(value.shape)}; shapes must match globally to "
+                    "reshard (check the model config, e.g. hidden/vocab sizes or fused "
+                    "partition_sizes)")
+    if missing and strict:
+        raise ValueError(f"{len(missing)} keys are missing from checkpoint {path}: "
+                         f"{missing[:8]}{' ...' if len(missing) > 8 else ''}; pass "
+                         "strict=False to skip them")
+    return missing
+
+
+def load(path: str | os.PathLike, state_dict: dict[str, Any], *,
+         strict: bool = True) -> dict[str, Any]:
+    """Load the checkpoint at ``path`` into ``state_dict`` in place (modules, optimizers,
+    objects with ``load_state_dict``; plain values are replaced in the dict), resharding
+    to the current layout. Returns ``state_dict``. Collective."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    path = os.path.abspath(os.fspath(path))
+    if not os.path.isdir(path):
+        raise ValueError(f"no checkpoint directory at {path}")
+    views, slots = _build(state_dict, for_load=True)
+    flat, mapping = flatten_state_dict(views)
+    missing = set(_check_against(path, flat, strict))
+    if missing:
+        flat = {k: v for k, v in flat.items() if k not in missing}
+    dcp.load(flat, storage_reader=dcp.FileSystemReader(path))
+    from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
+    loaded = unflatten_state_dict(flat, {k: v for k, v in mapping.items() if k in flat})
+    for slot in slots:
+        slot.write_back()
+    for key, obj in state_dict.items():
+        if key not in loaded:
+            continue
+        if isinstance(obj, torch.optim.Optimizer):
+            _restore_optimizer_scalars(obj, loaded[key])
+        elif isinstance(obj, nn.Module):
+            pass
+        elif hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict"):
+            obj.load_state_dict(loaded[key])
+        else:
+            state_dict[key] = loaded[key]
+    return state_dict
+
+
+def _restore_optimizer_scalars(opt, loaded: dict) -> None:
+    """Hyper-parameters and non-tensor per-param state (tensors were loaded in place)."""
+    by_name = dict(zip([f for g in loaded.get("param_groups", []) for f in g["params"]],
+                       [p for g in opt.param_groups for p in g["params"]]))
+    for g, lg in zip(opt.param_groups, loaded.get("param_groups", [])):
+        for k, v in lg.items():
+            if k != "params":
+                g[k] = v
+    for fqn, entry in loaded.get("state", {}).items():
+        p = by_name.get(fqn)
+        if p is None:
+            continue
+        for k, v in entry.items():
+            if not isinstance(v, (torch.Tensor, dict)):
+                opt.state[p][k] = v
+
+
+def read_extras(path: str | os.PathLike, exclude) -> dict[str, Any]:
+    """The checkpoint's top-level entries not named in ``exclude`` (e.g. Fabric's
+    remainder: step counters, user metadata). A nested entry comes back as a dict keyed by
+    the rest of its DCP key. Collective."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+    path = os.path.abspath(os.fspath(path))
+    meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    exclude = set(exclude)
+    flat: dict[str, Any] = {}
+    for key, md in sorted(meta.items()):
+        if key.split(".", 1)[0] in exclude:
+            continue
+        if isinstance(md, BytesStorageMetadata):
+            flat[key] = None
+        else:
+            flat[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+    if not flat:
+        return {}
+    dcp.load(flat, storage_reader=dcp.FileSystemReader(path))
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        top, _, rest = key.partition(".")
+        if rest:
+            out.setdefault(top, {})[rest] = value
+        else:
+            out[top] = value
+    return out

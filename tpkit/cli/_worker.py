@@ -1,0 +1,37 @@
+"""The program tpkit-launch starts on every rank: runs the user's script (or ``-m`` module)
+as ``__main__`` the way torchrun's ``@record`` decorator does (its documented equivalent:
+fault handler on, uncaught exceptions written to torchrun's per-rank error file through
+``get_error_handler()``), so the launcher can name the failing rank and its error.
+
+Torch is imported only when an exception has to be recorded, and tpkit-launch runs this
+file by path (``python -u .../tpkit/cli/_worker.py script.py ARGS`` or
+``... _worker.py -m package.module ARGS``) rather than ``-m tpkit.cli._worker``: a worker
+pays nothing for the wrapper beyond what its own script imports.
+"""
+import faulthandler
+import os
+import runpy
+import sys
+
+
+def main() -> None:
+    faulthandler.enable(all_threads=True)  # what ErrorHandler.initialize() does
+    argv = sys.argv[1:]
+    try:
+        if argv[:1] == ["-m"]:
+            sys.argv = [argv[1], *argv[2:]]
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = list(argv)
+            runpy.run_path(argv[0], run_name="__main__")
+    except Exception as e:
+        from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+        get_error_handler().record_exception(e)
+        raise
+
+
+if __name__ == "__main__":
+    # sys.path[0] is this folder; make it what `python script.py` / `python -m` gives.
+    sys.path[0] = os.getcwd() if sys.argv[1:2] == ["-m"] else \
+        os.path.dirname(os.path.abspath(sys.argv[1]))
+    main()

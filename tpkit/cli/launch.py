@@ -1,0 +1,280 @@
+"""tpkit-launch: torchrun plus the parallel layout.
+
+``tpkit-launch --tp 4 --cp 2 train.py ARGS`` checks the layout against the world size
+before any process starts (exit 2 with one line on stderr), exports it as ``TPKIT_*``
+so ``tpkit.init_parallel()`` needs no arguments, derives nodes, node rank and rendezvous
+from Slurm when inside an allocation, and then runs torchrun's own launcher
+(``torch.distributed.run.run``) in this process. Every other torchrun flag passes through.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from typing import Mapping
+
+PROG = "tpkit-launch"
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_worker.py")
+DRY_RUN_ROWS = 64
+
+
+class LaunchError(ValueError):
+    """A bad invocation, found before any worker starts; main() exits 2 with it."""
+
+
+def _raise(message: str):
+    raise LaunchError(message)
+
+
+# --- command line ------------------------------------------------------------------
+def build_parser():
+    """torchrun's own parser (so every torchrun flag works) plus tpkit's layout flags.
+    Flags tpkit resolves itself default to None, meaning "not given"."""
+    from torch.distributed.run import get_args_parser
+    parser = get_args_parser()
+    parser.prog = PROG
+    parser.description = __doc__.split("\n\n")[1].replace("\n", " ")
+    parser.error = _raise
+    g = parser.add_argument_group("tpkit layout (exported to every worker as TPKIT_*)")
+    for dim, what in (("tp", "tensor"), ("cp", "context"), ("pp", "pipeline")):
+        g.add_argument(f"--{dim}", type=int, default=None, metavar="N",
+                       help=f"{what}-parallel size (default 1 or $TPKIT_{dim.upper()})")
+    g.add_argument("--dp", type=int, default=None, metavar="N",
+                   help="data-parallel size; checked against the world if given, else the rest")
+    g.add_argument("--sequence-parallel", "--sequence_parallel", action="store_true",
+                   default=None, help="shard activations along the sequence inside TP (tp >= 2)")
+    g.add_argument("--cp-comm-type", "--cp_comm_type", default=None, metavar="T",
+                   help="p2p (default), all_gather, a2a or a2a+p2p")
+    g.add_argument("--cp-a2a-size", "--cp_a2a_size", type=int, default=None, metavar="N",
+                   help="inner all-to-all level size for --cp-comm-type a2a+p2p")
+    g = parser.add_argument_group("tpkit launch")
+    g.add_argument("--backend", choices=("nccl", "gloo"), default=None,
+                   help="process-group backend the workers use (default: nccl with GPUs, "
+                        "else gloo); exported as TPKIT_BACKEND")
+    g.add_argument("--dry-run", "--dry_run", action="store_true",
+                   help="print the rank table and groups this launch would build; start nothing")
+    env = os.environ
+    parser.set_defaults(
+        nproc_per_node=env.get("PET_NPROC_PER_NODE", "auto"), nnodes=env.get("PET_NNODES"),
+        node_rank=env.get("PET_NODE_RANK"), rdzv_backend=env.get("PET_RDZV_BACKEND"),
+        rdzv_endpoint=env.get("PET_RDZV_ENDPOINT"), rdzv_id=env.get("PET_RDZV_ID"))
+    helps = {
+        "nproc_per_node": "workers per node: N, or auto (default) = visible GPUs, or "
+                          "tp*cp*pp without GPUs",
+        "nnodes": "nodes, N or MIN:MAX (default 1; SLURM_NNODES inside Slurm)",
+        "node_rank": "this node's rank (SLURM_NODEID inside Slurm; used by --rdzv-backend static)",
+        "rdzv_backend": "c10d (default) or static",
+        "rdzv_endpoint": "HOST:PORT of the first node (inside Slurm: first host of the job)",
+        "rdzv_id": "job id shared by all nodes (inside Slurm: slurm-JOBID.STEPID)",
+    }
+    for action in parser._actions:
+        if action.dest in helps:
+            action.help = helps[action.dest]
+    return parser
+
+
+@dataclasses.dataclass
+class Plan:
+    """Everything resolved before a worker starts."""
+
+    config: object  # ParallelConfig, validated when the node count is fixed
+    nproc_per_node: int
+    min_nodes: int
+    max_nodes: int
+    node_rank: int | None
+    rdzv_backend: str
+    rdzv_endpoint: str
+    rdzv_id: str
+    backend: str
+    command: list[str]
+    exports: dict[str, str]
+    slurm: object = None
+
+
+def _nproc(value: str, config, *, gpus: int) -> int:
+    if value == "auto":
+        return gpus or config.model_size
+    try:
+        n = int(value)
+    except ValueError:
+        if value == "gpu" and gpus:
+            return gpus
+        raise LaunchError(f"--nproc-per-node={value!r} is not a number; pass N or auto") from None
+    if n < 1:
+        raise LaunchError(f"--nproc-per-node={n} must be >= 1")
+    return n
+
+
+def _nnodes(value: str) -> tuple[int, int]:
+    parts = value.split(":")
+    try:
+        lo, hi = (int(parts[0]), int(parts[-1])) if len(parts) <= 2 else (0, -1)
+    except ValueError:
+        lo, hi = 0, -1
+    if not 1 <= lo <= hi:
+        raise LaunchError(f"--nnodes={value!r} is not N or MIN:MAX with 1 <= MIN <= MAX")
+    return lo, hi
+
+
+def _visible_gpus() -> int:
+    import torch
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def resolve(args, env: Mapping[str, str]) -> Plan:
+    """Check the invocation against the layout, the machine and Slurm; raise LaunchError."""
+    from tpkit.config import ParallelConfig
+    from .slurm import slurm_info
+    try:
+        config = ParallelConfig.from_env(
+            env, tp=args.tp, cp=args.cp, pp=args.pp, dp=args.dp,
+            sequence_parallel=args.sequence_parallel, cp_comm_type=args.cp_comm_type,
+            cp_a2a_size=args.cp_a2a_size)
+        slurm = slurm_info(env)
+    except ValueError as e:
+        raise LaunchError(str(e)) from None
+    gpus = _visible_gpus()
+    nproc = _nproc(args.nproc_per_node, config, gpus=gpus)
+
+    node_rank = args.node_rank
+    endpoint, rdzv_id = args.rdzv_endpoint, args.rdzv_id
+    if slurm is not None:
+        if args.nnodes is not None and _nnodes(args.nnodes) != (slurm.nnodes, slurm.nnodes):
+            raise LaunchError(f"--nnodes={args.nnodes} conflicts with the Slurm allocation's "
+                              f"{slurm.nnodes} node(s); drop --nnodes inside Slurm")
+        if node_rank is not None and node_rank != slurm.node_rank:
+            raise LaunchError(f"--node-rank={node_rank} conflicts with SLURM_NODEID="
+                              f"{slurm.node_rank}; drop --node-rank inside Slurm")
+        lo = hi = slurm.nnodes
+        node_rank = slurm.node_rank
+        if not endpoint:
+            try:
+                endpoint = f"{slurm.first_host()}:{slurm.rdzv_port(env)}"
+            except ValueError as e:
+                raise LaunchError(str(e)) from None
+        rdzv_id = rdzv_id or slurm.rdzv_id
+    else:
+        lo, hi = _nnodes(args.nnodes or "1")
+    rdzv_backend = args.rdzv_backend or "c10d"
+    if rdzv_backend == "c10d" and hi == 1 and not endpoint:
+        endpoint = "localhost:0"  # one node: c10d store on a free port (torchrun --standalone)
+        rdzv_id = rdzv_id or f"tpkit-{os.getpid()}"
+    if rdzv_backend == "static" and hi > 1 and node_rank is None:
+        raise LaunchError("--rdzv-backend static with several nodes needs --node-rank on "
+                          "every node (or use the default c10d rendezvous)")
+    if hi > 1 and not endpoint and not (rdzv_backend == "static" and args.master_addr) \
+            and not args.standalone and not args.dry_run:
+        raise LaunchError(f"--nnodes={args.nnodes} needs --rdzv-endpoint HOST:PORT of the "
+                          "first node (the same on every node), or run inside Slurm")
+
+    if lo != hi and config.dp is not None:
+        raise LaunchError(f"--dp={config.dp} cannot hold for every node count in --nnodes="
+                          f"{lo}:{hi}; drop --dp for elastic launches")
+    for n in range(lo, hi + 1):  # an elastic job must be valid at every size it may take
+        try:
+            checked = config.validate(n * nproc)
+        except ValueError as e:
+            raise LaunchError(f"{e} [world = {n} node(s) x {nproc} processes per node]") from None
+    if lo == hi:
+        config = checked
+    if hi > 1 and nproc % config.tp != 0:
+        raise LaunchError(
+            f"tp={config.tp} does not fit in one node of {nproc} processes: TP groups would "
+            "span nodes and all-reduce every layer over the network; choose tp dividing "
+            f"--nproc-per-node={nproc} (TP stays inside a node)")
+
+    backend = args.backend or ("nccl" if gpus else "gloo")
+    if backend == "nccl" and not gpus and not args.dry_run:
+        raise LaunchError("--backend nccl needs CUDA GPUs and none are visible here; use "
+                          "--backend gloo")
+    command = _command(args, env)
+    exports = dict(config.to_env(), TPKIT_BACKEND=backend)
+    if "OMP_NUM_THREADS" not in env:
+        cpus = (slurm.cpus_per_task if slurm and slurm.cpus_per_task
+                else len(os.sched_getaffinity(0)))
+        exports["OMP_NUM_THREADS"] = str(max(1, cpus // nproc))
+    return Plan(config=config, nproc_per_node=nproc, min_nodes=lo, max_nodes=hi,
+                node_rank=node_rank, rdzv_backend=rdzv_backend, rdzv_endpoint=endpoint or "",
+                rdzv_id=rdzv_id or "none", backend=backend, command=command,
+                exports=exports, slurm=slurm)
+
+
+def _command(args, env: Mapping[str, str]) -> list[str]:
+    """The worker command line; scripts and modules run under the error-recording wrapper."""
+    script = args.training_script
+    if args.no_python or args.run_path:
+        return [script, *args.training_script_args]  # torchrun's own handling, unwrapped
+    if not args.module and not os.path.isfile(script):
+        raise LaunchError(f"training script {script!r} does not exist (looked in "
+                          f"{os.getcwd()}); pass the path of a .py file")
+    python = env.get("PYTHON_EXEC", sys.executable)
+    target = ["-m", script] if args.module else [script]
+    return [python, "-u", WORKER, *target, *args.training_script_args]
+
+
+# --- running -----------------------------------------------------------------------
+def _launch(args, plan: Plan) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import run
+
+    os.environ.update(plan.exports)
+    script = args.training_script
+    args.nnodes = f"{plan.min_nodes}:{plan.max_nodes}"
+    args.nproc_per_node = str(plan.nproc_per_node)
+    args.node_rank = plan.node_rank or 0
+    args.rdzv_backend, args.rdzv_id = plan.rdzv_backend, plan.rdzv_id
+    args.rdzv_endpoint = plan.rdzv_endpoint
+    if not (args.no_python or args.run_path):
+        args.module = False
+        args.training_script = WORKER
+        args.training_script_args = plan.command[3:]
+    try:
+        run(args)
+    except ChildFailedError as e:
+        e.name = script  # torchrun would name the wrapper module
+        print(e.format_msg(), file=sys.stderr)
+        print(f"{PROG}: {describe_failure(e)}", file=sys.stderr, flush=True)
+        return 1
+    except SignalException as e:
+        print(f"{PROG}: stopped by {e.sigval.name}; the workers were sent it too",
+              file=sys.stderr, flush=True)
+        return 128 + int(e.sigval)
+    return 0
+
+
+def describe_failure(e) -> str:
+    """One line naming the rank that failed first and its error (from torchrun's per-rank
+    error file); ranks the agent then stopped with a signal are only counted."""
+    own = [(f.timestamp, r) for r, f in e.failures.items() if f.exitcode > 0]
+    rank = min(own)[1] if own else e.get_first_failure()[0]
+    f = e.failures[rank]
+    msg = f.message
+    if isinstance(msg, dict):
+        msg = msg.get("message", msg)
+    if f.exitcode > 0 and not f.error_file_data.get("message"):
+        msg = "exited without a Python exception (sys.exit or a crash); see its output above"
+    others = len(e.failures) - 1
+    more = f" ({others} other rank{'s' * (others > 1)} failed or were stopped)" if others else ""
+    return (f"rank {rank} (local rank {f.local_rank}, exit code {f.exitcode}) failed: "
+            f"{str(msg).strip()}{more}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console entry: returns the exit code (0 ok, 1 a worker failed, 2 bad invocation)."""
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        args = build_parser().parse_args(argv)
+        plan = resolve(args, os.environ)
+    except LaunchError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    if args.dry_run:
+        from .plan import report
+        print(report(plan, limit=DRY_RUN_ROWS), flush=True)
+        return 0
+    return _launch(args, plan)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""Context-parallel sequence sharding in TE/Megatron's load-balanced layout.
+
+With causal attention, token ``t`` attends to ``t + 1`` keys, so cutting the sequence into
+``cp`` contiguous pieces would give the last CP rank ``2*cp - 1`` times the work of the
+first. Instead the sequence is cut into ``2*cp`` equal chunks and CP rank ``r`` keeps
+chunks ``r`` and ``2*cp - 1 - r`` (concatenated in that order): every rank then holds one
+"early" and one "late" chunk and does the same amount of attention work.
+
+Divisibility rule (checked, ``ValueError`` otherwise): with ``cp > 1`` the sequence length
+must be divisible by ``2*cp``; with sequence parallelism on as well it must be divisible
+by ``2*cp*tp`` (each of the two chunks of a CP shard then splits evenly over the TP
+ranks). With ``cp == 1`` nothing is cut (under SP the length must still divide by tp).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def _state(state):
+    if state is None:
+        from .topology import get_parallel_state
+        state = get_parallel_state()
+    return state
+
+
+def check_sequence_length(seq_len: int, state=None) -> None:
+    """Raise ValueError if ``seq_len`` cannot be sharded under ``state`` (see module doc)."""
+    state = _state(state)
+    cp, tp, sp = state.cp_size, state.tp_size, state.sequence_parallel
+    div = (2 * cp if cp > 1 else 1) * (tp if sp else 1)
+    if seq_len % div != 0:
+        rule = (f"2*cp*tp = 2*{cp}*{tp} = {div} (context parallelism cuts the sequence into "
+                f"2*cp chunks and sequence parallelism splits each over tp)" if sp and cp > 1
+                else f"2*cp = {div} (context parallelism cuts the sequence into 2*cp "
+                     "load-balanced chunks)" if cp > 1
+                else f"tp = {div} (sequence parallelism)")
+        raise ValueError(f"sequence length {seq_len} is not divisible by {rule}; pad the "
+                         f"sequence to a multiple of {div}")
+
+
+def cp_chunk_ids(cp_rank: int, cp_size: int) -> tuple[int, int]:
+    """The two global chunk indices (of ``2*cp_size``) that ``cp_rank`` holds, in order."""
+    return cp_rank, 2 * cp_size - 1 - cp_rank
+
+
+def shard_sequence(tensor: torch.Tensor, seq_dim: int, state=None) -> torch.Tensor:
+    """This CP rank's load-balanced shard of a full-sequence tensor (no communication):
+    chunks ``r`` and ``2*cp-1-r`` of ``2*cp`` along ``seq_dim``, concatenated."""
+    state = _state(state)
+    check_sequence_length(tensor.shape[seq_dim], state)
+    cp = state.cp_size
+    if cp == 1:
+        return tensor
+    chunks = tensor.chunk(2 * cp, dim=seq_dim)
+    first, second = cp_chunk_ids(state.cp_rank, cp)
+    return torch.cat([chunks[first], chunks[second]], dim=seq_dim)
+
+
+def shard_position_ids(seq_len: int, state=None, *, device=None) -> torch.Tensor:
+    """Position ids (int64, shape ``[seq_len / cp]``) of the tokens this CP rank holds, in
+    the layout of :func:`shard_sequence`; feed them to RoPE so rotations match the
+    unsharded sequence."""
+    return shard_sequence(torch.arange(seq_len, device=device), 0, state)
+
+
+def _reorder_gathered(parts: list[torch.Tensor], seq_dim: int) -> torch.Tensor:
+    """Natural order from the shards of every CP rank (rank order)."""
+    cp = len(parts)
+    chunks: list[torch.Tensor | None] = [None] * (2 * cp)
+    for r, part in enumerate(parts):
+        a, b = part.chunk(2, dim=seq_dim)
+        i, j = cp_chunk_ids(r, cp)
+        chunks[i], chunks[j] = a, b
+    return torch.cat(chunks, dim=seq_dim)
+
+
+class _Unshard(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, seq_dim, group, cp_rank, cp_size):
+        ctx.seq_dim, ctx.cp_rank, ctx.cp_size = seq_dim, cp_rank, cp_size
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(cp_size)]
+        dist.all_gather(parts, x, group=group)
+        return _reorder_gathered(parts, seq_dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        chunks = grad.chunk(2 * ctx.cp_size, dim=ctx.seq_dim)
+        i, j = cp_chunk_ids(ctx.cp_rank, ctx.cp_size)
+        return torch.cat([chunks[i], chunks[j]], dim=ctx.seq_dim), None, None, None, None
+
+
+def unshard_sequence(tensor: torch.Tensor, seq_dim: int, state=None) -> torch.Tensor:
+    """The full sequence from every CP rank's load-balanced shard: all-gather over the CP
+    group, then restore natural order. Differentiable: backward keeps this rank's chunks of
+    the gradient, i.e. it assumes every CP rank computes the same loss from the full
+    tensor (as when the result feeds a replicated computation)."""
+    state = _state(state)
+    cp = state.cp_size
+    if cp == 1:
+        return tensor
+    if tensor.shape[seq_dim] % 2 != 0:
+        raise ValueError(f"a CP shard has two equal chunks, but its length along dim "
+                         f"{seq_dim} is {tensor.shape[seq_dim]} (odd); pass the tensor "
+                         "shard_sequence produced and the same seq_dim")
+    seq_dim = seq_dim % tensor.dim()
+    return _Unshard.apply(tensor, seq_dim, state.cp_group, state.cp_rank, cp)

@@ -1,0 +1,87 @@
+"""Gradient finalisation for TP/SP/CP/DP: sequence-parallel sums and a TP-aware norm.
+
+Both work on the *local* tensors: with FSDP2 a gradient is a DTensor over the dp(x cp)
+mesh and its local shard is what this rank owns.
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from .._dcp import tp_spec
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def sync_sequence_parallel_grads(params: Iterable[torch.nn.Parameter], state) -> int:
+    """Sum over TP the gradients of params tagged ``sequence_parallel=True`` (replicated
+    weights fed sequence-sharded activations: each TP rank holds the gradient of its own
+    tokens). One flattened all-reduce per dtype; the FSDP-aware twin of
+    ``tpkit.nn.sync_sequence_parallel_grads``. Returns the number of gradients reduced."""
+    grads = [_local(p.grad) for p in params
+             if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    if state.tp_size == 1 or not grads:
+        return len(grads)
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    for bucket in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in bucket])
+        dist.all_reduce(flat, group=state.tp_group)
+        offset = 0
+        for g in bucket:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+    return len(grads)
+
+
+def grad_norm(params: Iterable[torch.nn.Parameter], state, norm_type: float = 2.0) -> torch.Tensor:
+    """The global gradient norm of a TP(/FSDP)-sharded model, as if computed on the full
+    parameters in one process: TP-sharded gradients contribute every shard, replicated ones
+    once (not ``tp`` times). One all-reduce over TP (plus one over dp(x cp) under FSDP)."""
+    params = [p for p in params if p.grad is not None]
+    norm_type = float(norm_type)
+    if not params:
+        return torch.tensor(0.0)
+    device = _local(params[0].grad).device
+    tp = state.tp_size
+    inf = math.isinf(norm_type)
+    acc = torch.zeros((), dtype=torch.float32, device=device)
+    fsdp = False
+    for p in params:
+        g = _local(p.grad).detach().float()
+        fsdp |= isinstance(p.grad, DTensor)
+        if inf:
+            acc = torch.maximum(acc, g.abs().max() if g.numel() else acc)
+            continue
+        part = g.abs().pow(norm_type).sum()
+        # Replicated gradients are identical on every TP rank: pre-divide by tp so the TP
+        # sum below counts them once (one collective instead of two).
+        acc = acc + (part if tp_spec(p) is not None else part / tp)
+    op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+    if fsdp and state.dp_cp_size > 1:
+        dist.all_reduce(acc, op=op, group=state.dp_cp_group)
+    if tp > 1:
+        dist.all_reduce(acc, op=op, group=state.tp_group)
+    return acc if inf else acc.pow(1.0 / norm_type)
+
+
+def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float, state, *,
+                   norm_type: float = 2.0, error_if_nonfinite: bool = True) -> torch.Tensor:
+    """Scale gradients so the global norm (grad_norm) is at most ``max_norm``; returns the
+    norm before clipping, like torch.nn.utils.clip_grad_norm_."""
+    params = [p for p in params if p.grad is not None]
+    total = grad_norm(params, state, norm_type)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(f"the total gradient norm of order {norm_type} is {total.item()}; "
+                           "pass error_if_nonfinite=False to clip anyway")
+    coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+    for p in params:
+        _local(p.grad).mul_(coef.to(_local(p.grad).dtype))
+    return total

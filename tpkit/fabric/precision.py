@@ -1,0 +1,174 @@
+"""TPKitPrecision: Fabric precision plugin for bf16/fp16 autocast and fp8 with amax groups.
+
+Lightning's TransformerEnginePrecision hard-codes CUDA autocast and never passes an fp8
+group, so under TP/CP/DP every rank keeps its own amax and the scaling factors of one
+GEMM diverge across ranks that must agree. Here:
+- autocast's device type is the model's device (CPU works too);
+- "fp8" enters TE's autocast (TE models, via tpkit.te) or tpkit's emulated fp8 autocast
+  (torch backend, tpkit.fp8) with ``fp8_group=state.amax_group`` (tp x cp x dp of one
+  stage, Megatron's default), inside an outer autocast with ``fallback_compute_dtype``
+  for the operations fp8 does not cover;
+- ``recipe`` is a DelayedScaling-like object or a dict with the same fields, where
+  ``fp8_format`` may be a string ("HYBRID", "E4M3") — as in Lightning's plugin.
+"""
+from __future__ import annotations
+
+import warnings
+from contextlib import AbstractContextManager, ExitStack, nullcontext
+from typing import Any, Mapping
+
+import torch
+from lightning.fabric.plugins.precision.precision import Precision
+from torch import nn
+
+PRECISIONS = ("bf16-mixed", "16-mixed", "32-true", "fp8")
+_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+
+
+def _uses_te(module: nn.Module) -> bool:
+    return any(type(m).__module__.startswith("transformer_engine") for m in module.modules())
+
+
+def _te_recipe(spec):
+    """TE's DelayedScaling from None (TE's default), a TE recipe, or a dict whose
+    ``fp8_format`` may be a string naming a ``Format`` member (as Lightning's plugin)."""
+    if spec is None or not isinstance(spec, Mapping):
+        return spec
+    from ..te import require_te
+    require_te()  # the clear "install TE / needs CUDA" error first
+    import importlib
+    recipe_mod = importlib.import_module("transformer_engine.common.recipe")
+    spec = dict(spec)
+    if isinstance(spec.get("fp8_format"), str):
+        spec["fp8_format"] = getattr(recipe_mod.Format, spec["fp8_format"])
+    return recipe_mod.DelayedScaling(**spec)
+
+
+class TPKitPrecision(Precision):
+    """See the module docstring. ``replace_layers=True`` (fp8 only) swaps plain
+    ``nn.Linear``/``nn.LayerNorm`` for tpkit layers (torch backend) where that keeps the
+    math identical, warning with the names it skipped."""
+
+    def __init__(self, precision: str = "bf16-mixed", *, recipe: Any = None,
+                 fallback_compute_dtype: torch.dtype | None = None,
+                 replace_layers: bool = False) -> None:
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision={precision!r} is not supported; use one of {PRECISIONS}")
+        if precision != "fp8" and (recipe is not None or replace_layers):
+            raise ValueError(f"recipe/replace_layers only apply to precision='fp8', got "
+                             f"precision={precision!r}; drop them or use 'fp8'")
+        if fallback_compute_dtype not in (None, torch.bfloat16, torch.float16, torch.float32):
+            raise ValueError(f"fallback_compute_dtype={fallback_compute_dtype!r} must be "
+                             "torch.bfloat16, torch.float16, torch.float32 or None")
+        if recipe is not None and not isinstance(recipe, Mapping) and not hasattr(recipe, "margin"):
+            raise TypeError(f"recipe={recipe!r} must be a dict of DelayedScaling fields or a "
+                            "DelayedScaling recipe (tpkit.fp8 or transformer_engine)")
+        self.precision = precision
+        self.recipe_spec = dict(recipe) if isinstance(recipe, Mapping) else recipe
+        self.fallback_compute_dtype = fallback_compute_dtype
+        self.replace_layers = replace_layers
+        self._device: torch.device | None = None
+        self._state = None
+        self._te: bool | None = None
+        self.scaler = None
+        if precision == "16-mixed":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+            self.scaler = torch.amp.GradScaler(device)
+
+    # --- wiring (called by TPKitStrategy.setup_module) ---------------------------------
+    def attach(self, state, device: torch.device) -> None:
+        """Bind the parallel state (its amax group) and the device autocast runs on."""
+        self._state = state
+        self._device = torch.device(device)
+
+    @property
+    def amax_group(self):
+        if self._state is None:
+            from ..topology import get_parallel_state
+            self._state = get_parallel_state()
+        return self._state.amax_group
+
+    def _device_type(self) -> str:
+        if self._device is not None:
+            return self._device.type
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    @property
+    def recipe(self):
+        """The recipe object for the active backend, built from ``recipe`` (dict or object)."""
+        spec = self.recipe_spec
+        if self._te:
+            return _te_recipe(spec)
+        from ..fp8 import DelayedScaling
+        return DelayedScaling.from_any(spec)
+
+    # --- Precision hooks -----------------------------------------------------------------
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        params = list(module.parameters())
+        if params and self._device is None and not params[0].is_meta:
+            self._device = params[0].device
+        if self.precision == "fp8":
+            if self.replace_layers and not _uses_te(module):
+                from .replace import replace_layers
+                replace_layers(module)
+            self._te = _uses_te(module)
+        return module
+
+    def module_init_context(self) -> AbstractContextManager:
+        return nullcontext()
+
+    def forward_context(self) -> AbstractContextManager:
+        if self.precision == "32-true":
+            return nullcontext()
+        if self.precision in _DTYPES:
+            return torch.autocast(device_type=self._device_type(), dtype=_DTYPES[self.precision])
+        stack = ExitStack()
+        if self.fallback_compute_dtype not in (None, torch.float32):
+            stack.enter_context(torch.autocast(device_type=self._device_type(),
+                                               dtype=self.fallback_compute_dtype))
+        if self._te:
+            from ..te import te_autocast
+            stack.enter_context(te_autocast(enabled=True, recipe=self.recipe,
+                                            group=self.amax_group))
+        else:
+            from .. import fp8
+            stack.enter_context(fp8.fp8_autocast(enabled=True, recipe=self.recipe,
+                                                 fp8_group=self.amax_group))
+        return stack
+
+    def convert_input(self, data: Any) -> Any:
+        return data  # autocast casts at each op; inputs stay in their own dtype
+
+    def convert_output(self, data: Any) -> Any:
+        if self.precision == "32-true":
+            return data
+        from lightning_utilities import apply_to_collection
+        return apply_to_collection(
+            data, torch.Tensor,
+            lambda t: t.to(torch.get_default_dtype()) if t.is_floating_point() else t)
+
+    def backward(self, tensor: torch.Tensor, model, *args: Any, **kwargs: Any) -> None:
+        if self.scaler is not None:
+            tensor = self.scaler.scale(tensor)
+        tensor.backward(*args, **kwargs)
+
+    def unscale_gradients(self, optimizer) -> None:
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+
+    def optimizer_step(self, optimizer, **kwargs: Any) -> Any:
+        if self.scaler is None:
+            return optimizer.step(**kwargs)
+        out = self.scaler.step(optimizer, **kwargs)
+        self.scaler.update()
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {} if self.scaler is None else self.scaler.state_dict()
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        if self.scaler is not None:
+            self.scaler.load_state_dict(dict(state_dict))
+        elif state_dict:
+            warnings.warn(f"TPKitPrecision({self.precision!r}) has no state; ignoring "
+                          f"{sorted(state_dict)}")

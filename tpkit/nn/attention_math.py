@@ -1,0 +1,104 @@
+"""Attention math in plain torch (fp32), shared by every context-parallel kernel.
+
+Tensors use a grouped layout so grouped-query attention never materialises repeated K/V:
+``q`` is ``[b, g, r, s, d]`` (``g`` KV groups of ``r`` query heads each) and ``k``/``v`` are
+``[b, g, 1, s, d]``; broadcasting in the matmuls pairs every query head with its group.
+``block_forward`` / ``block_backward`` are FlashAttention's per-block forward (output plus
+log-sum-exp) and backward (from the *final* output's LSE), so blocks can be computed one
+at a time and merged, which is what ring attention needs.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def to_grouped(x: torch.Tensor, groups: int, is_kv: bool) -> torch.Tensor:
+    """``[b, h, s, d]`` -> ``[b, g, h/g, s, d]`` (queries) or ``[b, g, 1, s, d]`` (K/V)."""
+    b, h, s, d = x.shape
+    if is_kv:
+        return x.unsqueeze(2)
+    return x.reshape(b, groups, h // groups, s, d)
+
+
+def from_grouped(x: torch.Tensor) -> torch.Tensor:
+    b, g, r, s, d = x.shape
+    return x.reshape(b, g * r, s, d)
+
+
+def causal_mask(sq: int, sk: int, device) -> torch.Tensor:
+    """True where a key must be hidden (top-left aligned upper triangle)."""
+    return torch.ones(sq, sk, dtype=torch.bool, device=device).triu(1)
+
+
+def position_mask(q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+    """True where key position > query position (causal mask for arbitrary layouts)."""
+    return k_pos.view(1, -1) > q_pos.view(-1, 1)
+
+
+def _scores(q, k, scale, causal):
+    s = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
+    if causal:
+        s.masked_fill_(causal_mask(s.shape[-2], s.shape[-1], s.device), float("-inf"))
+    return s
+
+
+def _keep_mask(shape, dropout_p: float, gen, device):
+    """Dropout keep-mask scaled by 1/(1-p), drawn from ``gen`` (replayed in backward)."""
+    keep = torch.rand(shape, generator=gen, device=device) >= dropout_p
+    return keep.to(torch.float32).div_(1.0 - dropout_p)
+
+
+def block_forward(q, k, v, scale: float, causal: bool, dropout_p: float = 0.0, gen=None):
+    """Output ``[b, g, r, sq, d]`` and LSE ``[b, g, r, sq]`` of one block (fp32 inputs).
+    Every row sees at least one key (a diagonal or an unmasked block). In-place ops keep
+    the memory traffic of the ``sq x sk`` scores low. With ``dropout_p`` the probabilities
+    (not the LSE) are dropped with a mask drawn from ``gen``."""
+    s = _scores(q, k, scale, causal)
+    m = s.amax(dim=-1, keepdim=True)
+    p = s.sub_(m).exp_()
+    denom = p.sum(dim=-1, keepdim=True)
+    if dropout_p > 0.0:
+        p = p.mul_(_keep_mask(p.shape, dropout_p, gen, p.device))
+    out = torch.matmul(p, v).div_(denom)
+    return out, (m + denom.log()).squeeze(-1)
+
+
+def block_backward(q, k, v, dout, lse, delta, scale: float, causal: bool,
+                   dropout_p: float = 0.0, gen=None):
+    """dq, dk, dv of one block given the final LSE and ``delta = sum(dout * out, -1)``;
+    with dropout, ``gen`` must be in the state it had for this block's forward."""
+    p = _scores(q, k, scale, causal).sub_(lse.unsqueeze(-1)).exp_()
+    keep = _keep_mask(p.shape, dropout_p, gen, p.device) if dropout_p > 0.0 else None
+    pd = p if keep is None else p * keep
+    dv = torch.matmul(pd.transpose(-1, -2), dout).sum(2, keepdim=True)
+    dp = torch.matmul(dout, v.transpose(-1, -2))
+    if keep is not None:
+        dp.mul_(keep)
+    ds = dp.sub_(delta.unsqueeze(-1)).mul_(p)
+    dq = torch.matmul(ds, k).mul_(scale)
+    dk = torch.matmul(ds.transpose(-1, -2), q).sum(2, keepdim=True).mul_(scale)
+    return dq, dk, dv
+
+
+def merge_into(out: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, l: torch.Tensor) -> None:
+    """Fold a block result ``(o, l)`` into the running ``(out, lse)`` in place (views ok)."""
+    new = torch.logaddexp(lse, l)
+    out.mul_(torch.exp(lse - new).unsqueeze(-1)).add_(o * torch.exp(l - new).unsqueeze(-1))
+    lse.copy_(new)
+
+
+def local_attention(q, k, v, scale: float, mask: torch.Tensor | None, dropout_p: float):
+    """Differentiable attention of grouped tensors (autograd keeps the probabilities).
+    ``mask`` is True where hidden; dropout on the probabilities runs inside the RNG
+    tracker's model-parallel stream (different per TP/CP coordinate)."""
+    dtype = q.dtype
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if mask is not None:
+        s = s.masked_fill(mask, float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    if dropout_p > 0.0:
+        from ..random import get_rng_tracker
+        with get_rng_tracker().fork():
+            p = F.dropout(p, dropout_p, training=True)
+    return torch.matmul(p, v.float()).to(dtype)

@@ -1,0 +1,149 @@
+"""Context-parallel attention kernels in plain torch (run on CPU/gloo as well as GPUs).
+
+Inputs are this rank's shard in the load-balanced layout of ``tpkit.data.shard_sequence``
+(CP rank r holds chunks r and 2n-1-r of 2n), as ``[b, h, s, d]`` tensors.
+
+=============  ==========================================================================
+comm type      what travels
+=============  ==========================================================================
+p2p            K/V blocks around the CP ring (``ring_attention``); O(S/cp) memory
+all_gather     K/V all-gathered once; dK/dV reduce-scattered in backward
+a2a            Ulysses: all-to-all scatters heads and gathers the sequence, then attention
+               over the full sequence for heads/cp heads, and all-to-all back
+a2a+p2p        a2a inside the inner CP level, then ring attention over the outer level
+=============  ==========================================================================
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .attention_math import (causal_mask, from_grouped, local_attention, position_mask,
+                             to_grouped)
+from .ring_attention import ring_attention
+
+COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
+
+
+def lb_positions(rank: int, n: int, local_len: int, device=None) -> torch.Tensor:
+    """Global positions of the ``local_len`` tokens CP rank ``rank`` of ``n`` holds."""
+    c = local_len // 2
+    a, b = rank * c, (2 * n - 1 - rank) * c
+    return torch.cat([torch.arange(a, a + c, device=device), torch.arange(b, b + c, device=device)])
+
+
+# --- autograd collectives over the sequence / head dims ------------------------------------
+class _AllGatherSeq(torch.autograd.Function):
+    """All-gather along dim ``dim`` (rank order); backward reduce-scatters the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x, group=group)
+        return torch.cat(parts, dim=dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        n = dist.get_world_size(ctx.group)
+        parts = [p.contiguous() for p in grad.chunk(n, dim=ctx.dim)]
+        out = torch.empty_like(parts[0])
+        dist.reduce_scatter(out, parts, group=ctx.group)
+        return out, None, None
+
+
+def _all_to_all(x, scatter_dim, gather_dim, group):
+    n = dist.get_world_size(group)
+    inputs = [p.contiguous() for p in x.chunk(n, dim=scatter_dim)]
+    outputs = [torch.empty_like(inputs[0]) for _ in range(n)]
+    dist.all_to_all(outputs, inputs, group=group)
+    return torch.cat(outputs, dim=gather_dim)
+
+
+class _AllToAll(torch.autograd.Function):
+    """Scatter ``scatter_dim`` and gather ``gather_dim`` over ``group``; backward inverts it."""
+
+    @staticmethod
+    def forward(ctx, x, scatter_dim, gather_dim, group):
+        ctx.dims, ctx.group = (scatter_dim, gather_dim), group
+        return _all_to_all(x, scatter_dim, gather_dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        s, g = ctx.dims
+        return _all_to_all(grad, g, s, ctx.group), None, None, None
+
+
+def _lb_from_a2a(x: torch.Tensor, a: int, dim: int) -> torch.Tensor:
+    """The shards of ``a`` consecutive CP ranks, concatenated in rank order, -> one shard of
+    the outer level's load-balanced layout: first chunks in rank order, then second chunks
+    in reverse rank order (natural order when the outer level has one rank)."""
+    chunks = x.chunk(2 * a, dim=dim)
+    return torch.cat(chunks[0::2] + chunks[1::2][::-1], dim=dim)
+
+
+def _a2a_from_lb(x: torch.Tensor, a: int, dim: int) -> torch.Tensor:
+    chunks = x.chunk(2 * a, dim=dim)
+    firsts, seconds = chunks[:a], chunks[a:][::-1]
+    return torch.cat([c for pair in zip(firsts, seconds) for c in pair], dim=dim)
+
+
+# --- kernels (grouped tensors [b, g, r, s, d] / [b, g, 1, s, d]) -----------------------------
+def _p2p(q, k, v, group, causal, scale, dropout_p, stats):
+    return ring_attention(q, k, v, group, causal=causal, scale=scale, stats=stats,
+                          dropout_p=dropout_p)
+
+
+def _all_gather(q, k, v, group, causal, scale, dropout_p):
+    n, rank = dist.get_world_size(group), dist.get_rank(group)
+    kf = _AllGatherSeq.apply(k, 3, group)
+    vf = _AllGatherSeq.apply(v, 3, group)
+    mask = None
+    if causal:
+        sl = q.shape[-2]
+        q_pos = lb_positions(rank, n, sl, q.device)
+        k_pos = torch.cat([lb_positions(r, n, sl, q.device) for r in range(n)])
+        mask = position_mask(q_pos, k_pos)
+    return local_attention(q, kf, vf, scale, mask, dropout_p)
+
+
+def _a2a(q, k, v, a2a_group, p2p_group, causal, scale, dropout_p, stats):
+    """Ulysses over ``a2a_group`` (heads scattered, sequence gathered), then attention over
+    the gathered sequence: locally (``p2p_group`` None) or by a ring over ``p2p_group``."""
+    a = dist.get_world_size(a2a_group)
+    b, g, r, s, d = q.shape
+    q4 = from_grouped(q)
+    k4, v4 = k.squeeze(2), v.squeeze(2)
+    # [b, h, s, d] -> [b, h/a, a*s, d], then into the outer level's load-balanced layout
+    qa, ka, va = (_lb_from_a2a(_AllToAll.apply(t, 1, 2, a2a_group), a, 2) for t in (q4, k4, v4))
+    qg, kg, vg = to_grouped(qa, g // a, False), to_grouped(ka, g // a, True), \
+        to_grouped(va, g // a, True)
+    if p2p_group is None:
+        mask = causal_mask(qg.shape[-2], kg.shape[-2], q.device) if causal else None
+        out = local_attention(qg, kg, vg, scale, mask, dropout_p)
+    else:
+        out = ring_attention(qg, kg, vg, p2p_group, causal=causal, scale=scale, stats=stats,
+                             dropout_p=dropout_p)
+    out = _AllToAll.apply(_a2a_from_lb(from_grouped(out), a, 2), 2, 1, a2a_group)
+    return to_grouped(out, g, False)
+
+
+def context_parallel_attention(q, k, v, *, comm_type: str, group, causal: bool, scale: float,
+                               dropout_p: float = 0.0, stats: dict | None = None):
+    """Attention of this rank's load-balanced shard; q ``[b, h, s, d]``, k/v ``[b, g, s, d]``.
+    ``group`` is the CP group, or ``[a2a_group, p2p_group]`` for ``a2a+p2p``. Returns
+    ``[b, h, s, d]``. Callers validate arguments (DotProductAttention does)."""
+    g = k.shape[1]
+    qg, kg, vg = to_grouped(q, g, False), to_grouped(k, g, True), to_grouped(v, g, True)
+    if comm_type == "p2p":
+        out = _p2p(qg, kg, vg, group, causal, scale, dropout_p, stats)
+    elif comm_type == "all_gather":
+        out = _all_gather(qg, kg, vg, group, causal, scale, dropout_p)
+    elif comm_type == "a2a":
+        out = _a2a(qg, kg, vg, group, None, causal, scale, dropout_p, stats)
+    elif comm_type == "a2a+p2p":
+        out = _a2a(qg, kg, vg, group[0], group[1], causal, scale, dropout_p, stats)
+    else:
+        raise ValueError(f"cp_comm_type={comm_type!r} is unknown; use one of {COMM_TYPES}")
+    return from_grouped(out)

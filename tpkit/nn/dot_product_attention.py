@@ -1,0 +1,166 @@
+"""DotProductAttention: TE's attention core, in torch, with context parallelism.
+
+Same constructor shape as ``transformer_engine.pytorch.DotProductAttention`` (global head
+counts: local heads = heads / tp) and the same ``set_context_parallel_group`` method, so a
+model can swap between this and TE's module. Inputs are the local CP shard in the
+load-balanced layout (``tpkit.data.shard_sequence``); without CP it is plain attention.
+
+Attention dropout (training mode only) draws from the RNG tracker's model-parallel stream
+for every comm type; the ring kernels replay their masks in backward from that stream.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ..random import get_rng_tracker
+from ._backend import TEBackendMixin
+from .context_parallel import COMM_TYPES, context_parallel_attention
+
+MASK_TYPES = ("causal", "no_mask")
+QKV_FORMATS = ("sbhd", "bshd")
+
+
+def _divide(a: int, b: int, what: str, fix: str) -> int:
+    if a % b != 0:
+        raise ValueError(f"{what}: {a} is not divisible by {b}; {fix}")
+    return a // b
+
+
+class DotProductAttention(TEBackendMixin, torch.nn.Module):
+    """softmax(q k^T * scale [masked]) v over this rank's heads and CP shard."""
+    _te_kind = "attention"  # backend="te": te.DotProductAttention (tpkit.nn._backend)
+
+    def __init__(self, num_attention_heads: int, kv_channels: int, *,
+                 num_gqa_groups: int | None = None, attn_mask_type: str = "causal",
+                 attention_dropout: float = 0.0, qkv_format: str = "sbhd",
+                 cp_comm_type: str | None = None, softmax_scale: float | None = None,
+                 state=None, backend: str = "torch"):
+        super().__init__()
+        if state is None:
+            from ..topology import get_parallel_state
+            state = get_parallel_state()
+        if attn_mask_type not in MASK_TYPES:
+            raise ValueError(f"attn_mask_type={attn_mask_type!r} is not supported by tpkit's "
+                             f"torch DotProductAttention (any cp_comm_type); use one of "
+                             f"{MASK_TYPES} (padding/arbitrary masks need the TE backend)")
+        if qkv_format not in QKV_FORMATS:
+            raise ValueError(f"qkv_format={qkv_format!r} is not supported; use one of "
+                             f"{QKV_FORMATS} ('thd' needs the TE backend)")
+        if not 0.0 <= attention_dropout < 1.0:
+            raise ValueError(f"attention_dropout={attention_dropout} must be in [0, 1)")
+        num_gqa_groups = num_attention_heads if num_gqa_groups is None else num_gqa_groups
+        _divide(num_attention_heads, num_gqa_groups, "num_attention_heads by num_gqa_groups",
+                "choose num_gqa_groups dividing the number of heads")
+        tp = state.tp_size
+        self.num_heads_local = _divide(num_attention_heads, tp, "num_attention_heads by tp",
+                                       f"use a head count divisible by tp={tp}")
+        self.num_gqa_local = _divide(num_gqa_groups, tp, "num_gqa_groups by tp",
+                                     f"use num_gqa_groups divisible by tp={tp}")
+        self.kv_channels = kv_channels
+        self.attn_mask_type = attn_mask_type
+        self.attention_dropout = attention_dropout
+        self.qkv_format = qkv_format
+        self.softmax_scale = 1.0 / math.sqrt(kv_channels) if softmax_scale is None else softmax_scale
+        self.state = state
+        self.stats: dict | None = None  # set to {} to count ring blocks/FLOPs (tests, benches)
+        # a state without CP attributes (a duck-typed TP-only state in tests) means no CP
+        comm = getattr(state, "cp_comm_type", "p2p") if cp_comm_type is None else cp_comm_type
+        if comm == "a2a+p2p" and getattr(state, "cp_a2a_group", None) is None:
+            raise ValueError("cp_comm_type='a2a+p2p' needs the two CP levels: build the "
+                             "state with init_parallel(cp_comm_type='a2a+p2p', cp_a2a_size=...) "
+                             "or call set_context_parallel_group([a2a_group, p2p_group], ...)")
+        if getattr(state, "cp_size", 1) == 1:
+            group, ranks = None, None
+        else:
+            group = [state.cp_a2a_group, state.cp_p2p_group] if comm == "a2a+p2p" \
+                else state.cp_group
+            ranks = state.cp_global_ranks
+        self.set_context_parallel_group(group, ranks, None, comm)
+
+    def set_context_parallel_group(self, cp_group, cp_global_ranks, cp_stream,
+                                   cp_comm_type: str = "p2p",
+                                   load_balancing_strategy="dual_chunk_swap") -> None:
+        """TE's signature: ``cp_group`` is the CP group, or ``[a2a_group, p2p_group]`` for
+        "a2a+p2p"; ``cp_stream`` is accepted for TE compatibility (unused on this path).
+        ``load_balancing_strategy`` (TE >= 2.10) must be TE's DUAL_CHUNK_SWAP, the layout of
+        tpkit.data.shard_sequence (the string or TE's enum member)."""
+        lbs = str(getattr(load_balancing_strategy, "name", load_balancing_strategy)).lower()
+        if lbs != "dual_chunk_swap":
+            raise ValueError(f"load_balancing_strategy={load_balancing_strategy!r} is not "
+                             "supported by tpkit's torch DotProductAttention; only "
+                             "'dual_chunk_swap' (tpkit.data.shard_sequence's layout)")
+        if cp_comm_type not in COMM_TYPES:
+            raise ValueError(f"cp_comm_type={cp_comm_type!r} is unknown; use one of {COMM_TYPES}")
+        if cp_comm_type == "a2a+p2p":
+            if not isinstance(cp_group, (list, tuple)) or len(cp_group) != 2 \
+                    or any(g is None for g in cp_group):
+                raise ValueError("cp_comm_type='a2a+p2p' needs cp_group=[a2a_group, p2p_group] "
+                                 f"(TE's convention), got {cp_group!r}")
+            size = dist.get_world_size(cp_group[0]) * dist.get_world_size(cp_group[1])
+        elif isinstance(cp_group, (list, tuple)):
+            raise ValueError(f"cp_comm_type={cp_comm_type!r} takes one process group; a list "
+                             "[a2a_group, p2p_group] is only for 'a2a+p2p'")
+        else:
+            size = 1 if cp_group is None else dist.get_world_size(cp_group)
+        if cp_global_ranks is not None and len(cp_global_ranks) != size:
+            raise ValueError(f"cp_global_ranks={cp_global_ranks} has {len(cp_global_ranks)} "
+                             f"ranks but the CP group(s) have {size}; pass the group's ranks")
+        if cp_comm_type in ("a2a", "a2a+p2p") and size > 1:
+            a = dist.get_world_size(cp_group[0] if cp_comm_type == "a2a+p2p" else cp_group)
+            for what, n in (("local attention heads", self.num_heads_local),
+                            ("local gqa groups", self.num_gqa_local)):
+                if n % a != 0:
+                    raise ValueError(f"cp_comm_type={cp_comm_type!r} scatters heads over {a} "
+                                     f"CP ranks, but there are {n} {what} (global count / tp);"
+                                     f" use counts divisible by {a} or cp_comm_type='p2p'")
+        self.cp_group, self.cp_global_ranks = cp_group, cp_global_ranks
+        self.cp_stream, self.cp_comm_type, self.cp_size = cp_stream, cp_comm_type, size
+
+    # --- forward ---------------------------------------------------------------------------
+    def _check(self, q, k, v) -> None:
+        for name, t, heads in (("query", q, self.num_heads_local), ("key", k, self.num_gqa_local),
+                               ("value", v, self.num_gqa_local)):
+            if t.dim() != 4 or t.shape[2] != heads or t.shape[3] != self.kv_channels:
+                raise ValueError(f"{name}_layer has shape {tuple(t.shape)}; expected 4-D "
+                                 f"{self.qkv_format} with {heads} local heads of "
+                                 f"{self.kv_channels} channels")
+        if k.shape != v.shape or q.shape[:2] != k.shape[:2]:
+            raise ValueError(f"query/key/value shapes {tuple(q.shape)}, {tuple(k.shape)}, "
+                             f"{tuple(v.shape)} disagree on batch/sequence (self-attention only)")
+        s = q.shape[0] if self.qkv_format == "sbhd" else q.shape[1]
+        if self.cp_size > 1 and s % 2 != 0:
+            raise ValueError(f"local sequence length {s} is odd, but a CP shard holds two "
+                             "equal chunks; shard with tpkit.data.shard_sequence (the full "
+                             f"length must divide by 2*cp = {2 * self.cp_size})")
+
+    def forward(self, query_layer, key_layer, value_layer, attention_mask=None):
+        if attention_mask is not None:
+            raise ValueError("attention_mask is not supported by tpkit's torch "
+                             "DotProductAttention; use attn_mask_type='causal' or 'no_mask'")
+        self._check(query_layer, key_layer, value_layer)
+        # [s, b, h, d] / [b, s, h, d] -> [b, h, s, d]
+        perm = (1, 2, 0, 3) if self.qkv_format == "sbhd" else (0, 2, 1, 3)
+        q, k, v = (t.permute(*perm) for t in (query_layer, key_layer, value_layer))
+        causal = self.attn_mask_type == "causal"
+        dropout_p = self.attention_dropout if self.training else 0.0
+        if self.cp_size > 1:
+            out = context_parallel_attention(q, k, v, comm_type=self.cp_comm_type,
+                                             group=self.cp_group, causal=causal,
+                                             scale=self.softmax_scale, dropout_p=dropout_p,
+                                             stats=self.stats)
+        else:  # no CP: PyTorch's fused kernel (saves q, k, v, out, lse like the ring)
+            kw = dict(is_causal=causal, dropout_p=dropout_p, scale=self.softmax_scale,
+                      enable_gqa=q.shape[1] != k.shape[1])
+            if dropout_p > 0.0:
+                with get_rng_tracker().fork():
+                    out = F.scaled_dot_product_attention(q, k, v, **kw)
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, **kw)
+        b, h, s, d = out.shape
+        if self.qkv_format == "sbhd":
+            return out.permute(2, 0, 1, 3).reshape(s, b, h * d)
+        return out.permute(0, 2, 1, 3).reshape(b, s, h * d)

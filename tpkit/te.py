@@ -1,0 +1,255 @@
+"""Transformer Engine adapter: the only tpkit module that imports ``transformer_engine``.
+
+- ``import_te``/``require_te``: lazy import with an error that says what to install
+  (``pip install 'tpkit[te]'``) and that TE needs CUDA; no fallback.
+- ``te_autocast``/``te_model_init``: one name over TE's API renames (``autocast`` and
+  ``quantized_model_init`` since TE 2.9; ``fp8_autocast``/``fp8_model_init`` before).
+- ``wire_parallel_groups``: feed a ParallelState's TP and CP groups into every TE module
+  of a model (TE modules keep groups as attributes set through ``set_*_parallel_group``).
+- ``make``: build one TE module (the ``backend="te"`` path of tpkit.nn) from a state.
+- ``holds_te_modules``/``checkpoint``: tpkit.recompute hands TE modules to TE's checkpoint.
+
+Checked against TE 2.20.2's sources (tests/te_contract.py); TE 2.9 or newer 2.x expected.
+"""
+from __future__ import annotations
+
+import inspect
+import sys
+import weakref
+
+import torch
+
+CHECKED_TE_VERSION = "2.20.2"
+INSTALL_HINT = "pip install 'tpkit[te]'"
+
+
+def _cuda_available() -> bool:
+    """Whether TE could run here (patched in tests)."""
+    return torch.cuda.is_available()
+
+
+def import_te():
+    """``transformer_engine.pytorch``, or ImportError saying what to install."""
+    try:
+        import transformer_engine
+        import transformer_engine.pytorch as te
+    except Exception as exc:  # ImportError, or TE failing to load its CUDA libraries
+        raise ImportError(
+            f"backend='te' needs NVIDIA Transformer Engine 2.x (tpkit is checked against "
+            f"{CHECKED_TE_VERSION}), which could not be imported ({type(exc).__name__}: "
+            f"{exc}). Install it with `{INSTALL_HINT}` on a machine with an NVIDIA GPU and a "
+            "CUDA build of torch (TE does not run on CPU), or use backend='torch' "
+            "('auto' picks torch where TE is missing)") from exc
+    version = str(getattr(transformer_engine, "__version__", "unknown"))
+    if not version.startswith("2."):
+        raise ImportError(
+            f"transformer_engine {version} is installed but tpkit needs TE 2.x (checked "
+            f"against {CHECKED_TE_VERSION}); install it with `{INSTALL_HINT}`")
+    return te
+
+
+def require_te():
+    """``transformer_engine.pytorch`` when TE imports and CUDA is available, else raise."""
+    te = import_te()
+    if not _cuda_available():
+        raise RuntimeError(
+            "backend='te' needs CUDA: Transformer Engine modules only run on NVIDIA GPUs and "
+            f"torch.cuda.is_available() is False here (torch {torch.__version__}, CUDA build "
+            f"{torch.version.cuda}). Use backend='torch' (or 'auto', which picks torch "
+            "without CUDA) on this machine")
+    return te
+
+
+def te_available() -> bool:
+    """True when ``backend="auto"`` should pick TE: CUDA is available and TE imports."""
+    if not _cuda_available():
+        return False
+    try:
+        import_te()
+    except ImportError:
+        return False
+    return True
+
+
+# --- API-name shims ----------------------------------------------------------------------
+def _state_or_current(state):
+    if state is not None:
+        return state
+    from .topology import get_parallel_state
+    return get_parallel_state()
+
+
+def te_autocast(enabled: bool = True, recipe=None, group=None, *, calibrating: bool = False,
+                state=None):
+    """TE's fp8 autocast context under either API name. ``group=None`` means the state's
+    ``amax_group`` (tp×cp×dp of one pipeline stage) when tpkit is initialised — TE's own
+    default would reduce amaxes over the whole world, across pipeline stages."""
+    te = require_te()
+    if group is None:
+        from .topology import is_initialized
+        if state is not None or is_initialized():
+            group = _state_or_current(state).amax_group
+    if hasattr(te, "autocast"):  # TE >= 2.9
+        return te.autocast(enabled=enabled, calibrating=calibrating, recipe=recipe,
+                           amax_reduction_group=group)
+    return te.fp8_autocast(enabled=enabled, calibrating=calibrating, fp8_recipe=recipe,
+                           fp8_group=group)
+
+
+def te_model_init(enabled: bool = True, recipe=None, *,
+                  preserve_high_precision_init_val: bool = False):
+    """TE's quantized-parameter init context (``quantized_model_init`` since 2.9)."""
+    te = require_te()
+    fn = getattr(te, "quantized_model_init", None) or te.fp8_model_init
+    return fn(enabled=enabled, recipe=recipe,
+              preserve_high_precision_init_val=preserve_high_precision_init_val)
+
+
+# --- wiring ------------------------------------------------------------------------------
+_STREAMS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _new_cuda_stream():
+    """The CP side stream TE overlaps communication on (patched in CPU tests)."""
+    return torch.cuda.Stream()
+
+
+def cp_stream(state):
+    """One CUDA stream per state, shared by every attention module (as Megatron does)."""
+    stream = _STREAMS.get(state)
+    if stream is None:
+        if not _cuda_available():
+            raise RuntimeError(
+                f"context parallelism with Transformer Engine (cp={state.cp_size}) needs a "
+                "CUDA stream and CUDA is not available; use the torch backend on CPU")
+        stream = _STREAMS[state] = _new_cuda_stream()
+    return stream
+
+
+def cp_group_arg(state):
+    """TE's ``cp_group`` argument: the CP group, or ``[a2a, p2p]`` groups for "a2a+p2p"."""
+    if state.cp_comm_type == "a2a+p2p":
+        return [state.cp_a2a_group, state.cp_p2p_group]
+    return state.cp_group
+
+
+def is_te_module(module) -> bool:
+    """A Transformer Engine module (or a subclass of one, e.g. Megatron's TE wrappers).
+    tpkit's own layers take the state at construction and are left alone, even where they
+    share TE's method names (tpkit.nn.DotProductAttention.set_context_parallel_group)."""
+    return any(c.__module__.split(".")[0] == "transformer_engine" for c in type(module).__mro__)
+
+
+def wire_parallel_groups(model: torch.nn.Module, state=None) -> list[tuple[str, str]]:
+    """Call ``set_tensor_parallel_group(tp_group)`` and, when cp > 1,
+    ``set_context_parallel_group(cp_group, cp_global_ranks, cp_stream, cp_comm_type)`` on
+    every TE module of ``model`` that has them; return ``(module name, method)`` per call
+    (empty for a model without TE modules, e.g. one built with backend="auto" on CPU).
+
+    Modules whose ``tp_size`` differs from the state's were built for another layout
+    (their weights are sharded differently) and are refused before anything is set.
+    With cp == 1 nothing CP-related is set: TE treats ``cp_group=None`` as no CP, and no
+    CUDA stream is needed. TE's container setters (TransformerLayer) also recurse into
+    their children; the calls are idempotent, so every module is set directly as well.
+    """
+    state = _state_or_current(state)
+    modules = [(name, m) for name, m in model.named_modules() if is_te_module(m) and (
+        hasattr(m, "set_tensor_parallel_group") or hasattr(m, "set_context_parallel_group"))]
+    for name, m in modules:
+        tp_size = getattr(m, "tp_size", None)
+        if isinstance(tp_size, int) and tp_size != state.tp_size:
+            raise ValueError(
+                f"module {name or type(m).__name__!r} ({type(m).__name__}) was built with "
+                f"tp_size={tp_size} but the parallel state has tp={state.tp_size}; build it "
+                f"with tp_size={state.tp_size} and tp_group=state.tp_group (tpkit.nn layers "
+                "with backend='te' do this), or wire it with a state of that layout")
+    wired = []
+    tp_group = state.tp_group
+    cp = None
+    if state.cp_size > 1 and any(hasattr(m, "set_context_parallel_group") for _, m in modules):
+        cp = (cp_group_arg(state), state.cp_global_ranks, cp_stream(state), state.cp_comm_type)
+    for name, m in modules:
+        if hasattr(m, "set_tensor_parallel_group"):
+            m.set_tensor_parallel_group(tp_group)
+            wired.append((name, "set_tensor_parallel_group"))
+        if cp is not None and hasattr(m, "set_context_parallel_group"):
+            m.set_context_parallel_group(*cp)
+            wired.append((name, "set_context_parallel_group"))
+    return wired
+
+
+# --- recompute (tpkit.recompute.checkpoint delegates here for TE modules) -----------------
+def holds_te_modules(function) -> bool:
+    """True when ``function`` is a module (or a bound method of one) containing TE modules;
+    their fp8 state must be recomputed by TE's own checkpoint. Never imports TE."""
+    if "transformer_engine" not in sys.modules:
+        return False
+    owner = getattr(function, "__self__", function)
+    return isinstance(owner, torch.nn.Module) and any(is_te_module(m) for m in owner.modules())
+
+
+def checkpoint(function, *args, distribute_saved_activations: bool = False,
+               get_rng_state_tracker=None, tp_group=None, use_reentrant: bool = True,
+               **kwargs):
+    """TE's ``checkpoint`` with tpkit's defaults: the RNG tracker is tpkit's and
+    ``tp_group`` the state's (TE's own default would be the whole world)."""
+    te = require_te()
+    if get_rng_state_tracker is None:
+        from .random import get_rng_tracker
+        get_rng_state_tracker = get_rng_tracker
+    if tp_group is None:
+        from .topology import is_initialized
+        if is_initialized():
+            tp_group = _state_or_current(None).tp_group
+    return te.checkpoint(function, *args,
+                         distribute_saved_activations=distribute_saved_activations,
+                         get_rng_state_tracker=get_rng_state_tracker, tp_group=tp_group,
+                         use_reentrant=use_reentrant, **kwargs)
+
+
+# --- building ----------------------------------------------------------------------------
+# kind -> (TE class name, arguments tpkit fixes because the layout requires them)
+KINDS = {
+    "column": ("Linear", {"parallel_mode": "column"}),
+    "row": ("Linear", {"parallel_mode": "row"}),
+    "layernorm": ("LayerNorm", {}),
+    "rmsnorm": ("RMSNorm", {}),
+    "layernorm_linear": ("LayerNormLinear", {"parallel_mode": "column"}),
+    "layernorm_mlp": ("LayerNormMLP", {"set_parallel_mode": True}),
+    "attention": ("DotProductAttention", {}),
+    "transformer_layer": ("TransformerLayer", {"set_parallel_mode": True}),
+}
+
+
+def make(kind: str, state=None, **kwargs) -> torch.nn.Module:
+    """Build TE's module for ``kind`` (see KINDS) with the state's TP group and size,
+    sequence parallelism and tpkit's RNG tracker, then wire its groups (CP included).
+    ``kwargs`` are TE's own arguments; ones that contradict the state are refused."""
+    if kind not in KINDS:
+        raise ValueError(f"kind={kind!r} has no Transformer Engine module; use one of "
+                         f"{sorted(KINDS)}")
+    te = require_te()
+    state = _state_or_current(state)
+    cls_name, fixed = KINDS[kind]
+    cls = getattr(te, cls_name)
+    accepted = inspect.signature(cls).parameters
+    for key, value in fixed.items():
+        if key in kwargs and kwargs[key] != value:
+            raise ValueError(f"{key}={kwargs[key]!r} contradicts kind={kind!r}, which needs "
+                             f"{key}={value!r}; drop the argument")
+    for key, value in (("tp_size", state.tp_size), ("tp_group", state.tp_group)):
+        if key in kwargs and kwargs[key] is not value and kwargs[key] != value:
+            raise ValueError(f"{key}={kwargs[key]!r} contradicts the parallel state "
+                             f"(tp={state.tp_size}); drop it, tpkit passes the state's")
+    from .random import get_rng_tracker
+    defaults = {"tp_group": state.tp_group, "tp_size": state.tp_size,
+                "sequence_parallel": state.sequence_parallel,
+                "get_rng_state_tracker": get_rng_tracker}
+    args = {k: v for k, v in defaults.items() if k in accepted}
+    args.update(fixed)
+    args.update(kwargs)
+    if cls_name in ("LayerNorm", "RMSNorm") and args.get("params_dtype") is not None:
+        args["dtype"] = args.pop("params_dtype")  # params_dtype is deprecated on TE norms
+    module = cls(**args)
+    wire_parallel_groups(module, state)
+    return module
