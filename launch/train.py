@@ -43,7 +43,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     m.add_argument("--ffn", type=int, default=512)
     m.add_argument("--dropout", type=float, default=0.0)
     t = ap.add_argument_group("training")
-    t.add_argument("--steps", type=int, default=150)
+    t.add_argument("--steps", type=int, default=300)
     t.add_argument("--global-batch", type=int, default=8)
     t.add_argument("--seq-len", type=int, default=128)
     t.add_argument("--lr", type=float, default=3e-3)

@@ -132,6 +132,12 @@ def test_defaults_single_node_cpu():
     assert plan.command[1:] == ["-u", launch.WORKER, SCRIPT, "--lr", "3"]
 
 
+def test_auto_nproc_with_dp_on_cpu():
+    assert plan_of(["--tp", "2", "--dp", "2", SCRIPT]).nproc_per_node == 4
+    assert plan_of(["--tp", "2", "--dp", "4", "--nnodes", "2", "--rdzv-endpoint",
+                    "127.0.0.1:29500", SCRIPT]).nproc_per_node == 4
+
+
 def test_layout_flags_and_env(monkeypatch):
     monkeypatch.setenv("TPKIT_CP", "2")  # a TPKIT_* default from the environment ...
     monkeypatch.setenv("OMP_NUM_THREADS", "7")  # ... and the user's thread count are kept

@@ -25,11 +25,11 @@ def test_forked_masks_follow_the_layout():
     assert all(torch.equal(defaults[0], d) for d in defaults)
     by_coord = {}
     for (t, c, d), _, forked in res:
-        by_coord.setdefault((t, c), []).append(forked)
-    # model-parallel stream: equal across DP replicas ...
+        by_coord.setdefault(t, []).append(forked)
+    # model-parallel stream: equal across DP replicas and CP ranks (one model copy) ...
     for masks in by_coord.values():
-        assert len(masks) == 2 and torch.equal(masks[0], masks[1])
-    # ... and different for every (tp, cp) coordinate, and from the default stream
+        assert len(masks) == 4 and all(torch.equal(masks[0], m) for m in masks)
+    # ... and different for every TP rank, and from the default stream
     firsts = {k: v[0] for k, v in by_coord.items()}
     keys = sorted(firsts)
     for i, a in enumerate(keys):
@@ -82,16 +82,17 @@ def test_seeds_unique_across_65536_ranks():
     seen = {}
     for p in range(pp):
         seen[derive_seed(1234, 0, pp=p)] = ("default", p)
-        for c in range(cp):
+        for c in range(cp):  # the packing is injective in cp too (unused by default)
             for t in range(tp):
                 seen[derive_seed(1234, 1, tp=t, cp=c, pp=p)] = ("mp", t, c, p)
     assert len(seen) == pp + pp * cp * tp
-    # every rank's pair of seeds: DP replicas share them, nothing else does
+    # every rank's pair of seeds: DP replicas and CP ranks (one model copy) share them,
+    # nothing else does
     per_rank = set()
     for r in range(tp * cp * dp * pp):
-        t, c, p = r % tp, (r // tp) % cp, r // (tp * cp * dp)
-        per_rank.add((derive_seed(1234, 0, pp=p), derive_seed(1234, 1, tp=t, cp=c, pp=p)))
-    assert len(per_rank) == tp * cp * pp
+        t, p = r % tp, r // (tp * cp * dp)
+        per_rank.add((derive_seed(1234, 0, pp=p), derive_seed(1234, 1, tp=t, pp=p)))
+    assert len(per_rank) == tp * pp
     assert all(0 <= s < 2 ** 63 for s in seen)
     with pytest.raises(ValueError, match="tp rank"):
         derive_seed(1, 1, tp=1 << 20)

@@ -4,9 +4,11 @@ Seeding (``model_parallel_seed``):
 - the *default* stream is the same on every rank of one pipeline stage (all TP, CP and
   DP ranks) — replicated computations (e.g. dropout on activations every TP rank holds)
   must draw identical masks;
-- the *model-parallel* stream (``fork()``) differs per (tp, cp, pp) coordinate — TP
-  shards hold different weights/heads and CP ranks hold different tokens — and is the same
-  across DP replicas, as in Megatron-Core.
+- the *model-parallel* stream (``fork()``) differs per (tp, pp) coordinate — TP shards
+  hold different weights/heads — and is the same across DP replicas and across CP ranks,
+  as in Megatron-Core and TE: layers initialise their weight shards from this stream, and
+  the ranks of one CP group hold ONE copy of the model, so they must draw the same shards
+  (a CP-dependent stream silently gave every CP rank different weights).
 Seeds are ``mix63(pack(stream, tp, cp, pp) xor mix63(seed))`` where ``pack`` is injective
 (20 bits per coordinate, 62 bits in all) and ``mix63`` is a bijection of 63-bit integers, so two distinct
 (stream, coordinate) pairs can never get the same seed for a given base seed.
@@ -127,7 +129,7 @@ def get_rng_tracker() -> RNGStatesTracker:
 
 def model_parallel_seed(seed: int, state=None) -> RNGStatesTracker:
     """Seed the default stream (same on a whole PP stage) and the tracker's
-    model-parallel stream (distinct per tp, cp, pp coordinate). Returns the tracker."""
+    model-parallel stream (distinct per tp and pp coordinate). Returns the tracker."""
     if state is None:
         from .topology import get_parallel_state
         state = get_parallel_state()
@@ -140,5 +142,5 @@ def model_parallel_seed(seed: int, state=None) -> RNGStatesTracker:
     torch.manual_seed(default_seed)  # CPU generator and every CUDA device
     tracker.reset()
     tracker.add(MODEL_PARALLEL_RNG,
-                derive_seed(seed, 1, tp=state.tp_rank, cp=state.cp_rank, pp=state.pp_rank))
+                derive_seed(seed, 1, tp=state.tp_rank, pp=state.pp_rank))
     return tracker

@@ -13,9 +13,11 @@ Checked against TE 2.20.2's sources (tests/te_contract.py); TE 2.9 or newer 2.x 
 """
 from __future__ import annotations
 
+import importlib
 import inspect
 import sys
 import weakref
+from collections.abc import Mapping
 
 import torch
 
@@ -72,6 +74,19 @@ def te_available() -> bool:
 
 
 # --- API-name shims ----------------------------------------------------------------------
+def te_recipe(spec):
+    """TE's DelayedScaling from None (TE's default), a TE recipe, or a dict whose
+    ``fp8_format`` may be a string naming a ``Format`` member (as Lightning's plugin)."""
+    if spec is None or not isinstance(spec, Mapping):
+        return spec
+    require_te()  # the clear "install TE / needs CUDA" error first
+    recipe_mod = importlib.import_module("transformer_engine.common.recipe")
+    spec = dict(spec)
+    if isinstance(spec.get("fp8_format"), str):
+        spec["fp8_format"] = getattr(recipe_mod.Format, spec["fp8_format"])
+    return recipe_mod.DelayedScaling(**spec)
+
+
 def _state_or_current(state):
     if state is not None:
         return state

@@ -293,13 +293,18 @@ def set_parallel_state(state: ParallelState | None) -> None:
 
 def destroy_parallel() -> None:
     """Destroy every group of the current state (and the default group if init_parallel
-    created it), reset the RNG tracker and clear the current state."""
+    created it), reset the RNG tracker and clear the current state. Collective: every
+    rank calls it (it starts with a barrier)."""
     global _CURRENT
     state, _CURRENT = _CURRENT, None
     from .random import get_rng_tracker
     get_rng_tracker().reset()
     if state is None or not dist.is_initialized():
         return
+    if state.backend != "fake":
+        # Tearing gloo groups down while a peer is still inside a collective on them
+        # aborts the process ("terminate called without an active exception").
+        dist.barrier()
     world = dist.group.WORLD
     groups = {}  # resolve every group first: meshes share groups by name
     for mesh in (state.mesh, state.dp_cp_mesh, state.tp_cp_mesh, state.mp_mesh,

@@ -91,9 +91,17 @@ class Plan:
     slurm: object = None
 
 
-def _nproc(value: str, config, *, gpus: int) -> int:
+def _nproc(value: str, config, *, gpus: int, nnodes: int) -> int:
     if value == "auto":
-        return gpus or config.model_size
+        if gpus:
+            return gpus
+        if config.dp is None:  # CPU: one model copy per node
+            return config.model_size
+        world = config.model_size * config.dp  # CPU with --dp: the whole layout
+        if world % nnodes:
+            raise LaunchError(f"--dp={config.dp} gives {world} ranks, which do not split "
+                              f"evenly over {nnodes} node(s); pass --nproc-per-node")
+        return world // nnodes
     try:
         n = int(value)
     except ValueError:
@@ -134,7 +142,6 @@ def resolve(args, env: Mapping[str, str]) -> Plan:
     except ValueError as e:
         raise LaunchError(str(e)) from None
     gpus = _visible_gpus()
-    nproc = _nproc(args.nproc_per_node, config, gpus=gpus)
 
     node_rank = args.node_rank
     endpoint, rdzv_id = args.rdzv_endpoint, args.rdzv_id
@@ -155,6 +162,7 @@ def resolve(args, env: Mapping[str, str]) -> Plan:
         rdzv_id = rdzv_id or slurm.rdzv_id
     else:
         lo, hi = _nnodes(args.nnodes or "1")
+    nproc = _nproc(args.nproc_per_node, config, gpus=gpus, nnodes=lo)
     rdzv_backend = args.rdzv_backend or "c10d"
     if rdzv_backend == "c10d" and hi == 1 and not endpoint:
         endpoint = "localhost:0"  # one node: c10d store on a free port (torchrun --standalone)

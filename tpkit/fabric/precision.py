@@ -26,22 +26,8 @@ _DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
 
 def _uses_te(module: nn.Module) -> bool:
-    return any(type(m).__module__.startswith("transformer_engine") for m in module.modules())
-
-
-def _te_recipe(spec):
-    """TE's DelayedScaling from None (TE's default), a TE recipe, or a dict whose
-    ``fp8_format`` may be a string naming a ``Format`` member (as Lightning's plugin)."""
-    if spec is None or not isinstance(spec, Mapping):
-        return spec
-    from ..te import require_te
-    require_te()  # the clear "install TE / needs CUDA" error first
-    import importlib
-    recipe_mod = importlib.import_module("transformer_engine.common.recipe")
-    spec = dict(spec)
-    if isinstance(spec.get("fp8_format"), str):
-        spec["fp8_format"] = getattr(recipe_mod.Format, spec["fp8_format"])
-    return recipe_mod.DelayedScaling(**spec)
+    from ..te import is_te_module
+    return any(is_te_module(m) for m in module.modules())
 
 
 class TPKitPrecision(Precision):
@@ -98,7 +84,8 @@ class TPKitPrecision(Precision):
         """The recipe object for the active backend, built from ``recipe`` (dict or object)."""
         spec = self.recipe_spec
         if self._te:
-            return _te_recipe(spec)
+            from ..te import te_recipe
+            return te_recipe(spec)
         from ..fp8 import DelayedScaling
         return DelayedScaling.from_any(spec)
 

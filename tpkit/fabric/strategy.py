@@ -190,8 +190,8 @@ class TPKitStrategy(ParallelStrategy):
                 raise TypeError(f"parallelize_fn must return an nn.Module, got "
                                 f"{type(module).__name__}")
         _materialize(module, self.root_device)
-        if any(type(m).__module__.startswith("transformer_engine") for m in module.modules()):
-            from ..te import wire_parallel_groups
+        from ..te import is_te_module, wire_parallel_groups
+        if any(is_te_module(m) for m in module.modules()):
             wire_parallel_groups(module, state)
         from ..random import MODEL_PARALLEL_RNG, get_rng_tracker, model_parallel_seed
         if MODEL_PARALLEL_RNG not in get_rng_tracker().states_:

@@ -11,11 +11,10 @@ from .loss import vocab_parallel_cross_entropy
 from .mlp import ParallelMLP
 from .norm import LayerNorm, RMSNorm, sync_sequence_parallel_grads
 from .rope import RotaryEmbedding, apply_rotary_pos_emb
-from .sdpa import SDPAttention
 from .transformer import TransformerLayer
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
            "vocab_parallel_cross_entropy", "LayerNorm", "RMSNorm",
            "sync_sequence_parallel_grads", "ParallelMLP", "ParallelSelfAttention",
-           "TransformerLayer", "RotaryEmbedding", "apply_rotary_pos_emb", "SDPAttention",
+           "TransformerLayer", "RotaryEmbedding", "apply_rotary_pos_emb",
            "DotProductAttention"]
