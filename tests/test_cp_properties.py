@@ -175,9 +175,9 @@ def test_collective_counts(results):
         # ring: n-1 K/V hops forward; backward n-1 K/V hops + n dK/dV hops
         assert c["p2p"][:2] == ({"batch_isend_irecv": 3}, {"batch_isend_irecv": 7})
         assert c["all_gather"][:2] == ({"all_gather": 2}, {"reduce_scatter": 2})
-        assert c["a2a"][:2] == ({"all_to_all": 4}, {"all_to_all": 4})
-        assert c["a2a+p2p"][:2] == ({"all_to_all": 4, "batch_isend_irecv": 1},
-                                    {"all_to_all": 4, "batch_isend_irecv": 3})
+        assert c["a2a"][:2] == ({"all_to_all_single": 4}, {"all_to_all_single": 4})
+        assert c["a2a+p2p"][:2] == ({"all_to_all_single": 4, "batch_isend_irecv": 1},
+                                    {"all_to_all_single": 4, "batch_isend_irecv": 3})
         assert c["a2a+p2p"][2] == [2] and c["p2p"][2] == [4]
 
 

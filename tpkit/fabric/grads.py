@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from .._dcp import tp_spec
+from ..nn.norm import all_reduce_flat
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -26,18 +27,8 @@ def sync_sequence_parallel_grads(params: Iterable[torch.nn.Parameter], state) ->
     ``tpkit.nn.sync_sequence_parallel_grads``. Returns the number of gradients reduced."""
     grads = [_local(p.grad) for p in params
              if getattr(p, "sequence_parallel", False) and p.grad is not None]
-    if state.tp_size == 1 or not grads:
-        return len(grads)
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for g in grads:
-        by_dtype.setdefault(g.dtype, []).append(g)
-    for bucket in by_dtype.values():
-        flat = torch.cat([g.reshape(-1) for g in bucket])
-        dist.all_reduce(flat, group=state.tp_group)
-        offset = 0
-        for g in bucket:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
+    if state.tp_size > 1:
+        all_reduce_flat(grads, state.tp_group)
     return len(grads)
 
 

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from .attention_math import (causal_mask, from_grouped, local_attention, position_mask,
                              to_grouped)
+from .mappings import all_to_all
 from .ring_attention import ring_attention
 
 COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
@@ -51,28 +52,6 @@ class _AllGatherSeq(torch.autograd.Function):
         out = torch.empty_like(parts[0])
         dist.reduce_scatter(out, parts, group=ctx.group)
         return out, None, None
-
-
-def _all_to_all(x, scatter_dim, gather_dim, group):
-    n = dist.get_world_size(group)
-    inputs = [p.contiguous() for p in x.chunk(n, dim=scatter_dim)]
-    outputs = [torch.empty_like(inputs[0]) for _ in range(n)]
-    dist.all_to_all(outputs, inputs, group=group)
-    return torch.cat(outputs, dim=gather_dim)
-
-
-class _AllToAll(torch.autograd.Function):
-    """Scatter ``scatter_dim`` and gather ``gather_dim`` over ``group``; backward inverts it."""
-
-    @staticmethod
-    def forward(ctx, x, scatter_dim, gather_dim, group):
-        ctx.dims, ctx.group = (scatter_dim, gather_dim), group
-        return _all_to_all(x, scatter_dim, gather_dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        s, g = ctx.dims
-        return _all_to_all(grad, g, s, ctx.group), None, None, None
 
 
 def _lb_from_a2a(x: torch.Tensor, a: int, dim: int) -> torch.Tensor:
@@ -116,7 +95,8 @@ def _a2a(q, k, v, a2a_group, p2p_group, causal, scale, dropout_p, stats):
     q4 = from_grouped(q)
     k4, v4 = k.squeeze(2), v.squeeze(2)
     # [b, h, s, d] -> [b, h/a, a*s, d], then into the outer level's load-balanced layout
-    qa, ka, va = (_lb_from_a2a(_AllToAll.apply(t, 1, 2, a2a_group), a, 2) for t in (q4, k4, v4))
+    qa, ka, va = (_lb_from_a2a(all_to_all(t, a2a_group, scatter_dim=1, gather_dim=2), a, 2)
+                  for t in (q4, k4, v4))
     qg, kg, vg = to_grouped(qa, g // a, False), to_grouped(ka, g // a, True), \
         to_grouped(va, g // a, True)
     if p2p_group is None:
@@ -125,7 +105,8 @@ def _a2a(q, k, v, a2a_group, p2p_group, causal, scale, dropout_p, stats):
     else:
         out = ring_attention(qg, kg, vg, p2p_group, causal=causal, scale=scale, stats=stats,
                              dropout_p=dropout_p)
-    out = _AllToAll.apply(_a2a_from_lb(from_grouped(out), a, 2), 2, 1, a2a_group)
+    out = all_to_all(_a2a_from_lb(from_grouped(out), a, 2), a2a_group, scatter_dim=2,
+                     gather_dim=1)
     return to_grouped(out, g, False)
 
 

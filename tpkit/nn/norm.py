@@ -84,14 +84,18 @@ def sync_sequence_parallel_grads(module: nn.Module, state=None) -> int:
     Returns the number of gradients reduced."""
     state = resolve_state(state)
     grads = [p.grad for p in sequence_parallel_params(module) if p.grad is not None]
-    if state.tp_size == 1 or not grads:
-        return len(grads)
+    if state.tp_size > 1:
+        all_reduce_flat(grads, state.tp_group)
+    return len(grads)
+
+
+def all_reduce_flat(tensors: list[torch.Tensor], group) -> None:
+    """Sum ``tensors`` over ``group`` in place with one flattened all-reduce per dtype."""
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for g in grads:
-        by_dtype.setdefault(g.dtype, []).append(g)
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
     for bucket in by_dtype.values():
         flat = _flatten_dense_tensors(bucket)
-        dist.all_reduce(flat, group=state.tp_group)
-        for g, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
-            g.copy_(synced)
-    return len(grads)
+        dist.all_reduce(flat, group=group)
+        for t, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+            t.copy_(synced)
