@@ -1,6 +1,7 @@
 """A tiny TP/SP/CP-shardable model for the Fabric and checkpoint tests.
 
-Stand-in until tpkit.nn lands: a pre-norm gated MLP block with a fused gate/up
+Plain nn modules tagged by hand (so the generic tag handling is tested apart from
+tpkit.nn's layers), with tpkit.nn.mappings' collectives: a pre-norm gated MLP block with a fused gate/up
 column-parallel projection (``tp_partition_sizes``), a row-parallel output projection,
 and, under sequence parallelism, norm weights and the row bias tagged
 ``sequence_parallel``. Per-token, so CP just splits the sequence. ``full_model`` is the
@@ -9,95 +10,12 @@ single-process reference; ``shard_into`` copies full weights into a TP model.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from tpkit.nn import mappings as m
+
 H, S, B = 8, 8, 4  # hidden, global sequence, global batch
-
-
-# --- autograd collectives (gloo-friendly, test-only) --------------------------------------
-class _CopyToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x
-
-    @staticmethod
-    def backward(ctx, g):
-        g = g.contiguous()
-        dist.all_reduce(g, group=ctx.group)
-        return g, None
-
-
-class _ReduceFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        x = x.contiguous()
-        dist.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx, g):
-        return g, None
-
-
-def _gather_seq(x, group):
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts, 0)
-
-
-def _chunk_seq(x, group):
-    return x.chunk(dist.get_world_size(group), 0)[dist.get_rank(group)].contiguous()
-
-
-class _GatherSeq(torch.autograd.Function):  # SP all-gather; backward reduce-scatter
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        g = g.contiguous()
-        dist.all_reduce(g, group=ctx.group)
-        return _chunk_seq(g, ctx.group), None
-
-
-class _ReduceScatterSeq(torch.autograd.Function):  # SP reduce-scatter; backward all-gather
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        x = x.contiguous()
-        dist.all_reduce(x, group=group)
-        return _chunk_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _gather_seq(g, ctx.group), None
-
-
-class _ScatterSeq(torch.autograd.Function):  # split the sequence; backward all-gather
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _chunk_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _gather_seq(g, ctx.group), None
-
-
-class _GatherSeqSplitBack(torch.autograd.Function):  # all-gather; backward split
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _chunk_seq(g, ctx.group), None
 
 
 # --- the model ------------------------------------------------------------------------------
@@ -124,18 +42,19 @@ class Block(nn.Module):
         s = self.state
         tp = s is not None and s.tp_size > 1
         if tp and self.sp:
-            x = _ScatterSeq.apply(x, s.tp_group)
+            x = m.scatter_to_sp_region(x, s.tp_group)
         h = self.norm(x)
         if tp:
-            h = _GatherSeq.apply(h, s.tp_group) if self.sp else _CopyToTP.apply(h, s.tp_group)
+            h = (m.gather_from_sp_region(h, s.tp_group) if self.sp
+                 else m.copy_to_tp_region(h, s.tp_group))
         gate, up = self.fc1(h).chunk(2, -1)
         y = F.linear(F.silu(gate) * up, self.fc2.weight)
         if tp:
-            y = (_ReduceScatterSeq.apply(y, s.tp_group) if self.sp
-                 else _ReduceFromTP.apply(y, s.tp_group))
+            y = (m.reduce_scatter_to_sp_region(y, s.tp_group) if self.sp
+                 else m.reduce_from_tp_region(y, s.tp_group))
         y = x + y + self.fc2.bias
         if tp and self.sp:
-            y = _GatherSeqSplitBack.apply(y, s.tp_group)
+            y = m.gather_from_tp_region(y, s.tp_group, dim=0)
         return self.head(y)
 
 
