@@ -1,9 +1,9 @@
 """A tiny TP/SP/CP-shardable model for the Fabric and checkpoint tests.
 
 Plain nn modules tagged by hand (so the generic tag handling is tested apart from
-tpkit.nn's layers), with tpkit.nn.mappings' collectives: a pre-norm gated MLP block with a fused gate/up
-column-parallel projection (``tp_partition_sizes``), a row-parallel output projection,
-and, under sequence parallelism, norm weights and the row bias tagged
+tpkit.nn's layers), with tpkit.nn.mappings' collectives: a pre-norm gated MLP block with
+a fused gate/up column-parallel projection (``tp_partition_sizes``), a row-parallel
+output projection, and, under sequence parallelism, norm weights and the row bias tagged
 ``sequence_parallel``. Per-token, so CP just splits the sequence. ``full_model`` is the
 single-process reference; ``shard_into`` copies full weights into a TP model.
 """
@@ -14,6 +14,21 @@ import torch.nn.functional as F
 from torch import nn
 
 from tpkit.nn import mappings as m
+
+
+def launch_fabric(*, precision=None, **strategy_kwargs):
+    """Fabric over this worker's gloo ranks with ``TPKitStrategy(**strategy_kwargs)``,
+    launched; returns ``(fabric, state)`` (the strategy is ``fabric.strategy``)."""
+    import torch.distributed as dist
+    from lightning.fabric import Fabric
+
+    from tpkit.fabric import TPKitStrategy
+    strategy = TPKitStrategy(**strategy_kwargs)
+    kwargs = {} if precision is None else {"precision": precision}
+    fabric = Fabric(accelerator="cpu", devices=dist.get_world_size(), strategy=strategy,
+                    **kwargs)
+    fabric.launch()
+    return fabric, strategy.parallel_state
 
 H, S, B = 8, 8, 4  # hidden, global sequence, global batch
 

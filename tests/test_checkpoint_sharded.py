@@ -5,25 +5,19 @@ import pytest
 import torch
 
 from dist import run
+from fabric_helpers import launch_fabric
 
 LR = 0.05
 
 
 def _fabric_model(tp, cp, sp, kind, seed):
-    from lightning.fabric import Fabric
-
     from fabric_helpers import Block, full_model, shard_into
-    from tpkit.fabric import TPKitStrategy
 
-    strategy = TPKitStrategy(tp=tp, cp=cp, sequence_parallel=sp, data_parallel=kind)
-    fabric = Fabric(accelerator="cpu", devices=torch.distributed.get_world_size(),
-                    strategy=strategy)
-    fabric.launch()
-    state = strategy.parallel_state
+    fabric, state = launch_fabric(tp=tp, cp=cp, sequence_parallel=sp, data_parallel=kind)
     model = shard_into(Block(state, sp=sp), full_model(seed), state)
     model = fabric.setup_module(model)
     opt = fabric.setup_optimizers(torch.optim.Adam(model.parameters(), lr=LR))
-    return fabric, strategy, model, opt
+    return fabric, fabric.strategy, model, opt
 
 
 def _step(fabric, strategy, model, opt, batch):
@@ -181,16 +175,9 @@ def test_unreshardable_shape_is_a_clear_error(tmp_path):
 
 # --- tpkit.nn layers: vocab-parallel embedding, fused q/k/v, CP attention -------------------
 def _gpt(layout, path, mode):
-    from lightning.fabric import Fabric
-
     from fabric_gpt import batches, build
-    from tpkit.fabric import TPKitStrategy
     tp, cp, sp = layout
-    strategy = TPKitStrategy(tp=tp, cp=cp, sequence_parallel=sp)
-    fabric = Fabric(accelerator="cpu", devices=torch.distributed.get_world_size(),
-                    strategy=strategy)
-    fabric.launch()
-    state = strategy.parallel_state
+    fabric, state = launch_fabric(tp=tp, cp=cp, sequence_parallel=sp)
     model = build(state)
     if mode == "load":
         with torch.no_grad():
@@ -215,7 +202,7 @@ def _gpt(layout, path, mode):
     else:
         fabric.load(path, {"model": model, "optimizer": opt})
     out = step(b[1])
-    strategy.teardown()
+    fabric.strategy.teardown()
     return out
 
 

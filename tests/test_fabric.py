@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from dist import run
-from fabric_helpers import reference_losses
+from fabric_helpers import launch_fabric, reference_losses
 
 STEPS = 3
 LR = 0.05
@@ -11,17 +11,12 @@ LR = 0.05
 
 def _train(tp, cp, sp, dp_kind, steps, clip=None, precision=None):
     import torch.nn.functional as F
-    from lightning.fabric import Fabric
 
     import tpkit.fabric  # noqa: F401  (registers "tpkit")
     from fabric_helpers import Block, data, full_model, local_batch, shard_into
-    from tpkit.fabric import TPKitStrategy
 
-    strategy = TPKitStrategy(tp=tp, cp=cp, sequence_parallel=sp, data_parallel=dp_kind)
-    world = torch.distributed.get_world_size()
-    fabric = Fabric(accelerator="cpu", devices=world, strategy=strategy, precision=precision)
-    fabric.launch()
-    state = strategy.parallel_state
+    fabric, state = launch_fabric(tp=tp, cp=cp, sequence_parallel=sp, data_parallel=dp_kind,
+                                  precision=precision)
     model = shard_into(Block(state, sp=sp), full_model(), state)
     if dp_kind == "fsdp":  # FSDP2 replaces the parameters: optimizer after sharding
         model = fabric.setup_module(model)
@@ -38,8 +33,8 @@ def _train(tp, cp, sp, dp_kind, steps, clip=None, precision=None):
         opt.step()
         opt.zero_grad()
         losses.append(fabric.all_reduce(loss.detach(), group=state.dp_cp_group).item())
-    out = {"losses": losses, "norms": norms, "sampler": strategy.distributed_sampler_kwargs}
-    strategy.teardown()
+    out = {"losses": losses, "norms": norms, "sampler": fabric.strategy.distributed_sampler_kwargs}
+    fabric.strategy.teardown()
     return out
 
 
@@ -66,16 +61,9 @@ def test_losses_match_single_process(tp, cp, dp, sp, kind):
 
 # --- the same through tpkit.nn layers with CP attention -----------------------------------
 def _train_gpt(tp, cp, sp, kind, steps):
-    from lightning.fabric import Fabric
-
     from fabric_gpt import batches, build
-    from tpkit.fabric import TPKitStrategy
 
-    strategy = TPKitStrategy(tp=tp, cp=cp, sequence_parallel=sp, data_parallel=kind)
-    fabric = Fabric(accelerator="cpu", devices=torch.distributed.get_world_size(),
-                    strategy=strategy)
-    fabric.launch()
-    state = strategy.parallel_state
+    fabric, state = launch_fabric(tp=tp, cp=cp, sequence_parallel=sp, data_parallel=kind)
     model = fabric.setup_module(build(state))
     opt = fabric.setup_optimizers(torch.optim.Adam(model.parameters(), lr=LR))
     losses, norms = [], []
@@ -88,7 +76,7 @@ def _train_gpt(tp, cp, sp, kind, steps):
         opt.step()
         opt.zero_grad()
         losses.append(fabric.all_reduce(loss.detach(), group=state.dp_cp_group).item())
-    strategy.teardown()
+    fabric.strategy.teardown()
     return losses, norms
 
 
@@ -128,17 +116,12 @@ def test_sequence_parallel_sync_is_what_makes_it_match():
 
 
 def _fsdp_optimizer_first():
-    from lightning.fabric import Fabric
-
     from fabric_helpers import Block
-    from tpkit.fabric import TPKitStrategy
-    strategy = TPKitStrategy(tp=2, data_parallel="fsdp")
-    fabric = Fabric(accelerator="cpu", devices=4, strategy=strategy)
-    fabric.launch()
-    model = Block(strategy.parallel_state)
+    fabric, state = launch_fabric(tp=2, data_parallel="fsdp")
+    model = Block(state)
     with pytest.raises(ValueError, match="optimizer must be created after the module is sharded"):
         fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    strategy.teardown()
+    fabric.strategy.teardown()
     return True
 
 
@@ -147,16 +130,9 @@ def test_fsdp_optimizer_created_too_early_is_a_clear_error():
 
 
 def _clip_and_meta_init():
-    import torch.nn.functional as F
-    from lightning.fabric import Fabric
-
     from commcount import count_collectives
     from fabric_gpt import TinyGPT, batches
-    from tpkit.fabric import TPKitStrategy
-    strategy = TPKitStrategy(tp=2, sequence_parallel=True)
-    fabric = Fabric(accelerator="cpu", devices=4, strategy=strategy)
-    fabric.launch()
-    state = strategy.parallel_state
+    fabric, state = launch_fabric(tp=2, sequence_parallel=True)
     with fabric.init_module(empty_init=True):   # meta device: no memory, no init
         plain = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
     was_meta = all(p.is_meta for p in plain.parameters())
@@ -169,7 +145,7 @@ def _clip_and_meta_init():
     with count_collectives() as calls:
         fabric.clip_gradients(model, opt, max_norm=1.0)
         fabric.clip_gradients(model, opt, max_norm=1.0)  # SP sync already done: not again
-    strategy.teardown()
+    fabric.strategy.teardown()
     return was_meta, materialized, [(c.op, c.group_size) for c in calls]
 
 
@@ -182,14 +158,9 @@ def test_meta_init_and_one_norm_collective_per_clip():
 
 def _accumulate(steps):
     import torch.nn.functional as F
-    from lightning.fabric import Fabric
 
     from fabric_helpers import Block, data, full_model, local_batch, shard_into
-    from tpkit.fabric import TPKitStrategy
-    strategy = TPKitStrategy(tp=2, sequence_parallel=True)
-    fabric = Fabric(accelerator="cpu", devices=4, strategy=strategy)
-    fabric.launch()
-    state = strategy.parallel_state
+    fabric, state = launch_fabric(tp=2, sequence_parallel=True)
     model = shard_into(Block(state, sp=True), full_model(), state)
     model, opt = fabric.setup(model, torch.optim.Adam(model.parameters(), lr=LR))
     losses = []
@@ -205,7 +176,7 @@ def _accumulate(steps):
         opt.step()
         opt.zero_grad()
         losses.append(fabric.all_reduce(total, group=state.dp_cp_group).item())
-    strategy.teardown()
+    fabric.strategy.teardown()
     return losses
 
 
