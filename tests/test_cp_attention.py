@@ -1,5 +1,4 @@
 """DotProductAttention with context parallelism vs full-sequence SDPA (outputs and grads)."""
-import pytest
 
 from dist import run
 

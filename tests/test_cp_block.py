@@ -7,7 +7,6 @@ TOL = 1e-5
 
 
 def _reference(sd, x, freqs, heads, groups, d):
-    import torch
     import torch.nn.functional as F
     from tpkit.nn.rope import apply_rotary_pos_emb
 

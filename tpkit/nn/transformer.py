@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from ._backend import TEBackendMixin
 from ._common import ParallelModule, check_sbh, resolve_sp
