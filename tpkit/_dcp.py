@@ -37,6 +37,8 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor, Shard
 
+from .topology import get_parallel_state
+
 EXTRA_STATE_SUFFIX = "_extra_state"
 
 
@@ -56,11 +58,6 @@ def tp_spec(t) -> tuple[int, tuple[int, ...] | None] | None:
 def unwrap_module(module: nn.Module) -> nn.Module:
     """The user module inside DDP (FSDP2 modifies the module in place)."""
     return module.module if isinstance(module, nn.parallel.DistributedDataParallel) else module
-
-
-def _state():
-    from .topology import get_parallel_state
-    return get_parallel_state()
 
 
 # --- presenting local tensors as global ones ----------------------------------------------
@@ -214,7 +211,7 @@ def _optimizer_views(opt, names, state, slots, *, for_load):
 
 
 def _build(state_dict: dict, *, for_load: bool):
-    state = _state()
+    state = get_parallel_state()
     modules = [v for v in state_dict.values() if isinstance(v, nn.Module)]
     names = _param_names(modules)
     slots: list[_Slot] = []

@@ -13,14 +13,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .topology import resolve_state
+
 __all__ = ["full_state_dict", "load_full_state_dict", "gather_param", "shard_tensor"]
-
-
-def _state(state):
-    if state is None:
-        from .topology import get_parallel_state
-        state = get_parallel_state()
-    return state
 
 
 def gather_param(p: torch.Tensor, dim: int, sizes, group) -> torch.Tensor:
@@ -51,7 +46,7 @@ def shard_tensor(full: torch.Tensor, dim: int, sizes, rank: int, n: int) -> torc
 def full_state_dict(model: nn.Module, state=None) -> dict[str, torch.Tensor]:
     """The unsharded state dict, identical on every TP rank (collective over TP: every
     rank must call it). Sharded params are all-gathered; the rest is cloned."""
-    state = _state(state)
+    state = resolve_state(state)
     params = dict(model.named_parameters(remove_duplicate=False))
     out = {}
     for name, t in model.state_dict(keep_vars=True).items():
@@ -68,7 +63,7 @@ def full_state_dict(model: nn.Module, state=None) -> dict[str, torch.Tensor]:
 def load_full_state_dict(model: nn.Module, sd: dict[str, torch.Tensor], state=None) -> None:
     """Copy the full state dict ``sd`` into ``model``, taking this rank's shard of every
     ``tp_partition_dim`` param. Keys must match exactly; shapes are checked."""
-    state = _state(state)
+    state = resolve_state(state)
     n, rank = state.tp_size, state.tp_rank
     params = dict(model.named_parameters(remove_duplicate=False))
     own = model.state_dict(keep_vars=True)

@@ -16,17 +16,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-
-def _state(state):
-    if state is None:
-        from .topology import get_parallel_state
-        state = get_parallel_state()
-    return state
+from .topology import resolve_state
 
 
 def check_sequence_length(seq_len: int, state=None) -> None:
     """Raise ValueError if ``seq_len`` cannot be sharded under ``state`` (see module doc)."""
-    state = _state(state)
+    state = resolve_state(state)
     cp, tp, sp = state.cp_size, state.tp_size, state.sequence_parallel
     div = (2 * cp if cp > 1 else 1) * (tp if sp else 1)
     if seq_len % div != 0:
@@ -47,7 +42,7 @@ def cp_chunk_ids(cp_rank: int, cp_size: int) -> tuple[int, int]:
 def shard_sequence(tensor: torch.Tensor, seq_dim: int, state=None) -> torch.Tensor:
     """This CP rank's load-balanced shard of a full-sequence tensor (no communication):
     chunks ``r`` and ``2*cp-1-r`` of ``2*cp`` along ``seq_dim``, concatenated."""
-    state = _state(state)
+    state = resolve_state(state)
     check_sequence_length(tensor.shape[seq_dim], state)
     cp = state.cp_size
     if cp == 1:
@@ -96,7 +91,7 @@ def unshard_sequence(tensor: torch.Tensor, seq_dim: int, state=None) -> torch.Te
     group, then restore natural order. Differentiable: backward keeps this rank's chunks of
     the gradient, i.e. it assumes every CP rank computes the same loss from the full
     tensor (as when the result feeds a replicated computation)."""
-    state = _state(state)
+    state = resolve_state(state)
     cp = state.cp_size
     if cp == 1:
         return tensor

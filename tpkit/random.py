@@ -9,15 +9,18 @@ Seeding (``model_parallel_seed``):
   as in Megatron-Core and TE: layers initialise their weight shards from this stream, and
   the ranks of one CP group hold ONE copy of the model, so they must draw the same shards
   (a CP-dependent stream silently gave every CP rank different weights).
-Seeds are ``mix63(pack(stream, tp, cp, pp) xor mix63(seed))`` where ``pack`` is injective
-(20 bits per coordinate, 62 bits in all) and ``mix63`` is a bijection of 63-bit integers, so two distinct
-(stream, coordinate) pairs can never get the same seed for a given base seed.
+Seeds are ``mix63(pack(stream, tp, cp, pp) xor mix63(seed))`` where ``pack`` is
+injective (20 bits per coordinate, 62 bits in all) and ``mix63`` is a bijection of 63-bit
+integers, so two distinct (stream, coordinate) pairs can never get the same seed for a
+given base seed.
 """
 from __future__ import annotations
 
 import contextlib
 
 import torch
+
+from .topology import resolve_state
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"
 _MASK63 = (1 << 63) - 1
@@ -130,9 +133,7 @@ def get_rng_tracker() -> RNGStatesTracker:
 def model_parallel_seed(seed: int, state=None) -> RNGStatesTracker:
     """Seed the default stream (same on a whole PP stage) and the tracker's
     model-parallel stream (distinct per tp and pp coordinate). Returns the tracker."""
-    if state is None:
-        from .topology import get_parallel_state
-        state = get_parallel_state()
+    state = resolve_state(state)
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed={seed!r} must be a non-negative integer")
     tracker = get_rng_tracker()

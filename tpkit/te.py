@@ -21,6 +21,8 @@ from collections.abc import Mapping
 
 import torch
 
+from .topology import resolve_state
+
 CHECKED_TE_VERSION = "2.20.2"
 INSTALL_HINT = "pip install 'tpkit[te]'"
 
@@ -87,13 +89,6 @@ def te_recipe(spec):
     return recipe_mod.DelayedScaling(**spec)
 
 
-def _state_or_current(state):
-    if state is not None:
-        return state
-    from .topology import get_parallel_state
-    return get_parallel_state()
-
-
 def te_autocast(enabled: bool = True, recipe=None, group=None, *, calibrating: bool = False,
                 state=None):
     """TE's fp8 autocast context under either API name. ``group=None`` means the state's
@@ -103,7 +98,7 @@ def te_autocast(enabled: bool = True, recipe=None, group=None, *, calibrating: b
     if group is None:
         from .topology import is_initialized
         if state is not None or is_initialized():
-            group = _state_or_current(state).amax_group
+            group = resolve_state(state).amax_group
     if hasattr(te, "autocast"):  # TE >= 2.9
         return te.autocast(enabled=enabled, calibrating=calibrating, recipe=recipe,
                            amax_reduction_group=group)
@@ -167,7 +162,7 @@ def wire_parallel_groups(model: torch.nn.Module, state=None) -> list[tuple[str, 
     CUDA stream is needed. TE's container setters (TransformerLayer) also recurse into
     their children; the calls are idempotent, so every module is set directly as well.
     """
-    state = _state_or_current(state)
+    state = resolve_state(state)
     modules = [(name, m) for name, m in model.named_modules() if is_te_module(m) and (
         hasattr(m, "set_tensor_parallel_group") or hasattr(m, "set_context_parallel_group"))]
     for name, m in modules:
@@ -215,7 +210,7 @@ def checkpoint(function, *args, distribute_saved_activations: bool = False,
     if tp_group is None:
         from .topology import is_initialized
         if is_initialized():
-            tp_group = _state_or_current(None).tp_group
+            tp_group = resolve_state(None).tp_group
     return te.checkpoint(function, *args,
                          distribute_saved_activations=distribute_saved_activations,
                          get_rng_state_tracker=get_rng_state_tracker, tp_group=tp_group,
@@ -244,7 +239,7 @@ def make(kind: str, state=None, **kwargs) -> torch.nn.Module:
         raise ValueError(f"kind={kind!r} has no Transformer Engine module; use one of "
                          f"{sorted(KINDS)}")
     te = require_te()
-    state = _state_or_current(state)
+    state = resolve_state(state)
     cls_name, fixed = KINDS[kind]
     cls = getattr(te, cls_name)
     accepted = inspect.signature(cls).parameters

@@ -281,6 +281,12 @@ def get_parallel_state() -> ParallelState:
     return _CURRENT
 
 
+def resolve_state(state: "ParallelState | None" = None) -> ParallelState:
+    """``state`` itself, or the current state when it is None (every ``state=None``
+    keyword in tpkit means this)."""
+    return get_parallel_state() if state is None else state
+
+
 def is_initialized() -> bool:
     return _CURRENT is not None
 

@@ -8,12 +8,7 @@ import math
 import torch
 from torch import nn
 
-
-def resolve_state(state):
-    if state is None:
-        from ..topology import get_parallel_state
-        state = get_parallel_state()
-    return state
+from ..topology import resolve_state  # noqa: F401  (re-exported to the layers)
 
 
 class SharedRef:
