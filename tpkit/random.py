@@ -47,6 +47,20 @@ def derive_seed(seed: int, stream: int, tp: int = 0, cp: int = 0, pp: int = 0) -
     return _mix63(packed ^ _mix63(seed))
 
 
+def get_device_rng_state(device: torch.device) -> torch.Tensor:
+    """The default generator's state of ``device`` (the CPU generator for cpu)."""
+    if device.type == "cuda":
+        return torch.cuda.get_rng_state(device)
+    return torch.get_rng_state()
+
+
+def set_device_rng_state(state: torch.Tensor, device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
+
+
 class RNGStatesTracker:
     """Named RNG states that ``fork()`` swaps in and out of the device's default generator.
 
@@ -64,15 +78,10 @@ class RNGStatesTracker:
 
     # --- generator access ---
     def _get(self) -> torch.Tensor:
-        if self.device.type == "cuda":
-            return torch.cuda.get_rng_state(self.device)
-        return torch.get_rng_state()
+        return get_device_rng_state(self.device)
 
     def _set(self, state: torch.Tensor) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.set_rng_state(state, self.device)
-        else:
-            torch.set_rng_state(state)
+        set_device_rng_state(state, self.device)
 
     def _seed(self, seed: int) -> None:
         if self.device.type == "cuda":

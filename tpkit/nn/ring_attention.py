@@ -46,21 +46,17 @@ def _wait(works) -> None:
 
 def _stream_generator(device: torch.device) -> torch.Generator:
     """A generator at the tracker's model-parallel stream (the stream is not advanced)."""
-    from ..random import get_rng_tracker
+    from ..random import get_device_rng_state, get_rng_tracker
     gen = torch.Generator(device=device)
     with get_rng_tracker().fork():
-        gen.set_state(torch.cuda.get_rng_state(device) if device.type == "cuda"
-                      else torch.get_rng_state())
+        gen.set_state(get_device_rng_state(device))
     return gen
 
 
 def _advance_stream(gen: torch.Generator, device: torch.device) -> None:
-    from ..random import get_rng_tracker
+    from ..random import get_rng_tracker, set_device_rng_state
     with get_rng_tracker().fork():
-        if device.type == "cuda":
-            torch.cuda.set_rng_state(gen.get_state(), device)
-        else:
-            torch.set_rng_state(gen.get_state())
+        set_device_rng_state(gen.get_state(), device)
 
 
 def _plan(step: int, rank: int, n: int, causal: bool, sq: int, sk: int):
