@@ -73,19 +73,18 @@ def parse_args(argv=None) -> argparse.Namespace:
 def full_init(model: torch.nn.Module, seed: int) -> None:
     """Layout-independent initialisation: draw every parameter at its full (unsharded)
     shape from a generator seeded by (seed, parameter index), then shard it in."""
-    from tpkit.checkpoint import full_state_dict, load_full_state_dict
-    full = full_state_dict(model)
+    from tpkit.checkpoint import full_shapes, load_full_state_dict
     new = {}
-    for i, (name, t) in enumerate(sorted(full.items())):
+    for i, (name, shape) in enumerate(sorted(full_shapes(model).items())):
         g = torch.Generator().manual_seed(seed * 10_007 + i)
-        if name.endswith("weight") and t.dim() == 1:      # norm scales
-            new[name] = torch.ones_like(t)
-        elif t.dim() == 1:                                 # biases
-            new[name] = torch.zeros_like(t)
+        if name.endswith("weight") and len(shape) == 1:   # norm scales
+            new[name] = torch.ones(shape)
+        elif len(shape) == 1:                              # biases
+            new[name] = torch.zeros(shape)
         else:
             std = 0.02 / math.sqrt(2 * model.cfg.num_layers) if "proj" in name or "fc2" in name \
                 else 0.02
-            new[name] = torch.randn(t.shape, generator=g, dtype=torch.float32).mul_(std).to(t)
+            new[name] = torch.randn(shape, generator=g, dtype=torch.float32).mul_(std)
     load_full_state_dict(model, new)
 
 

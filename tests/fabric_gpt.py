@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import zlib
 from torch import nn
 
-from tpkit.checkpoint import load_full_state_dict
+from tpkit.checkpoint import full_shapes, load_full_state_dict
 from tpkit.data import shard_sequence
 from tpkit.nn import (ColumnParallelLinear, LayerNorm, RMSNorm, RowParallelLinear,
                       VocabParallelEmbedding, vocab_parallel_cross_entropy)
@@ -57,11 +57,7 @@ def build(state) -> TinyGPT:
     """TinyGPT at ``state``'s layout holding the same full weights at every layout."""
     model = TinyGPT(state)
     full = {}
-    for name, t in model.state_dict(keep_vars=True).items():
-        shape = list(t.shape)
-        dim = getattr(t, "tp_partition_dim", None)
-        if dim is not None:
-            shape[dim] *= state.tp_size
+    for name, shape in full_shapes(model, state).items():
         g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
         full[name] = (1.0 + 0.1 * torch.randn(shape, generator=g) if "norm" in name
                       else torch.randn(shape, generator=g) / shape[-1] ** 0.5)

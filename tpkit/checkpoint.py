@@ -15,7 +15,8 @@ from torch import nn
 
 from .topology import resolve_state
 
-__all__ = ["full_state_dict", "load_full_state_dict", "gather_param", "shard_tensor"]
+__all__ = ["full_state_dict", "load_full_state_dict", "full_shapes", "gather_param",
+           "shard_tensor"]
 
 
 def gather_param(p: torch.Tensor, dim: int, sizes, group) -> torch.Tensor:
@@ -57,6 +58,21 @@ def full_state_dict(model: nn.Module, state=None) -> dict[str, torch.Tensor]:
         else:
             out[name] = gather_param(t, dim, getattr(p, "tp_partition_sizes", None),
                                      state.tp_group)
+    return out
+
+
+def full_shapes(model: nn.Module, state=None) -> dict[str, torch.Size]:
+    """The full (unsharded) shape of every state-dict entry, without communication: what
+    full_state_dict would return shapes of, e.g. to draw a layout-independent init."""
+    n = resolve_state(state).tp_size
+    params = dict(model.named_parameters(remove_duplicate=False))
+    out = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        shape = list(t.shape)
+        dim = getattr(params.get(name), "tp_partition_dim", None)
+        if dim is not None:
+            shape[dim] *= n
+        out[name] = torch.Size(shape)
     return out
 
 
