@@ -2,7 +2,8 @@
 
 ``with count_collectives() as calls: ...`` patches the public collective functions of
 ``torch.distributed`` (code must call them as ``dist.all_reduce(...)``, i.e. through the
-module, which tpkit does) and records one ``Call(op, group_size)`` per call. Calls on a
+module, which tpkit does), plus tpkit.shm's shared-memory all-reduce, and records one
+``Call(op, group_size)`` per call. Calls on a
 group of one rank are recorded too, so a test can assert that none were made.
 ``calls.count("all_reduce")`` counts by name, optionally ``min_group_size=2``.
 Pass ``group=`` by keyword: a group passed positionally is counted as the world.
@@ -13,6 +14,8 @@ import contextlib
 import dataclasses
 
 import torch.distributed as dist
+
+from tpkit.shm import ShmAllReduce
 
 OPS = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
        "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "broadcast", "reduce",
@@ -60,10 +63,20 @@ def count_collectives():
             return fn(*args, **kwargs)
         return inner
 
+    # tpkit.shm's shared-memory all-reduce (TP groups on CPU) bypasses torch.distributed:
+    # count it as the all_reduce it is.
+    shm_orig = ShmAllReduce.all_reduce_
+
+    def shm_inner(self, x):
+        calls.append(Call("all_reduce", self.size))
+        return shm_orig(self, x)
+
     for op, fn in originals.items():
         setattr(dist, op, wrap(op, fn))
+    ShmAllReduce.all_reduce_ = shm_inner
     try:
         yield calls
     finally:
         for op, fn in originals.items():
             setattr(dist, op, fn)
+        ShmAllReduce.all_reduce_ = shm_orig

@@ -222,6 +222,9 @@ def build_state(config: ParallelConfig, *, device_type: str | None = None,
         mp_mesh=_sub(mesh, config, ("pp", "tp"), "mp"),
         amax_mesh=_sub(mesh, config, ("dp", "cp", "tp"), "amax"),
         cp_a2a_mesh=a2a, cp_p2p_mesh=p2p, owns_default_group=owns_default_group)
+    if backend == "gloo" and device_type == "cpu" and config.tp > 1:
+        from . import shm
+        shm.setup(state.tp_group)   # collective over the TP group; None keeps gloo
     state.build_seconds = time.perf_counter() - t0
     return state
 
@@ -307,6 +310,9 @@ def destroy_parallel() -> None:
     get_rng_tracker().reset()
     if state is None or not dist.is_initialized():
         return
+    if state.backend != "fake":
+        from . import shm
+        shm.release(state.tp_group)
     if state.backend != "fake":
         # Tearing gloo groups down while a peer is still inside a collective on them
         # aborts the process ("terminate called without an active exception").

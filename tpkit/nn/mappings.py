@@ -8,7 +8,9 @@ backward). Sequence parallelism shards activations along dim 0 (``[s, b, h]``):
 a gathered one (its backward is the reverse all-to-all), for context parallelism.
 
 Every function is the identity when the group has one rank (no collective is issued).
-Collectives are called as ``dist.xxx(..., group=group)`` so tests/commcount.py sees them.
+Collectives are called as ``dist.xxx(..., group=group)`` so tests/commcount.py sees them;
+SUM all-reduces of a TP group on CPU go through its shared-memory transport when it has one
+(tpkit.shm, set up by build_state), which commcount counts too.
 """
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ import warnings
 
 import torch
 import torch.distributed as dist
+
+from .. import shm
 
 # torch 2.13 deprecates the *_tensor names in favour of *_single; the old names are the
 # ones every supported torch has (and the ones tests/commcount.py counts).
@@ -38,7 +42,13 @@ def group_rank(group) -> int:
 
 # --- raw collectives (no autograd) ------------------------------------------------------
 def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    """SUM over ``group`` in place (on a contiguous ``x``): through the group's shared-
+    memory transport when build_state set one up (CPU, one host: tpkit.shm), else the
+    group's backend."""
     x = x.contiguous()
+    t = shm.get(group)
+    if t is not None and t.supports(x):
+        return t.all_reduce_(x)
     dist.all_reduce(x, group=group)
     return x
 
@@ -109,8 +119,7 @@ class _ReduceFromTP(torch.autograd.Function):
     def forward(ctx, x, group, inplace):
         if inplace and x.is_contiguous():
             ctx.mark_dirty(x)   # reduce the (fresh) matmul output without a copy
-            dist.all_reduce(x, group=group)
-            return x
+            return _all_reduce(x, group)
         return _all_reduce(x.clone(), group)
 
     @staticmethod
