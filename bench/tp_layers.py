@@ -109,12 +109,12 @@ def _measure(h, ffn, s, b, quick):
     # ... plus the same collectives alone (g forward, f backward: two all-reduces), through
     # the path the layers take (tpkit.nn.mappings), and gloo's for reference
     from tpkit import shm
-    from tpkit.nn.mappings import _all_reduce
+    from tpkit.nn.mappings import all_reduce_sum
     buf_a, buf_b = torch.randn(s, b, h), torch.randn(s, b, h)
 
     def comm_step():
-        _all_reduce(buf_a, st.tp_group)
-        _all_reduce(buf_b, st.tp_group)
+        all_reduce_sum(buf_a, st.tp_group)
+        all_reduce_sum(buf_b, st.tp_group)
 
     def gloo_step():
         dist.all_reduce(buf_a, group=st.tp_group)

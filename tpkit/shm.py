@@ -14,8 +14,8 @@ set ``p`` again after every rank has arrived one round later, i.e. finished read
 Setup (``setup(group)``) is collective over the group and is done by ``build_state`` for
 the TP group on the gloo backend. The transport is used only when every rank of the group
 is on the same host and can map the segment (checked collectively, so all ranks decide
-alike), on x86-64 (whose total store order makes "data, then flag" visible in that order
-without fences), unless ``TPKIT_SHM_ALLREDUCE=0``. Otherwise the group keeps using gloo,
+alike), on x86-64 (total store order: with one locked instruction between them, "data,
+then flag" becomes visible in that order), unless ``TPKIT_SHM_ALLREDUCE=0``. Otherwise the group keeps using gloo,
 with a warning when the host looked able but the segment failed. The segment lives in
 /dev/shm and is unlinked as soon as every rank has mapped it, so nothing is left behind
 even if a process dies. Waiting spins (yielding the CPU) for a short while, then sleeps;
@@ -28,6 +28,7 @@ import os
 import platform
 import secrets
 import socket
+import threading
 import time
 import warnings
 
@@ -60,6 +61,10 @@ class ShmAllReduce:
         self._data = torch.frombuffer(mm, dtype=torch.uint8, offset=_HEADER,
                                       count=2 * size * SLOT_BYTES)
         self._views: dict[torch.dtype, torch.Tensor] = {}
+        # Taking an uncontended lock is a LOCK-prefixed instruction: it drains the store
+        # buffer, including non-temporal / fast-string stores a large memcpy may use, which
+        # x86 does not otherwise order before the flag store.
+        self._fence = threading.Lock()
         self.seq = 0
 
     def supports(self, x: torch.Tensor) -> bool:
@@ -88,6 +93,8 @@ class ShmAllReduce:
             self.seq += 1
             cur = slots[self.seq & 1]
             cur[self.rank, :k].copy_(part)
+            with self._fence:
+                pass
             self._flags[self.rank * (_LINE // 8)] = self.seq   # publish after the data
             self._wait(self.seq)
             torch.add(cur[0, :k], cur[1, :k], out=part)

@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .mappings import all_reduce_sum
+
 __all__ = ["vocab_parallel_cross_entropy"]
 
 
@@ -51,7 +53,7 @@ class _VocabParallelCE(torch.autograd.Function):
             parts.append(shifted.sum(dim=-1))
         packed = torch.stack(parts)
         if n > 1:
-            dist.all_reduce(packed, group=group)
+            all_reduce_sum(packed, group)
         picked, sum_exp = packed[0], packed[1]
         log_z = sum_exp.log()
         loss = log_z - picked                                    # -log p_target

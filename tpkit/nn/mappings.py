@@ -29,7 +29,7 @@ warnings.filterwarnings("ignore", category=FutureWarning,
 
 __all__ = ["copy_to_tp_region", "reduce_from_tp_region", "scatter_to_tp_region",
            "gather_from_tp_region", "gather_from_sp_region", "reduce_scatter_to_sp_region",
-           "scatter_to_sp_region", "all_to_all", "group_size", "group_rank"]
+           "scatter_to_sp_region", "all_to_all", "all_reduce_sum", "group_size", "group_rank"]
 
 
 def group_size(group) -> int:
@@ -41,10 +41,10 @@ def group_rank(group) -> int:
 
 
 # --- raw collectives (no autograd) ------------------------------------------------------
-def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
-    """SUM over ``group`` in place (on a contiguous ``x``): through the group's shared-
-    memory transport when build_state set one up (CPU, one host: tpkit.shm), else the
-    group's backend."""
+def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
+    """SUM over ``group``, in place when ``x`` is contiguous (returns the reduced tensor),
+    through the group's shared-memory transport when build_state set one up (CPU, one
+    host: tpkit.shm), else the group's backend. No autograd; every TP SUM goes here."""
     x = x.contiguous()
     t = shm.get(group)
     if t is not None and t.supports(x):
@@ -111,7 +111,7 @@ class _CopyToTP(torch.autograd.Function):
     def backward(ctx, g):
         # The incoming gradient may alias other tensors (a user's grad, a fan-out), so it
         # is reduced in place only when the caller guarantees it is a fresh matmul result.
-        return _all_reduce(g if ctx.inplace else g.clone(), ctx.group), None, None
+        return all_reduce_sum(g if ctx.inplace else g.clone(), ctx.group), None, None
 
 
 class _ReduceFromTP(torch.autograd.Function):
@@ -119,8 +119,8 @@ class _ReduceFromTP(torch.autograd.Function):
     def forward(ctx, x, group, inplace):
         if inplace and x.is_contiguous():
             ctx.mark_dirty(x)   # reduce the (fresh) matmul output without a copy
-            return _all_reduce(x, group)
-        return _all_reduce(x.clone(), group)
+            return all_reduce_sum(x, group)
+        return all_reduce_sum(x.clone(), group)
 
     @staticmethod
     def backward(ctx, g):

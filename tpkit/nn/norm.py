@@ -8,13 +8,13 @@ the TP group (Megatron's ``_allreduce_layernorm_grads``) before the optimizer st
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ._backend import TEBackendMixin
 from ._common import ParallelModule, divide, resolve_sp, resolve_state, set_tp_attrs
+from .mappings import all_reduce_sum
 
 __all__ = ["LayerNorm", "RMSNorm", "sync_sequence_parallel_grads"]
 
@@ -95,7 +95,6 @@ def all_reduce_flat(tensors: list[torch.Tensor], group) -> None:
     for t in tensors:
         by_dtype.setdefault(t.dtype, []).append(t)
     for bucket in by_dtype.values():
-        flat = _flatten_dense_tensors(bucket)
-        dist.all_reduce(flat, group=group)
+        flat = all_reduce_sum(_flatten_dense_tensors(bucket), group)
         for t, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
             t.copy_(synced)
