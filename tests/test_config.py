@@ -60,3 +60,12 @@ def test_bad_env(env, needle):
     with pytest.raises(ValueError) as err:
         ParallelConfig.from_env(env)
     assert needle in str(err.value)
+
+
+def test_shm_allreduce_switch():
+    from tpkit.config import shm_allreduce_enabled
+    assert shm_allreduce_enabled({}) is True
+    assert shm_allreduce_enabled({"TPKIT_SHM_ALLREDUCE": "0"}) is False
+    assert shm_allreduce_enabled({"TPKIT_SHM_ALLREDUCE": "yes"}) is True
+    with pytest.raises(ValueError, match="TPKIT_SHM_ALLREDUCE='sometimes' is not a boolean"):
+        shm_allreduce_enabled({"TPKIT_SHM_ALLREDUCE": "sometimes"})

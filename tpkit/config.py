@@ -164,3 +164,17 @@ class ParallelConfig:
     def env_is_set(cls, env: Mapping[str, str] | None = None) -> bool:
         env = os.environ if env is None else env
         return any(var in env for var in ENV_VARS.values())
+
+
+def shm_allreduce_enabled(env: Mapping[str, str] | None = None) -> bool:
+    """``TPKIT_SHM_ALLREDUCE`` (default on): may TP groups on CPU sum through shared memory
+    (tpkit.shm)? Checked by tpkit-launch before workers start and by init_parallel."""
+    env = os.environ if env is None else env
+    raw = env.get("TPKIT_SHM_ALLREDUCE", "1").strip().lower()
+    if raw in _TRUE:
+        return True
+    if raw in _FALSE:
+        return False
+    raise ValueError(f"TPKIT_SHM_ALLREDUCE={env['TPKIT_SHM_ALLREDUCE']!r} is not a boolean; "
+                     "use 0 (TP all-reduces through gloo) or 1 (through shared memory when "
+                     "every TP rank is on one host)")

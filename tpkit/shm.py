@@ -15,8 +15,9 @@ Setup (``setup(group)``) is collective over the group and is done by ``build_sta
 the TP group on the gloo backend. The transport is used only when every rank of the group
 is on the same host and can map the segment (checked collectively, so all ranks decide
 alike), on x86-64 (total store order: with one locked instruction between them, "data,
-then flag" becomes visible in that order), unless ``TPKIT_SHM_ALLREDUCE=0``. Otherwise the group keeps using gloo,
-with a warning when the host looked able but the segment failed. The segment lives in
+then flag" becomes visible in that order), unless ``TPKIT_SHM_ALLREDUCE=0``. Otherwise
+the group keeps using gloo, with a warning when the host looked able but the segment
+failed. The segment lives in
 /dev/shm and is unlinked as soon as every rank has mapped it, so nothing is left behind
 even if a process dies. Waiting spins (yielding the CPU) for a short while, then sleeps;
 it raises after the group's own timeout, naming the ranks that never arrived.
@@ -34,6 +35,8 @@ import warnings
 
 import torch
 import torch.distributed as dist
+
+from .config import shm_allreduce_enabled
 
 __all__ = ["SLOT_BYTES", "ShmAllReduce", "get", "release", "setup"]
 
@@ -120,7 +123,7 @@ class ShmAllReduce:
                         if self._flags[j * step] < seq]
                 raise RuntimeError(
                     f"tpkit shared-memory all-reduce over ranks {self.ranks} timed out after "
-                    f"{self.timeout_s:.0f} s at round {seq}: ranks {late} never arrived (did a "
+                    f"{self.timeout_s:g} s at round {seq}: ranks {late} never arrived (did a "
                     "rank die or skip a collective the others issued?)")
             time.sleep(_SLEEP_S)
 
@@ -136,7 +139,7 @@ class ShmAllReduce:
 
 def _local_reason() -> str | None:
     """Why this process cannot take part, or None."""
-    if os.environ.get("TPKIT_SHM_ALLREDUCE", "1") == "0":
+    if not shm_allreduce_enabled():
         return "disabled by TPKIT_SHM_ALLREDUCE=0"
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return f"not on x86-64 ({platform.machine()})"

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from .config import ParallelConfig
+from .config import ParallelConfig, shm_allreduce_enabled
 
 MESH_DIMS = ("pp", "dp", "cp", "tp")
 
@@ -260,6 +260,7 @@ def init_parallel(tp: int | None = None, cp: int | None = None, pp: int | None =
         config.validate(int(os.environ["WORLD_SIZE"]))
     else:
         config.validate(1)
+    shm_allreduce_enabled()   # a bad TPKIT_SHM_ALLREDUCE fails before any group exists
     if backend == "nccl" and not torch.cuda.is_available():
         raise ValueError("backend='nccl' needs CUDA GPUs and none are visible; use backend='gloo'")
     owns = _init_default_group(backend or _default_backend())
