@@ -74,6 +74,12 @@ def _measure(h, ffn, s, b, quick):
         xp.grad = None
         mlp(xp).backward(dy)
 
+    from tpkit import shm
+
+    def tpkit_gloo_step():  # the same module with its TP sums through gloo
+        with shm.bypassed(st.tp_group):
+            tpkit_step()
+
     class MLP(nn.Module):
         def __init__(self):
             super().__init__()
@@ -108,7 +114,6 @@ def _measure(h, ffn, s, b, quick):
 
     # ... plus the same collectives alone (g forward, f backward: two all-reduces), through
     # the path the layers take (tpkit.nn.mappings), and gloo's for reference
-    from tpkit import shm
     from tpkit.nn.mappings import all_reduce_sum
     buf_a, buf_b = torch.randn(s, b, h), torch.randn(s, b, h)
 
@@ -123,12 +128,15 @@ def _measure(h, ffn, s, b, quick):
     # sanity: both parallel versions compute the same thing
     out_t, out_d = mlp(x), dt(x)
     assert torch.allclose(out_t, out_d, rtol=1e-4, atol=1e-5), (out_t - out_d).abs().max()
+    with shm.bypassed(st.tp_group):  # two ranks: shared memory sums bitwise like gloo
+        assert torch.equal(out_t, mlp(x))
 
     big = h >= 1024
     rounds, per_round = (3, 2) if quick else ((5, 4) if big else (10, 20))
-    keys = ["tpkit", "dtensor", "compute", "comm", "gloo"]
+    keys = ["tpkit", "dtensor", "compute", "comm", "gloo", "tpkit_gloo"]
     med = _steps(dict(zip(keys, (tpkit_step, dtensor_step, compute_step, comm_step,
-                                 gloo_step))), rounds, per_round, warmup=2 if big else 5)
+                                 gloo_step, tpkit_gloo_step))),
+                 rounds, per_round, warmup=2 if big else 5)
     # rank 0 reports the slower rank's median of each (the step is collective anyway)
     t = torch.tensor([med[k] for k in keys], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=st.tp_group)
@@ -180,6 +188,10 @@ def main(quick: bool = False) -> dict:
                                    f"({r['transport']}) {fmt(r['comm'], 'ms')}",
                          peer=fmt(floor, "ms"), ratio=r["tpkit"] / floor,
                          target=f"<= {targets['floor']}x" if "floor" in targets else ""))
+        rows.append(dict(what=f"{name}: tpkit, TP sums through gloo (shm.bypassed)",
+                         figure=fmt(r["tpkit_gloo"], "ms"), peer_name="DTensor",
+                         peer=fmt(r["dtensor"], "ms"), ratio=r["tpkit_gloo"] / r["dtensor"],
+                         target=""))
         rows.append(dict(what=f"{name}: the 2 all-reduces alone, tpkit's path",
                          figure=fmt(r["comm"], "ms"), peer_name="gloo's all_reduce",
                          peer=fmt(r["gloo"], "ms"), ratio=r["comm"] / r["gloo"], target=""))

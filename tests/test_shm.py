@@ -186,3 +186,36 @@ def test_no_segment_warns_and_keeps_gloo():
         assert none
         assert any("use gloo, not shared memory" in m and "No space left" in m
                    for m in msgs), msgs
+
+
+def _shared_and_bypassed():
+    import torch.distributed as dist
+
+    import tpkit
+    from tpkit import shm
+    from tpkit.topology import build_state
+    st = tpkit.init_parallel(tp=2, seed=None)
+    t = shm.get(st.tp_group)
+    again = build_state(st.config)          # the same (world) TP group: the same transport
+    same = shm.get(again.tp_group) is t and again.tp_group is st.tp_group
+    x = torch.full((3,), float(st.rank + 1))
+    with shm.bypassed(st.tp_group):
+        with count_collectives() as calls:
+            from tpkit.nn.mappings import all_reduce_sum
+            all_reduce_sum(x, st.tp_group)
+        inside = (shm.get(st.tp_group) is None, t.seq, calls.summary())
+    all_reduce_sum(x, st.tp_group)
+    dist.barrier()
+    mine = {id(g) for g in st.mesh.get_all_groups()}
+    for g in again.mesh.get_all_groups():   # its own size-1 groups: keep the pool clean
+        if id(g) not in mine:
+            dist.destroy_process_group(g)
+    return same, inside, shm.get(st.tp_group) is t, t.seq, x.tolist()
+
+
+def test_states_sharing_a_group_share_its_transport_and_bypass_uses_gloo():
+    for same, inside, back, seq, x in run(_shared_and_bypassed, 2):
+        assert same
+        assert inside == (True, 0, {"all_reduce": 1})   # via dist, the transport untouched
+        assert back and seq == 1
+        assert x == [6.0, 6.0, 6.0]                      # (1 + 2) summed twice

@@ -24,6 +24,7 @@ it raises after the group's own timeout, naming the ranks that never arrived.
 """
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import platform
@@ -38,7 +39,7 @@ import torch.distributed as dist
 
 from .config import shm_allreduce_enabled
 
-__all__ = ["SLOT_BYTES", "ShmAllReduce", "get", "release", "setup"]
+__all__ = ["SLOT_BYTES", "ShmAllReduce", "bypassed", "get", "release", "setup"]
 
 SLOT_BYTES = 1 << 20          # per rank and parity; larger tensors go in chunks
 _LINE = 64                    # one cache line per rank flag (no false sharing)
@@ -195,10 +196,16 @@ def _timeout_s(group) -> float:
 
 def setup(group) -> ShmAllReduce | None:
     """Collective over ``group``: map one shared segment on every rank, or decide (all
-    ranks alike) to leave the group on its backend. Returns the transport or None."""
+    ranks alike) to leave the group on its backend. Returns the transport or None. A group
+    has at most one transport: states sharing a group (a TP group spanning the world is the
+    default group) share it, so a second setup returns the first (no collective: every rank
+    made the same earlier calls)."""
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     if size == 1:
         return None
+    existing = get(group)
+    if existing is not None:
+        return existing
     reason, path, mm = _local_reason(), None, None
     token = secrets.token_bytes(_TOKEN)
     if rank == 0 and reason is None:
@@ -248,3 +255,16 @@ def release(group) -> None:
     entry = _TRANSPORTS.pop(getattr(group, "group_name", None), None)
     if entry is not None:
         entry[1].close()
+
+
+@contextlib.contextmanager
+def bypassed(group):
+    """Within the block ``group``'s SUMs go through its backend instead (to compare the two
+    or rule the transport out while debugging). Every rank of the group must enter and
+    leave it at the same point of the program, like a collective."""
+    entry = _TRANSPORTS.pop(getattr(group, "group_name", None), None)
+    try:
+        yield
+    finally:
+        if entry is not None:
+            _TRANSPORTS[group.group_name] = entry
