@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from . import shm
 from .config import ParallelConfig, shm_allreduce_enabled
 
 MESH_DIMS = ("pp", "dp", "cp", "tp")
@@ -223,7 +224,6 @@ def build_state(config: ParallelConfig, *, device_type: str | None = None,
         amax_mesh=_sub(mesh, config, ("dp", "cp", "tp"), "amax"),
         cp_a2a_mesh=a2a, cp_p2p_mesh=p2p, owns_default_group=owns_default_group)
     if backend == "gloo" and device_type == "cpu" and config.tp > 1:
-        from . import shm
         shm.setup(state.tp_group)   # collective over the TP group; None keeps gloo
     state.build_seconds = time.perf_counter() - t0
     return state
@@ -312,12 +312,10 @@ def destroy_parallel() -> None:
     if state is None or not dist.is_initialized():
         return
     if state.backend != "fake":
-        from . import shm
-        shm.release(state.tp_group)
-    if state.backend != "fake":
         # Tearing gloo groups down while a peer is still inside a collective on them
         # aborts the process ("terminate called without an active exception").
         dist.barrier()
+        shm.release(state.tp_group)
     world = dist.group.WORLD
     groups = {}  # resolve every group first: meshes share groups by name
     for mesh in (state.mesh, state.dp_cp_mesh, state.tp_cp_mesh, state.mp_mesh,
