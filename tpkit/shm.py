@@ -194,6 +194,24 @@ def _timeout_s(group) -> float:
         return float(os.environ.get("TPKIT_PG_TIMEOUT", "600"))
 
 
+def _agree(group, size, rank, reason, path, mm, token):
+    """The collective half of setup(): share rank 0's segment, map it, agree on the result."""
+    info: list = [None] * size
+    dist.all_gather_object(info, (_host_key(), reason, path, token), group=group)
+    hosts = {i[0] for i in info}
+    reasons = [i[1] for i in info if i[1] is not None]
+    path, token = info[0][2], info[0][3]
+    err = None
+    if len(hosts) == 1 and not reasons and rank != 0:
+        try:
+            mm = _attach(path, size, token)
+        except (OSError, ValueError) as e:
+            err = f"rank {dist.get_global_rank(group, rank)} cannot map {path} ({e})"
+    ok = torch.tensor([int(len(hosts) == 1 and not reasons and err is None)])
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+    return int(ok), mm, reasons, err, hosts
+
+
 def setup(group) -> ShmAllReduce | None:
     """Collective over ``group``: map one shared segment on every rank, or decide (all
     ranks alike) to leave the group on its backend. Returns the transport or None. A group
@@ -213,23 +231,13 @@ def setup(group) -> ShmAllReduce | None:
             path, mm = _create(size, token)
         except OSError as e:
             reason = f"cannot allocate the /dev/shm segment ({e})"
-    info: list = [None] * size
-    dist.all_gather_object(info, (_host_key(), reason, path, token), group=group)
-    hosts = {i[0] for i in info}
-    reasons = [i[1] for i in info if i[1] is not None]
-    path, token = info[0][2], info[0][3]
-    err = None
-    if len(hosts) == 1 and not reasons and rank != 0:
-        try:
-            mm = _attach(path, size, token)
-        except (OSError, ValueError) as e:
-            err = f"rank {dist.get_global_rank(group, rank)} cannot map {path} ({e})"
-    ok = torch.tensor([int(len(hosts) == 1 and not reasons and err is None)])
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
-    if rank == 0 and path is not None:
-        os.unlink(path)      # every rank has it mapped (or gave up): nothing to leak
+    try:
+        ok, mm, reasons, err, hosts = _agree(group, size, rank, reason, path, mm, token)
+    finally:
+        if path is not None:
+            os.unlink(path)   # every rank has it mapped or gave up (or a peer failed)
     ranks = dist.get_process_group_ranks(group)
-    if not int(ok):
+    if not ok:
         if mm is not None:
             mm.close()
         why = reasons[0] if reasons else (err or "a peer could not map the segment")
