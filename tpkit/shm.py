@@ -241,7 +241,7 @@ def setup(group) -> ShmAllReduce | None:
         if mm is not None:
             mm.close()
         why = reasons[0] if reasons else (err or "a peer could not map the segment")
-        if len(hosts) == 1 and not why.startswith(("disabled", "not on x86")):
+        if len(hosts) == 1 and not why.startswith(("disabled", "not on x86", "no /dev/shm")):
             warnings.warn(f"tpkit: TP all-reduces over ranks {ranks} use gloo, not shared "
                           f"memory: {why}", RuntimeWarning, stacklevel=2)
         return None
