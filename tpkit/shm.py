@@ -61,7 +61,8 @@ class ShmAllReduce:
                  ranks: list[int]):
         self.size, self.rank, self.timeout_s, self.ranks = size, rank, timeout_s, ranks
         self._mm = mm
-        self._flags = memoryview(mm).cast("q")          # flag of rank j at [j * 8]
+        self._flags = memoryview(mm).cast("q")
+        self._flag_at = [j * (_LINE // 8) for j in range(size)]   # rank j's flag index
         self._data = torch.frombuffer(mm, dtype=torch.uint8, offset=_HEADER,
                                       count=2 * size * SLOT_BYTES)
         self._views: dict[torch.dtype, torch.Tensor] = {}
@@ -99,15 +100,15 @@ class ShmAllReduce:
             cur[self.rank, :k].copy_(part)
             with self._fence:
                 pass
-            self._flags[self.rank * (_LINE // 8)] = self.seq   # publish after the data
+            self._flags[self._flag_at[self.rank]] = self.seq   # publish after the data
             self._wait(self.seq)
             torch.add(cur[0, :k], cur[1, :k], out=part)
             for j in range(2, self.size):
                 part.add_(cur[j, :k])
 
     def _arrived(self, seq: int) -> bool:
-        f, step = self._flags, _LINE // 8
-        return all(f[j * step] >= seq for j in range(self.size))
+        f = self._flags
+        return all(f[i] >= seq for i in self._flag_at)
 
     def _wait(self, seq: int) -> None:
         if self._arrived(seq):
@@ -119,9 +120,8 @@ class ShmAllReduce:
         deadline = time.monotonic() + self.timeout_s
         while not self._arrived(seq):
             if time.monotonic() > deadline:
-                step = _LINE // 8
-                late = [self.ranks[j] for j in range(self.size)
-                        if self._flags[j * step] < seq]
+                late = [self.ranks[j] for j, i in enumerate(self._flag_at)
+                        if self._flags[i] < seq]
                 raise RuntimeError(
                     f"tpkit shared-memory all-reduce over ranks {self.ranks} timed out after "
                     f"{self.timeout_s:g} s at round {seq}: ranks {late} never arrived (did a "
