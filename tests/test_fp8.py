@@ -5,6 +5,7 @@ import copy
 import enum
 import types
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -72,15 +73,15 @@ def test_recipe_from_dict_te_object_and_errors():
 
 # --- the scale formula -----------------------------------------------------------------------
 def _ref_scale(amax, fp8_max, margin, prev):
-    """Largest e with amax * 2**e <= fp8_max (exact: scaling by 2**e is exact), minus margin."""
-    if not (amax > 0 and amax < float("inf")):
+    """TE 2.x (common/recipe/delayed_scaling.cu): float32 ``fp8_max * 2**-margin / amax``;
+    the previous scale for an amax of 0, inf or nan; float32's max when the ratio
+    overflows. Written with numpy float32 scalars, independently of tpkit.fp8."""
+    a = np.float32(amax)
+    if not (a > 0 and np.isfinite(a)):
         return prev
-    e = 0
-    while amax * 2.0 ** e > fp8_max:
-        e -= 1
-    while amax * 2.0 ** (e + 1) <= fp8_max:
-        e += 1
-    return 2.0 ** max(-126, min(127, e - margin))
+    with np.errstate(over="ignore", divide="ignore"):
+        s = np.float32(np.float32(fp8_max) * np.float32(2.0 ** -margin)) / a
+    return float(np.finfo(np.float32).max if np.isinf(s) else s)
 
 
 AMAXES = [448 / 3, 1.0, 448.0, 448.0001, 3.5, 1e-3, 57344.0, 7e4, 1e-30]
@@ -290,3 +291,35 @@ def test_fp8_training_tracks_fp32():
     assert dev <= 0.02 * ref[0], (dev, ref[0])
     assert abs(q[-1] - ref[-1]) <= 0.25 * ref[-1], (q[-1], ref[-1])
     assert q != ref  # fp8 really changed the numbers
+
+
+def test_fp8_linear_with_te_scales_against_a_float64_reference():
+    """Scales that are not powers of two (TE 2.x's): every GEMM multiplies the quantized
+    values and scales the result by 1/scale_a * 1/scale_b (TE's fp8 GEMM), so the result is
+    the float64 product of the fp8 values up to float32 accumulation. The reference
+    quantizer is written here: t * s rounded to float32 (exact in float64, then rounded
+    once), saturated, cast to the fp8 dtype."""
+    torch.manual_seed(5)
+    layer = Lin(16, 8)
+    r = DelayedScaling(fp8_format="HYBRID", amax_history_len=2)
+    s = torch.tensor([3.0, 5.0, 7.0])
+    layer.fp8_meta = FP8Meta(r)
+    layer.fp8_meta.scale = s.clone()
+    x = (torch.randn(4, 16) * 100).requires_grad_()
+    g = torch.randn(4, 8) * 1e4
+    with fp8_autocast(recipe=r):
+        y = layer(x)
+    y.backward(g)
+
+    def q(t, scale, dtype, fmax):
+        v = (t.detach().double() * scale).float().clamp(-fmax, fmax)
+        return v.to(dtype).double()
+
+    xq, wq = q(x, 3.0, torch.float8_e4m3fn, 448.0), q(layer.weight, 5.0, torch.float8_e4m3fn, 448.0)
+    gq = q(g, 7.0, torch.float8_e5m2, 57344.0)
+    assert (xq.abs() == 448).any() and (gq.abs() == 57344).any()   # saturation exercised
+    y_ref = xq @ wq.t() / 15.0 + layer.bias.detach().double()
+    torch.testing.assert_close(y.double(), y_ref, rtol=2e-6, atol=1e-4)
+    torch.testing.assert_close(x.grad.double(), gq @ wq / 35.0, rtol=2e-6, atol=1e-4)
+    torch.testing.assert_close(layer.weight.grad.double(), gq.t() @ xq / 21.0, rtol=2e-6,
+                               atol=1e-3)

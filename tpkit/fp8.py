@@ -2,19 +2,22 @@
 
 Inside ``fp8_autocast`` every matmul routed through ``linear(layer, x, weight, bias)``
 (tpkit.nn's one linear function) quantizes its input and weight to E4M3 and, in backward,
-its output gradient to E5M2 (``HYBRID``) or E4M3 (``E4M3``), per tensor, then dequantizes:
-torch's float8 dtypes emulate the rounding and saturation on any device. Scales are
-*delayed*: a step quantizes with the scale computed from earlier steps' amaxes.
+its output gradient to E5M2 (``HYBRID``) or E4M3 (``E4M3``), per tensor: ``t * scale``
+saturated and rounded to nearest by torch's float8 dtypes (as TE's cast). Each GEMM then
+multiplies the quantized values in float32 and scales the result by
+``(1/scale_a) * (1/scale_b)``, as TE's fp8 GEMM does, so the emulation sees the same
+quantized operands as TE (checked against TE on an H100: BENCHMARKS.md, tests/test_gpu.py).
+Scales are *delayed*: a step quantizes with the scale computed from earlier steps' amaxes.
 
 Per layer (``layer.fp8_meta``): an amax history ``[amax_history_len, 3]`` (input, weight,
 grad; row 0 is the step being recorded) and three scales. An update (one per step for the
 forward slots, one per backward for the grad slot):
 1. the recorded row-0 amaxes of all layers are all-reduced (MAX) over ``fp8_group`` in ONE
    collective on one flat tensor (skipped for a group of one or ``reduce_amax=False``);
-2. every ``interval``-th update the scale becomes ``2**(floor(log2(fp8_max/amax)) - margin)``
-   with amax = max of the history ('max'), row 0 ('most_recent') or ``algo(history)``;
-   an amax of 0 or inf/nan keeps the previous scale (as TE); the exponent is clamped to
-   [-126, 127] so the scale stays a finite normal float32 (TE 2.x drops the power of two);
+2. every ``interval``-th update the scale becomes ``fp8_max * 2**-margin / amax`` (float32,
+   TE 2.x's formula, not rounded to a power of two) with amax = max of the history
+   ('max'), row 0 ('most_recent') or ``algo(history)``; an amax of 0 or inf/nan keeps the
+   previous scale and an overflowing ratio gives float32's max (as TE);
 3. the history rolls by one and row 0 restarts at zero.
 Triggers (as TE): the forward update runs when the outermost ``fp8_autocast`` exits; the
 backward update runs when the first fp8 layer of that autocast (the last one to get its
@@ -113,14 +116,16 @@ class DelayedScaling:
 
 
 def compute_scale(amax: torch.Tensor, scale: torch.Tensor, fp8_max, margin: int) -> torch.Tensor:
-    """``2**(floor(log2(fp8_max / amax)) - margin)``; the old ``scale`` where amax is 0 or
-    not finite. Exact: frexp of the float64 ratio gives floor(log2) without rounding."""
-    ratio = torch.as_tensor(fp8_max, dtype=torch.float64) / amax.double()
-    _, e = torch.frexp(ratio)  # ratio = m * 2**e with m in [0.5, 1)
-    exp = (e - 1 - margin).clamp(-126, 127).double()
-    new = torch.pow(2.0, exp).to(scale.dtype)
+    """TE 2.x's delayed-scaling update: ``(fp8_max * 2**-margin) / amax`` in float32; the
+    old ``scale`` where amax is 0 or not finite; float32's max where the ratio overflows
+    (transformer_engine/common/recipe/delayed_scaling.cu). No power-of-two rounding."""
+    scaled_max = torch.as_tensor(fp8_max, dtype=torch.float32) * (2.0 ** -margin)
+    amax = amax.float()
+    new = scaled_max / amax
+    new = torch.where(torch.isinf(new), torch.full_like(new, torch.finfo(torch.float32).max),
+                      new)
     ok = (amax > 0) & torch.isfinite(amax)
-    return torch.where(ok, new, scale)
+    return torch.where(ok, new, scale.float()).to(scale.dtype)
 
 
 # --- per-layer meta ----------------------------------------------------------------------------
@@ -317,47 +322,77 @@ def recompute_contexts():
 
 
 # --- the emulated linear ----------------------------------------------------------------------------
-def qdq(t: torch.Tensor, scale: torch.Tensor, fmt) -> torch.Tensor:
-    """Quantize ``t * scale`` to ``fmt`` (saturating) and dequantize back to t's dtype."""
+def quantize(t: torch.Tensor, scale: torch.Tensor, fmt) -> torch.Tensor:
+    """``t * scale`` saturated to ``fmt``'s range and rounded to nearest (float8 dtype)."""
     dtype, fmax = fmt
     s = scale.to(device=t.device, dtype=torch.float32)
-    return ((t.float() * s).clamp(-fmax, fmax).to(dtype).float() / s).to(t.dtype)
+    return (t.float() * s).clamp(-fmax, fmax).to(dtype)
+
+
+def qdq(t: torch.Tensor, scale: torch.Tensor, fmt) -> torch.Tensor:
+    """Quantize ``t * scale`` to ``fmt`` (saturating) and dequantize back to t's dtype."""
+    s = scale.to(device=t.device, dtype=torch.float32)
+    return (quantize(t, scale, fmt).float() / s).to(t.dtype)
+
+
+def _gemm(a: torch.Tensor, b: torch.Tensor, alpha) -> torch.Tensor:
+    """``(a @ b) * alpha`` in float32 with autocast off (the fp8 GEMM's accumulation)."""
+    with torch.autocast(a.device.type, enabled=False):
+        out = a.float().matmul(b.float())
+        return out if alpha is None else out * alpha
+
+
+def _inv(scale: torch.Tensor, device) -> torch.Tensor:
+    return 1.0 / scale.to(device=device, dtype=torch.float32)
 
 
 class _FP8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, rec: _Record):
+    def forward(ctx, x, weight, bias, rec: _Record, out_dtype):
         fwd, _ = rec.recipe.formats
         fprop, dgrad, wgrad = rec.recipe.override_linear_precision
-        xq, wq = qdq(x, rec.scale[INPUT], fwd), qdq(weight, rec.scale[WEIGHT], fwd)
-        out = F.linear(x, weight, bias) if fprop else F.linear(xq, wq, bias)
-        ctx.save_for_backward(x if wgrad else xq, weight if dgrad else wq)
+        xq, wq = quantize(x, rec.scale[INPUT], fwd), quantize(weight, rec.scale[WEIGHT], fwd)
+        ix, iw = _inv(rec.scale[INPUT], x.device), _inv(rec.scale[WEIGHT], x.device)
+        if fprop:
+            out = _gemm(x, weight.t(), None)
+        else:
+            out = _gemm(xq, wq.t(), ix * iw)
+        if bias is not None:
+            out = out + bias.float()
+        ctx.save_for_backward(x if wgrad else xq, weight if dgrad else wq, ix, iw)
         ctx.rec, ctx.has_bias = rec, bias is not None
-        return out
+        ctx.dtypes = (x.dtype, weight.dtype)
+        return out.to(out_dtype)
 
     @staticmethod
     def backward(ctx, g):
-        x_w, w_d = ctx.saved_tensors
+        x_w, w_d, ix, iw = ctx.saved_tensors
         rec = ctx.rec
         meta = rec.meta
         _, bwd = rec.recipe.formats
         _, dgrad, wgrad = rec.recipe.override_linear_precision
         meta.record(GRAD, g)
         _STATE.bwd_pending[id(meta)] = meta
-        gq = qdq(g, meta.scale[GRAD], bwd)
+        gq = quantize(g, meta.scale[GRAD], bwd)
+        ig = _inv(meta.scale[GRAD], g.device)
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
-            dx = (g if dgrad else gq).matmul(w_d)
+            if dgrad:
+                dx = _gemm(g, w_d, None)
+            else:
+                dx = _gemm(gq, w_d, ig * iw)
+            dx = dx.to(ctx.dtypes[0])
         if ctx.needs_input_grad[1]:
             g2 = (g if wgrad else gq).reshape(-1, g.shape[-1])
-            dw = g2.t().matmul(x_w.reshape(-1, x_w.shape[-1]))
+            xs = x_w.reshape(-1, x_w.shape[-1])
+            dw = _gemm(g2.t(), xs, None if wgrad else ig * ix).to(ctx.dtypes[1])
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            db = g.reshape(-1, g.shape[-1]).sum(0)
+            db = g.reshape(-1, g.shape[-1]).float().sum(0).to(g.dtype)
         if rec.is_first:
             pending = list(_STATE.bwd_pending.values())
             _STATE.bwd_pending.clear()
             _reduce_and_update(pending, [GRAD], rec.session)
-        return dx, dw, db, None
+        return dx, dw, db, None, None
 
 
 def linear(layer, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
@@ -379,4 +414,6 @@ def linear(layer, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         rec = _Record(meta, meta.scale.clone(), st.recipe, session, first)
     for frame in st.recording:
         frame.records.append(rec)
-    return _FP8Linear.apply(x, weight, bias, rec)
+    dev = x.device.type
+    out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+    return _FP8Linear.apply(x, weight, bias, rec, out_dtype)
