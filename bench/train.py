@@ -113,7 +113,7 @@ class _MLP(nn.Module):
         self.linear_fc2 = nn.Linear(ffn, h, bias=False)
 
     def forward(self, x):
-        return self.linear_fc2(F.gelu(self.linear_fc1(x)))
+        return self.linear_fc2(F.gelu(self.linear_fc1(x), approximate="tanh"))
 
 
 class _Block(nn.Module):

@@ -60,8 +60,9 @@ class RefMLP(torch.nn.Module):
         gated = activation in ("swiglu", "geglu")
         self.linear_fc1 = torch.nn.Linear(h, ffn * (2 if gated else 1), bias=bias)
         self.linear_fc2 = torch.nn.Linear(ffn, h, bias=bias)
-        self.act = {"gelu": F.gelu, "relu": F.relu, "silu": F.silu, "swiglu": F.silu,
-                    "geglu": F.gelu}[activation]
+        gelu = lambda v: F.gelu(v, approximate="tanh")  # noqa: E731  (TE's "gelu")
+        self.act = {"gelu": gelu, "relu": F.relu, "silu": F.silu, "swiglu": F.silu,
+                    "geglu": gelu}[activation]
         self.gated = gated
 
     def forward(self, x):
