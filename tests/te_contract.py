@@ -138,3 +138,22 @@ def enum_members(source: str, qualname: str) -> dict[str, str]:
     cls = _find(ast.parse(source), qualname)
     return {t.id: ast.unparse(n.value) for n in cls.body if isinstance(n, ast.Assign)
             for t in n.targets if isinstance(t, ast.Name)}
+
+
+def self_assignments(source: str, qualname: str) -> dict[str, str]:
+    """``attr -> value source`` of every ``self.attr = value`` in ``qualname`` (last wins)."""
+    fn = _find(ast.parse(source), qualname)
+    out = {}
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Assign):
+            for t in node.targets:
+                if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) \
+                        and t.value.id == "self":
+                    out[t.attr] = ast.unparse(node.value)
+    return out
+
+
+# Layout attributes tpkit (or the fake's wiring) reads from TE's container module; the
+# fake must set exactly those the real constructor sets, the same way (an H100 run found
+# the fake's TransformerLayer keeping a tp_group that TE's does not have).
+CONTAINER_ATTRS = ("tp_group", "tp_size", "sequence_parallel")

@@ -92,3 +92,17 @@ def test_versions_agree(real, fake_te):
     assert c.TE_VERSION in spec, (extra, c.TE_VERSION)
     with open(os.path.join(ROOT, "README.md")) as f:
         assert c.TE_VERSION in f.read()
+
+
+def test_fake_transformer_layer_sets_layout_attributes_like_te(real, fake_src):
+    path = c.PT + "transformer.py"
+    want = c.self_assignments(real[path], "TransformerLayer.__init__")
+    got = c.self_assignments(fake_src, "TransformerLayer.__init__")
+    for attr in c.CONTAINER_ATTRS:
+        assert (attr in want) == (attr in got), (attr, want.get(attr), got.get(attr))
+    # TE turns SP off at tp_size 1; the fake must compute it the same way
+    assert got["sequence_parallel"] == want["sequence_parallel"], \
+        (got["sequence_parallel"], want["sequence_parallel"])
+    real_set_tp = c.self_assignments(real[path], "TransformerLayer.set_tensor_parallel_group")
+    fake_set_tp = c.self_assignments(fake_src, "TransformerLayer.set_tensor_parallel_group")
+    assert set(real_set_tp) == set(fake_set_tp), (real_set_tp, fake_set_tp)

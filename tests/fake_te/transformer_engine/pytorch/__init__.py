@@ -197,9 +197,9 @@ class TransformerLayer(_FakeModule):
                  qk_norm_type=None, qk_norm_eps=1e-06, qk_norm_before_rope=False,
                  softmax_type='vanilla'):
         self._record_init(TransformerLayer.__init__, locals())
-        self.tp_group = tp_group
+        # As TE: the container keeps tp_size (not tp_group) and turns SP off at tp_size 1.
         self.tp_size = tp_size if tp_group is None else _group_size(tp_group)
-        self.sequence_parallel = sequence_parallel
+        self.sequence_parallel = self.tp_size > 1 and sequence_parallel
         common = dict(tp_group=tp_group, tp_size=tp_size, sequence_parallel=sequence_parallel,
                       get_rng_state_tracker=get_rng_state_tracker, device=device)
         kv = kv_channels or hidden_size // num_attention_heads
@@ -215,7 +215,6 @@ class TransformerLayer(_FakeModule):
 
     def set_tensor_parallel_group(self, tp_group):
         self.calls.append(("set_tensor_parallel_group", {"tp_group": tp_group}))
-        self.tp_group = tp_group
         for index, child in enumerate(self.modules()):
             if index and hasattr(child, "set_tensor_parallel_group"):
                 child.set_tensor_parallel_group(tp_group)
