@@ -43,18 +43,21 @@ def grad_norm(params: Iterable[torch.nn.Parameter], state, norm_type: float = 2.
     device = _local(params[0].grad).device
     tp = state.tp_size
     inf = math.isinf(norm_type)
+    fsdp = any(isinstance(p.grad, DTensor) for p in params)
+    # Replicated gradients are identical on every TP rank: their p-th powers are pre-divided
+    # by tp so the TP sum below counts them once (one collective instead of two).
+    sharded = [_local(p.grad).detach() for p in params if tp_spec(p) is not None]
+    replicated = [_local(p.grad).detach() for p in params if tp_spec(p) is None]
     acc = torch.zeros((), dtype=torch.float32, device=device)
-    fsdp = False
-    for p in params:
-        g = _local(p.grad).detach().float()
-        fsdp |= isinstance(p.grad, DTensor)
-        if inf:
-            acc = torch.maximum(acc, g.abs().max() if g.numel() else acc)
+    for grads, weight in ((sharded, 1.0), (replicated, 1.0 / tp)):
+        grads = [g for g in grads if g.numel()]
+        if not grads:
             continue
-        part = g.abs().pow(norm_type).sum()
-        # Replicated gradients are identical on every TP rank: pre-divide by tp so the TP
-        # sum below counts them once (one collective instead of two).
-        acc = acc + (part if tp_spec(p) is not None else part / tp)
+        norms = torch.stack(torch._foreach_norm(grads, norm_type, dtype=torch.float32))
+        if inf:
+            acc = torch.maximum(acc, norms.max())
+        else:
+            acc = acc + norms.pow(norm_type).sum() * weight
     op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
     if fsdp and state.dp_cp_size > 1:
         dist.all_reduce(acc, op=op, group=state.dp_cp_group)
@@ -73,6 +76,10 @@ def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float, state,
         raise RuntimeError(f"the total gradient norm of order {norm_type} is {total.item()}; "
                            "pass error_if_nonfinite=False to clip anyway")
     coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+    by_dtype: dict = {}
     for p in params:
-        _local(p.grad).mul_(coef.to(_local(p.grad).dtype))
+        g = _local(p.grad)
+        by_dtype.setdefault((g.device, g.dtype), []).append(g)
+    for (_, dtype), gs in by_dtype.items():
+        torch._foreach_mul_(gs, coef.to(device=gs[0].device, dtype=dtype))
     return total

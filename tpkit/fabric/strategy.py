@@ -200,7 +200,9 @@ class TPKitStrategy(ParallelStrategy):
             self.precision.attach(state, self.root_device)
         if self._data_parallel == "fsdp":
             module = _apply_fsdp(module, state)
-        else:
+        elif state.dp_cp_size > 1:
+            # DDP over a group of one would only copy every gradient into its buckets and
+            # back (measured on an H100: ~3 % of a 0.7B-parameter step); nothing to average.
             ids = None if self.root_device.type == "cpu" else [self.root_device.index]
             module = nn.parallel.DistributedDataParallel(
                 module, device_ids=ids, process_group=state.dp_cp_group, **self._ddp_kwargs)
@@ -324,6 +326,9 @@ class _TPKitBackwardSyncControl(_BackwardSyncControl):
             return module.no_sync()
         if hasattr(module, "set_requires_gradient_sync"):  # FSDP2
             return _FSDPNoSync(module)
+        if isinstance(module, nn.Module) and not any(
+                isinstance(m, nn.parallel.DistributedDataParallel) for m in module.modules()):
+            return nullcontext()   # dp x cp == 1: TPKitStrategy wraps nothing, nothing to sync
         raise TypeError(f"no_backward_sync needs a module set up by TPKitStrategy, got "
                         f"{type(module).__name__}")
 
