@@ -30,6 +30,7 @@ class GPTConfig:
     ffn_hidden_size: int = 512
     dropout: float = 0.0
     recompute: bool = False
+    backend: str = "torch"   # the blocks' backend: "torch", "te" or "auto" (tpkit.nn)
 
 
 class GPT(nn.Module):
@@ -44,8 +45,12 @@ class GPT(nn.Module):
             TransformerLayer(cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_heads,
                              num_gqa_groups=cfg.num_gqa_groups, normalization="RMSNorm",
                              hidden_dropout=cfg.dropout, attention_dropout=cfg.dropout,
-                             bias=False, **kw)
+                             bias=False, backend=cfg.backend, **kw)
             for _ in range(cfg.num_layers))
+        from tpkit.te import is_te_module
+        # TE's TransformerLayer takes the full sequence's RoPE angles and picks this CP
+        # rank's chunks itself; tpkit's takes the angles of this rank's positions.
+        self._te_blocks = any(is_te_module(m) for m in self.layers)
         self.final_norm = RMSNorm(cfg.hidden_size, **kw)
         self.output = ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size, bias=False,
                                            gather_output=False, **kw)
@@ -57,12 +62,13 @@ class GPT(nn.Module):
         seq = tokens.shape[1]
         tokens = shard_sequence(tokens, 1, s).t().contiguous()     # [s_cp, b]
         targets = shard_sequence(targets, 1, s).t().contiguous()
-        freqs = self.rope(shard_position_ids(seq, s, device=tokens.device))
+        freqs = self.rope(seq if self._te_blocks else
+                          shard_position_ids(seq, s, device=tokens.device))
         x = self.embedding(tokens)                                 # [s_cp(/tp under SP), b, h]
         for layer in self.layers:
             if self.cfg.recompute and self.training:
-                x = checkpoint(layer, x, freqs)
+                x = checkpoint(layer, x, rotary_pos_emb=freqs)
             else:
-                x = layer(x, freqs)
+                x = layer(x, rotary_pos_emb=freqs)
         logits = self.output(self.final_norm(x))                   # [s_cp, b, V/tp]
         return vocab_parallel_cross_entropy(logits, targets).mean()

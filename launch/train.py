@@ -42,6 +42,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     m.add_argument("--gqa-groups", type=int, default=4)
     m.add_argument("--ffn", type=int, default=512)
     m.add_argument("--dropout", type=float, default=0.0)
+    m.add_argument("--backend", default="torch", choices=["torch", "te", "auto"],
+                   help="the transformer blocks' implementation: tpkit's torch layers, "
+                        "Transformer Engine's (GPUs), or TE where it can run")
     t = ap.add_argument_group("training")
     t.add_argument("--steps", type=int, default=300)
     t.add_argument("--global-batch", type=int, default=8)
@@ -52,6 +55,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     t.add_argument("--seed", type=int, default=1234)
     t.add_argument("--precision", default="32-true",
                    choices=["32-true", "bf16-mixed", "16-mixed", "fp8"])
+    t.add_argument("--fp8-compute-dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="with --precision fp8: the dtype of what fp8 does not cover "
+                        "(TPKitPrecision's fallback_compute_dtype)")
     t.add_argument("--recompute", action="store_true")
     t.add_argument("--log-every", type=int, default=10)
     c = ap.add_argument_group("checkpoints")
@@ -75,9 +81,12 @@ def full_init(model: torch.nn.Module, seed: int) -> None:
     shape from a generator seeded by (seed, parameter index), then shard it in."""
     from tpkit.checkpoint import full_shapes, load_full_state_dict
     new = {}
+    own = model.state_dict()
     for i, (name, shape) in enumerate(sorted(full_shapes(model).items())):
         g = torch.Generator().manual_seed(seed * 10_007 + i)
-        if name.endswith("weight") and len(shape) == 1:   # norm scales
+        if name.endswith("_extra_state"):                  # TE's fp8 metadata
+            new[name] = own[name]
+        elif name.endswith("weight") and len(shape) == 1:   # norm scales
             new[name] = torch.ones(shape)
         elif len(shape) == 1:                              # biases
             new[name] = torch.zeros(shape)
@@ -118,8 +127,14 @@ def make_fabric(args):
                              cp_comm_type=args.cp_comm_type, data_parallel=args.data_parallel,
                              seed=args.seed)
     # Lightning takes precision plugin objects through plugins=, not precision=.
+    fallback = {"float32": None, "bfloat16": torch.bfloat16}[args.fp8_compute_dtype]
+    if args.precision != "fp8" and fallback is not None:
+        raise ValueError(f"--fp8-compute-dtype={args.fp8_compute_dtype} needs --precision fp8 "
+                         f"(got --precision {args.precision}); drop it")
+    precision = TPKitPrecision(args.precision, fallback_compute_dtype=fallback) \
+        if args.precision == "fp8" else TPKitPrecision(args.precision)
     return Fabric(accelerator=accelerator, devices=local, num_nodes=nodes, strategy=strategy,
-                  plugins=[TPKitPrecision(args.precision)])
+                  plugins=[precision])
 
 
 def train(args) -> list[float]:
@@ -130,7 +145,7 @@ def train(args) -> list[float]:
     cfg = GPTConfig(vocab_size=corpus.VOCAB_SIZE, hidden_size=args.hidden,
                     num_layers=args.layers, num_heads=args.heads,
                     num_gqa_groups=args.gqa_groups, ffn_hidden_size=args.ffn,
-                    dropout=args.dropout, recompute=args.recompute)
+                    dropout=args.dropout, recompute=args.recompute, backend=args.backend)
     if args.global_batch % state.dp_size:
         raise ValueError(f"--global-batch={args.global_batch} is not divisible by dp="
                          f"{state.dp_size}; use a multiple of {state.dp_size}")
