@@ -1,0 +1,492 @@
+"""GPU-only checks against real Transformer Engine on nccl: ``python -m pytest -m gpu``.
+
+Skipped (with the reason) where CUDA or TE is missing, so the CPU suite is unchanged. On a
+GPU machine these re-run what the fake TE (tests/fake_te) can only promise:
+1. every ``backend="te"`` constructor builds TE's module and computes what tpkit's torch
+   layer computes from the same weights; groups are wired; ``te_autocast`` hands TE the
+   state's amax group; ``tpkit.te.checkpoint`` with tpkit's CUDA RNG tracker recomputes
+   dropout exactly; a Fabric run with ``TPKitPrecision("fp8")`` really runs TE in fp8;
+2. fp8 numerics: tpkit's emulated DelayedScaling (torch backend) against TE's fp8 on the
+   same weights and inputs: identical scales, outputs and gradients within the GEMM's
+   accumulation error (the tolerances are justified where they are asserted).
+Figures go to ``$GPU_REPORT`` (JSON lines) when set (bench/gpu.py collects them).
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+
+def _te_importable() -> bool:
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+HAVE_GPU_TE = torch.cuda.is_available() and _te_importable()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
+    not HAVE_GPU_TE, reason="needs an NVIDIA GPU and Transformer Engine 2.x (run "
+                            "`python -m pytest -m gpu` on a GPU machine)")]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def report(name: str, **figures) -> None:
+    path = os.environ.get("GPU_REPORT")  # not TPKIT_*: conftest clears those
+    line = json.dumps({"check": name, **figures}, default=float)
+    print(line)
+    if path:
+        with open(path, "a") as f:
+            f.write(line + "\n")
+
+
+def rel(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
+    """||a - b|| / ||b|| in float64 (0 when both are None: no gradient on either side)."""
+    if a is None or b is None:
+        assert a is None and b is None, "a gradient on one side only"
+        return 0.0
+    a, b = a.detach().double(), b.detach().double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+@pytest.fixture(scope="module")
+def state():
+    import tpkit
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0",
+           "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    st = tpkit.init_parallel(backend="nccl", seed=1234)
+    try:
+        yield st
+    finally:
+        tpkit.destroy_parallel()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _is_te(m) -> bool:
+    from tpkit.te import is_te_module
+    return is_te_module(m)
+
+
+def _copy(dst: nn.Module, src: nn.Module, mapping: dict[str, str]) -> None:
+    """dst[k] <- src[v] for every entry; every parameter of dst must be covered."""
+    d, s = dict(dst.named_parameters()), dict(src.named_parameters())
+    assert set(mapping) == set(d), (sorted(d), sorted(mapping))
+    with torch.no_grad():
+        for k, v in mapping.items():
+            if isinstance(v, tuple):   # concatenation of several src params
+                d[k].copy_(torch.cat([s[x] for x in v], 0))
+            else:
+                d[k].copy_(s[v])
+
+
+def _run(module, *inputs, **kw):
+    """Forward + backward with a fixed random output gradient; returns (out, input grads,
+    {param name: grad})."""
+    for p in module.parameters():
+        p.grad = None
+    xs = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in inputs]
+    out = module(*xs, **kw)
+    if isinstance(out, tuple):
+        out = out[0]
+    g = torch.randn(out.shape, generator=torch.Generator("cuda").manual_seed(7),
+                    device=out.device, dtype=torch.float32).to(out.dtype)
+    out.backward(g)
+    return out.detach(), [x.grad for x in xs], {n: p.grad for n, p in module.named_parameters()}
+
+
+# --- 1. constructors, wiring, autocast, checkpoint, RNG -------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_te_constructors_match_torch_layers(state, dtype):
+    from tpkit.nn import (ColumnParallelLinear, DotProductAttention, LayerNorm, RMSNorm,
+                          RowParallelLinear)
+    torch.manual_seed(0)
+    dev = "cuda"
+    # fp32: TE's fp32 GEMMs run on TF32 tensor cores (10-bit mantissa inputs: ~3e-4
+    # relative on these sizes, measured), so the bound for GEMM layers is 1e-3 and the
+    # same layers are also compared with torch running TF32 (reported, must be closer).
+    # bf16: one bf16 rounding of the outputs (2**-9) and accumulation order.
+    tol = 1e-3 if dtype == torch.float32 else 1.2e-2
+    x = torch.randn(64, 2, 256, device=dev, dtype=dtype)
+    cases = {
+        "column": (lambda b: ColumnParallelLinear(256, 384, bias=True, backend=b, device=dev,
+                                                  dtype=dtype), {"weight": "weight", "bias": "bias"}, (x,)),
+        "row": (lambda b: RowParallelLinear(256, 128, bias=True, backend=b, device=dev,
+                                            dtype=dtype), {"weight": "weight", "bias": "bias"}, (x,)),
+        "column_skip_bias": (lambda b: ColumnParallelLinear(256, 64, bias=True, skip_bias_add=True,
+                                                            backend=b, device=dev, dtype=dtype),
+                             {"weight": "weight", "bias": "bias"}, (x,)),
+        "layernorm": (lambda b: LayerNorm(256, eps=1e-5, backend=b, device=dev, dtype=dtype),
+                      {"weight": "weight", "bias": "bias"}, (x,)),
+        "rmsnorm": (lambda b: RMSNorm(256, eps=1e-6, backend=b, device=dev, dtype=dtype),
+                    {"weight": "weight"}, (x,)),
+    }
+    errors = {}
+    for name, (make, mapping, inputs) in cases.items():
+        t, e = make("torch"), make("te")
+        assert not _is_te(t) and _is_te(e), name
+        with torch.no_grad():
+            for p in t.parameters():
+                p.uniform_(-0.5, 1.0)
+        _copy(e, t, mapping)
+        ot, gt, pt = _run(t, *inputs)
+        oe, ge, pe = _run(e, *inputs)
+        errs = [rel(oe, ot), rel(ge[0], gt[0])] + [rel(pe[k], pt[v]) for k, v in mapping.items()]
+        errors[name] = max(errs)
+        if dtype == torch.float32 and name in ("column", "row"):
+            torch.backends.cuda.matmul.allow_tf32 = True
+            try:
+                o32, g32, p32 = _run(t, *inputs)
+            finally:
+                torch.backends.cuda.matmul.allow_tf32 = False
+            errors[name + "_vs_torch_tf32"] = max(
+                [rel(oe, o32), rel(ge[0], g32[0])] + [rel(pe[k], p32[v]) for k, v in mapping.items()])
+        if name == "column_skip_bias":   # both return (out, bias) and leave the bias out
+            assert isinstance(e(x), tuple) and isinstance(t(x), tuple)
+    # attention core: causal GQA, [s, b, h, d]
+    q = torch.randn(128, 2, 8, 64, device=dev, dtype=dtype)
+    k = torch.randn(128, 2, 2, 64, device=dev, dtype=dtype)
+    v = torch.randn(128, 2, 2, 64, device=dev, dtype=dtype)
+    t = DotProductAttention(8, 64, num_gqa_groups=2, attn_mask_type="causal", backend="torch")
+    e = DotProductAttention(8, 64, num_gqa_groups=2, attn_mask_type="causal", backend="te")
+    assert _is_te(e)
+    ot, gt, _ = _run(t, q, k, v)
+    oe, ge, _ = _run(e, q, k, v)
+    errors["attention"] = max([rel(oe, ot)] + [rel(a, b) for a, b in zip(ge, gt)])
+    report("te_constructors_vs_torch", dtype=str(dtype), max_rel_err=errors)
+    bad = {k: v for k, v in errors.items() if not v < tol}
+    for name in ("column", "row"):
+        if name + "_vs_torch_tf32" in errors:   # TF32 explains the fp32 difference
+            assert errors[name + "_vs_torch_tf32"] < 0.5 * errors[name], errors
+    assert not bad, f"TE backend differs from the torch layer beyond {tol}: {bad}"
+
+
+# TE TransformerLayer parameter <- tpkit TransformerLayer parameter (q/k/v split below)
+_BLOCK_NAMES = {
+    "self_attention.layernorm_qkv.layer_norm_weight": "input_layernorm.weight",
+    "self_attention.layernorm_qkv.query_weight": None,   # filled below
+    "self_attention.layernorm_qkv.key_weight": None,
+    "self_attention.layernorm_qkv.value_weight": None,
+    "self_attention.proj.weight": "self_attention.linear_proj.weight",
+    "layernorm_mlp.layer_norm_weight": "pre_mlp_layernorm.weight",
+    "layernorm_mlp.fc1_weight": "mlp.linear_fc1.weight",
+    "layernorm_mlp.fc2_weight": "mlp.linear_fc2.weight",
+}
+
+
+def _copy_block(te_layer, tp_layer, heads: int, groups: int, hidden: int) -> None:
+    d = hidden // heads
+    e, t = dict(te_layer.named_parameters()), dict(tp_layer.named_parameters())
+    names = _BLOCK_NAMES
+    assert set(names) == set(e), sorted(e)
+    q, k, v = t["self_attention.linear_qkv.weight"].split([heads * d, groups * d, groups * d])
+    with torch.no_grad():
+        for name, src in names.items():
+            if src is not None:
+                e[name].copy_(t[src])
+        e["self_attention.layernorm_qkv.query_weight"].copy_(q)
+        e["self_attention.layernorm_qkv.key_weight"].copy_(k)
+        e["self_attention.layernorm_qkv.value_weight"].copy_(v)
+
+
+def _block_pair(activation: str, dtype, hidden=256, ffn=512, heads=8, groups=2, seq=128):
+    from tpkit.nn import RotaryEmbedding, TransformerLayer
+    kw = dict(num_gqa_groups=groups, normalization="RMSNorm", bias=False,
+              activation=activation, dtype=dtype)
+    t = TransformerLayer(hidden, ffn, heads, backend="torch", device="cuda", **kw)
+    e = TransformerLayer(hidden, ffn, heads, backend="te", device="cuda", **kw)
+    assert _is_te(e) and not _is_te(t)
+    with torch.no_grad():
+        for p in t.parameters():
+            p.normal_(0, 0.05) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+    _copy_block(e, t, heads, groups, hidden)
+    freqs = RotaryEmbedding(hidden // heads, device="cuda")(seq)
+    return t, e, freqs
+
+
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_te_transformer_layer_matches_torch(state, activation, monkeypatch):
+    """Same weights in tpkit's TransformerLayer and TE's, float32 (TE runs unfused attention
+    there). TE's GEMMs use TF32, so torch runs with TF32 too; then the two agree to float32
+    accumulation error unless the math differs. For "gelu" the torch layer is run with the
+    exact (erf) GELU and with the tanh approximation; TE's must match one of them."""
+    import torch.nn.functional as F
+    torch.manual_seed(1)
+    t, e, freqs = _block_pair(activation, torch.float32)
+    x = torch.randn(128, 2, 256, device="cuda")
+    oe, ge, pe = _run(e, x, rotary_pos_emb=freqs)
+    variants = {"tpkit": None}
+    if activation == "gelu":   # tpkit's own (tanh) first, then the exact erf GELU
+        variants["erf"] = lambda v: F.gelu(v)
+    errs = {}
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        for vname, act in variants.items():
+            if act is not None:
+                monkeypatch.setattr(t.mlp, "_act", act)
+            ot, gt, pt = _run(t, x, rotary_pos_emb=freqs)
+            errs[vname] = {
+                "out": rel(oe, ot), "dx": rel(ge[0], gt[0]),
+                "dproj": rel(pe["self_attention.proj.weight"],
+                             pt["self_attention.linear_proj.weight"]),
+                "dfc1": rel(pe["layernorm_mlp.fc1_weight"], pt["mlp.linear_fc1.weight"])}
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = False
+    report("te_transformer_layer_vs_torch_tf32", activation=activation, dtype="float32",
+           rel_err=errs)
+    # TF32 products in different GEMM/attention kernels: ~5e-4 measured on the weight grads
+    assert max(errs["tpkit"].values()) < 1e-3, errs
+    if "erf" in errs:   # TE's GELU is the tanh one: the erf GELU is further off everywhere
+        assert all(errs["tpkit"][k] < errs["erf"][k] for k in errs["tpkit"]), errs
+
+
+def test_wire_parallel_groups_on_te_modules(state):
+    from tpkit.nn import ColumnParallelLinear, DotProductAttention, TransformerLayer
+    from tpkit.te import wire_parallel_groups
+    model = nn.ModuleList([
+        ColumnParallelLinear(64, 64, backend="te", device="cuda"),
+        DotProductAttention(4, 16, backend="te"),
+        TransformerLayer(64, 128, 4, backend="te", device="cuda")])
+    wired = wire_parallel_groups(model, state)
+    te_mods = [m for m in model.modules() if _is_te(m) and hasattr(m, "tp_group")]
+    assert te_mods and len(wired) >= len(te_mods)
+    for m in te_mods:
+        assert m.tp_group is state.tp_group, type(m).__name__
+    report("wire_parallel_groups", modules=len(te_mods), calls=len(wired))
+
+
+def test_te_autocast_hands_te_the_amax_group(state):
+    import transformer_engine.pytorch as te
+    from transformer_engine.common.recipe import DelayedScaling
+    from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+    from tpkit.te import te_autocast
+    lin = te.Linear(128, 128, params_dtype=torch.bfloat16)
+    x = torch.randn(32, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    seen = {}
+    with te_autocast(recipe=DelayedScaling()):
+        seen["enabled"] = FP8GlobalStateManager.is_fp8_enabled()
+        seen["group_is_amax"] = FP8GlobalStateManager.get_fp8_group() is state.amax_group
+        y = lin(x)
+    y.float().sum().backward()
+    assert seen == {"enabled": True, "group_is_amax": True}
+    assert torch.isfinite(x.grad).all()
+    report("te_autocast", **seen)
+
+
+def test_te_checkpoint_replays_dropout_with_the_cuda_tracker(state):
+    from tpkit.nn import RotaryEmbedding, TransformerLayer
+    from tpkit.random import get_rng_tracker
+    from tpkit.recompute import checkpoint
+    tracker = get_rng_tracker()
+    assert tracker.device.type == "cuda"
+    torch.manual_seed(2)
+    layer = TransformerLayer(128, 256, 4, hidden_dropout=0.2, attention_dropout=0.2,
+                             normalization="RMSNorm", backend="te", device="cuda")
+    freqs = RotaryEmbedding(32, device="cuda")(64)
+    x = torch.randn(64, 2, 128, device="cuda")
+
+    def run(recompute: bool):
+        cuda_state, tr_state = torch.cuda.get_rng_state(), tracker.get_states()
+        xi = x.clone().requires_grad_()
+        out = checkpoint(layer, xi, rotary_pos_emb=freqs) if recompute \
+            else layer(xi, rotary_pos_emb=freqs)
+        out.backward(torch.ones_like(out))
+        grads = [xi.grad] + [p.grad.clone() for p in layer.parameters()]
+        for p in layer.parameters():
+            p.grad = None
+        torch.cuda.set_rng_state(cuda_state)
+        tracker.set_states(tr_state)
+        return out.detach(), grads
+
+    layer.train()
+    o1, g1 = run(False)
+    o2, g2 = run(True)
+    layer.eval()
+    o3, _ = run(False)
+    errs = [rel(a, b) for a, b in zip(g2, g1)]
+    report("te_checkpoint_dropout", out_rel_err=rel(o2, o1), max_grad_rel_err=max(errs),
+           dropout_changes_out=rel(o1, o3))
+    assert rel(o1, o3) > 1e-2                 # dropout really ran
+    assert rel(o2, o1) == 0.0 and max(errs) < 1e-6
+
+
+def test_rng_tracker_on_cuda(state):
+    from tpkit.random import MODEL_PARALLEL_RNG, get_rng_tracker
+    tracker = get_rng_tracker()
+    saved = tracker.get_states()
+    with tracker.fork():
+        a = torch.rand(1000, device="cuda")
+    with tracker.fork():
+        b = torch.rand(1000, device="cuda")
+    tracker.set_states(saved)
+    with tracker.fork(MODEL_PARALLEL_RNG):
+        a2 = torch.rand(1000, device="cuda")
+    default = torch.rand(1000, device="cuda")
+    assert torch.equal(a, a2) and not torch.equal(a, b) and not torch.equal(a, default)
+    assert all(s.device.type == "cpu" and s.dtype == torch.uint8 for s in saved.values())
+
+
+def test_fabric_fp8_runs_te_in_fp8():
+    """TPKitPrecision("fp8") + TPKitStrategy through Fabric on one GPU, launched as users
+    launch (tpkit-launch): TE modules run with fp8 enabled and the amax group is the
+    state's (the script asserts; here only its exit code and last line are read)."""
+    script = os.path.join(ROOT, "tests", "launch_scripts", "gpu_fabric_fp8.py")
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, "-m", "tpkit.cli.launch", "--nproc-per-node", "1",
+                          script], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "FABRIC FP8 OK" in out.stdout, out.stdout[-2000:]
+    report("fabric_fp8", last_line=out.stdout.strip().splitlines()[-1])
+
+
+# --- 2. fp8 numerics: emulation vs TE --------------------------------------------------------------
+def _recipes(history: int = 4):
+    from transformer_engine.common.recipe import DelayedScaling as TEDelayed
+    from transformer_engine.common.recipe import Format
+    from tpkit.fp8 import DelayedScaling
+    te_r = TEDelayed(fp8_format=Format.HYBRID, amax_history_len=history, amax_compute_algo="max")
+    return te_r, DelayedScaling(fp8_format="HYBRID", amax_history_len=history,
+                                amax_compute_algo="max")
+
+
+def test_fp8_linear_emulation_matches_te(state):
+    """Linear: the emulation must pick the same scales as TE (same amaxes, TE's formula)
+    and then computes the same products of the same fp8 values; what remains is the GEMM's
+    accumulation (TE's fprop uses cuBLAS fast accumulation) and the bf16 output rounding
+    (2**-9 relative per element), so 5e-3 relative is the bound asserted."""
+    import transformer_engine.pytorch as te
+    from tpkit import fp8
+    from tpkit.nn import ColumnParallelLinear
+    from tpkit.te import te_autocast
+    fp8.reset()
+    torch.manual_seed(3)
+    te_r, tp_r = _recipes()
+    t = ColumnParallelLinear(1024, 2048, bias=True, device="cuda", dtype=torch.bfloat16)
+    e = te.Linear(1024, 2048, bias=True, params_dtype=torch.bfloat16)
+    _copy(e, t, {"weight": "weight", "bias": "bias"})
+    e_bf16 = te.Linear(1024, 2048, bias=True, params_dtype=torch.bfloat16)
+    _copy(e_bf16, t, {"weight": "weight", "bias": "bias"})
+    rows = []
+    for step in range(6):
+        x = (torch.randn(512, 2, 1024, device="cuda") * (1 + step)).bfloat16()
+        with fp8.fp8_autocast(recipe=tp_r):
+            ot, gt, pt = _run(t, x)
+        with te_autocast(recipe=te_r):
+            oe, ge, pe = _run(e, x)
+        ob, gb, pb = _run(e_bf16, x)
+        meta = t.fp8_meta
+        te_fwd, te_bwd = e.fp8_meta["scaling_fwd"].scale, e.fp8_meta["scaling_bwd"].scale
+        rows.append({"step": step, "out": rel(ot, oe), "dx": rel(gt[0], ge[0]),
+                     "dw": rel(pt["weight"], pe["weight"]),
+                     "fp8_vs_bf16_out": rel(oe, ob), "fp8_vs_bf16_dw": rel(pe["weight"], pb["weight"]),
+                     "scales_tpkit": meta.scale.tolist(),
+                     "scales_te": [te_fwd[0].item(), te_fwd[1].item(), te_bwd[0].item()]})
+    report("fp8_linear_emulation_vs_te", rows=rows)
+    for r in rows:
+        assert r["scales_tpkit"] == r["scales_te"], r
+        assert max(r["out"], r["dx"], r["dw"]) < 5e-3, r
+        assert r["fp8_vs_bf16_out"] > 5 * r["out"], r   # the check sees fp8, not bf16
+
+
+def _fp8_compare(rows, t, e, e16, x, te_r, tp_r, grads, **kw):
+    """One step of tpkit's emulated fp8, TE fp8, and both without fp8 ("te16"/"tp16": the
+    layer's own dtype, bf16 or float32) on the same input."""
+    from tpkit import fp8
+    from tpkit.te import te_autocast
+    with fp8.fp8_autocast(recipe=tp_r):
+        ot, gt, pt = _run(t, x, **kw)
+    with te_autocast(recipe=te_r):
+        oe, ge, pe = _run(e, x, **kw)
+    ob, gb, pb = _run(e16, x, **kw)
+    o16, g16, p16 = _run(t, x, **kw)
+    r = {"emu_vs_te8_out": rel(ot, oe), "emu_vs_te8_dx": rel(gt[0], ge[0]),
+         "te8_vs_te16_out": rel(oe, ob), "te8_vs_te16_dx": rel(ge[0], gb[0]),
+         "tp16_vs_te16_out": rel(o16, ob), "emu_vs_tp16_out": rel(ot, o16)}
+    for te_name, tp_name in grads.items():
+        r[f"emu_vs_te8_d{tp_name}"] = rel(pt[tp_name], pe[te_name])
+        r[f"te8_vs_te16_d{tp_name}"] = rel(pe[te_name], pb[te_name])
+    rows.append(r)
+
+
+@pytest.mark.parametrize("what,dtype", [
+    ("layernorm_linear", torch.float32), ("mlp_gelu", torch.float32),
+    ("mlp_swiglu", torch.float32), ("layernorm_linear", torch.bfloat16),
+    ("mlp_swiglu", torch.bfloat16), ("mlp_gelu", torch.bfloat16), ("block", torch.bfloat16)])
+def test_fp8_block_emulation_matches_te(state, what, dtype):
+    """Norm+linear, MLP (swiglu, gelu) and the whole TransformerLayer in fp8: tpkit's
+    emulation against TE's fp8, with TE at the same dtype without fp8 as the scale of fp8's
+    own error. TE fuses the norm and the activation into the fp8 cast, quantizing their
+    float32 results; the emulation quantizes the layer's input as it arrives. With float32
+    activations those are the same values: a norm+linear agrees to 6e-4 and an MLP to
+    0.6-1.2 % (TE's fprop uses fast accumulation, and each differing product can flip a
+    later fp8 rounding), 0.1-0.2x of fp8's own deviation: asserted below 0.25x. With bf16
+    activations the emulation quantizes bf16-rounded values: about 3 % of the elements
+    then round to the neighbouring fp8 value (double rounding), so the two fp8 results
+    differ by 0.4-0.78x of fp8's own deviation (H100, 2026-11-23): asserted below 0.85x."""
+    from tpkit import fp8
+    from tpkit.nn import ColumnParallelLinear, ParallelMLP, RMSNorm
+    from tpkit.te import make
+    fp8.reset()
+    torch.manual_seed(4)
+    te_r, tp_r = _recipes()
+    h, f, bf = 1024, 2816, dtype
+    kw, grads = {}, {}
+    if what == "layernorm_linear":
+        def build_te():
+            return make("layernorm_linear", in_features=h, out_features=3072, bias=False,
+                        normalization="RMSNorm", params_dtype=bf)
+        t = nn.Sequential(RMSNorm(h, device="cuda", dtype=bf),
+                          ColumnParallelLinear(h, 3072, bias=False, device="cuda", dtype=bf))
+        names = {"layer_norm_weight": "0.weight", "weight": "1.weight"}
+        grads = {"weight": "1.weight"}
+    elif what.startswith("mlp"):
+        act = what.split("_")[1]
+
+        def build_te():
+            return make("layernorm_mlp", hidden_size=h, ffn_hidden_size=f, bias=False,
+                        normalization="RMSNorm", activation=act, params_dtype=bf)
+        t = nn.Sequential(RMSNorm(h, device="cuda", dtype=bf),
+                          ParallelMLP(h, f, activation=act, bias=False, device="cuda", dtype=bf))
+        names = {"layer_norm_weight": "0.weight", "fc1_weight": "1.linear_fc1.weight",
+                 "fc2_weight": "1.linear_fc2.weight"}
+        grads = {"fc1_weight": "1.linear_fc1.weight", "fc2_weight": "1.linear_fc2.weight"}
+    if what != "block":
+        with torch.no_grad():
+            for p in t.parameters():
+                p.normal_(0, 0.05) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+        e, e16 = build_te(), build_te()
+        _copy(e, t, names)
+        _copy(e16, t, names)
+    else:
+        t, e, freqs = _block_pair("swiglu", bf, hidden=h, ffn=f, heads=16, groups=4, seq=512)
+        _, e16, _ = _block_pair("swiglu", bf, hidden=h, ffn=f, heads=16, groups=4, seq=512)
+        _copy_block(e16, t, 16, 4, h)
+        kw = {"rotary_pos_emb": freqs}
+        grads = {"layernorm_mlp.fc1_weight": "mlp.linear_fc1.weight"}
+    rows = []
+    for step in range(4):
+        x = torch.randn(512, 2, h, device="cuda").to(dtype)
+        _fp8_compare(rows, t, e, e16, x, te_r, tp_r, grads, **kw)
+    report("fp8_emulation_vs_te", what=what, dtype=str(dtype), rows=rows)
+    for r in rows:
+        bound = 0.25 if dtype == torch.float32 else 0.85
+        assert r["emu_vs_te8_out"] < bound * r["te8_vs_te16_out"], r
+        assert r["emu_vs_te8_dx"] < bound * r["te8_vs_te16_dx"], r
