@@ -95,7 +95,7 @@ def launched(*argv, **env_extra) -> tuple[str, str]:
 
 
 # --- init -> destroy -> init ----------------------------------------------------------------
-def _check_reinit(summary: dict, world: int, rounds: int) -> None:
+def check_reinit(summary: dict, world: int, rounds: int) -> None:
     sys.path.insert(0, SCRIPTS)
     from reinit import LAYOUTS
     distinct = {lay[:3] + (tuple(sorted(lay[3].items())),) for lay in LAYOUTS[world] if lay}
@@ -123,7 +123,7 @@ def test_reinit_loop_under_tpkit_launch(world, tmp_path):
     else:
         out, err = launched(*cmd)
     assert "REINIT OK" in out and "still alive at exit" not in err
-    _check_reinit(json.loads(out_file.read_text()), world, 3)
+    check_reinit(json.loads(out_file.read_text()), world, 3)
 
 
 def test_reinit_loop_under_torchrun_and_plain_python(tmp_path):
@@ -134,12 +134,12 @@ def test_reinit_loop_under_torchrun_and_plain_python(tmp_path):
                                  "--nproc-per-node", "2", os.path.join(SCRIPTS, "reinit.py"),
                                  "2", "--out", str(out_file)]))
     assert rc == 0 and "REINIT OK" in out, err[-5000:]
-    _check_reinit(json.loads(out_file.read_text()), 2, 2)
+    check_reinit(json.loads(out_file.read_text()), 2, 2)
     out_file = tmp_path / "plain.json"
     rc, out, err = finish(start([sys.executable, os.path.join(SCRIPTS, "reinit.py"), "3",
                                  "--out", str(out_file)]))
     assert rc == 0 and "REINIT OK" in out, err[-5000:]
-    _check_reinit(json.loads(out_file.read_text()), 1, 3)
+    check_reinit(json.loads(out_file.read_text()), 1, 3)
 
 
 # --- Fabric and DeepSpeed scripts -------------------------------------------------------------
