@@ -102,6 +102,8 @@ def check_reinit(summary: dict, world: int, rounds: int) -> None:
     assert len(distinct) >= (5 if world > 1 else 1), distinct
     assert summary["world"] == world and summary["cycles"] == rounds * len(LAYOUTS[world])
     assert summary["float64_attention_max_err"] <= 1e-10
+    if world > 1:  # launched: a hand-destroyed default group is refused, not re-created
+        assert "cannot be created again on the same rendezvous store" in summary["recreate_error"]
 
 
 @pytest.mark.parametrize("world", [4, 8])

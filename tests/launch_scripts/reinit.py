@@ -15,8 +15,10 @@ them). For each layout every rank checks, against the rank formula of DESIGN.md 
   float64 SDPA of the full sequence within 1e-10, output and q/k/v gradients;
 - after destroy_parallel: no current state, the default process group is the *same* one
   (never re-created), the layout's groups are unregistered from torch.distributed.
-At exit (an atexit hook registered before tpkit's, so it runs after it) the default group
-must have been destroyed by tpkit when tpkit created it. Rank 0 writes a JSON summary to
+Launched (RANK set), it then destroys tpkit's default group by hand and checks that
+init_parallel() refuses with a RuntimeError (re-creating it on the rendezvous store would
+hang). At exit (an atexit hook registered before tpkit's, so it runs after it) the default
+group must be gone when tpkit created it. Rank 0 writes a JSON summary to
 ``--out`` and prints ``REINIT OK``.
 """
 import argparse
@@ -150,8 +152,20 @@ def main():
                     continue
                 raise AssertionError(f"a group of {lay} outlived destroy_parallel")
             cycles += 1
+    recreate_error = None
+    if created and "RANK" in os.environ:
+        # Destroying tpkit's default group by hand and asking for a layout again would hang
+        # on the rendezvous store; it must be a clear error instead, on every rank.
+        dist.barrier()
+        dist.destroy_process_group()
+        try:
+            tpkit.init_parallel()
+        except RuntimeError as e:
+            recreate_error = str(e)
+        assert recreate_error and "cannot be created again" in recreate_error, recreate_error
     if rank == 0:
         summary = {"world": world, "cycles": cycles, "layouts": len(layouts),
+                   "recreate_error": recreate_error,
                    "float64_attention_max_err": worst64,
                    "seconds": round(time.perf_counter() - t0, 2)}
         if args.out:
