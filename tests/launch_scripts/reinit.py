@@ -19,7 +19,8 @@ Launched (RANK set), it then destroys tpkit's default group by hand and checks t
 init_parallel() refuses with a RuntimeError (re-creating it on the rendezvous store would
 hang). At exit (an atexit hook registered before tpkit's, so it runs after it) the default
 group must be gone when tpkit created it. Rank 0 writes a JSON summary to
-``--out`` and prints ``REINIT OK``.
+``--out`` and prints ``REINIT OK``. Tensors live on the layout's device, so the same
+script runs on nccl (``--backend nccl``, one rank per GPU).
 """
 import argparse
 import atexit
@@ -67,8 +68,9 @@ def check_mlp(state):
     from tpkit.nn import ColumnParallelLinear, RowParallelLinear
     g = torch.Generator().manual_seed(1)
     h, f, s = 8, 16, 4 * state.tp_size
-    w1, w2, x = torch.randn(f, h, generator=g), torch.randn(h, f, generator=g), \
-        torch.randn(s, 2, h, generator=g)
+    w1, w2, x = (t.to(state.device) for t in (
+        torch.randn(f, h, generator=g), torch.randn(h, f, generator=g),
+        torch.randn(s, 2, h, generator=g)))
     sp = state.sequence_parallel
     fc1 = ColumnParallelLinear(h, f, bias=False, state=state, sequence_parallel=sp)
     fc2 = RowParallelLinear(f, h, bias=False, state=state, sequence_parallel=sp)
@@ -89,7 +91,7 @@ def check_attention64(state):
     heads, d, s = 4 * state.tp_size, 8, 8 * state.cp_size
     g = torch.Generator().manual_seed(2)
     q, k, v, go = (torch.randn(s, 2, heads, d, generator=g, dtype=torch.float64)
-                   for _ in range(4))
+                   .to(state.device) for _ in range(4))
     ref_in = [t.permute(1, 2, 0, 3).clone().requires_grad_() for t in (q, k, v)]
     ref = F.scaled_dot_product_attention(*ref_in, is_causal=True)
     ref.backward(go.permute(1, 2, 0, 3))
@@ -134,7 +136,7 @@ def main():
             assert state.world_size == world and state.rank == rank
             for name, ranks in expected_groups(rank, world, tp, cp, pp).items():
                 assert state.group_ranks(name) == ranks, (lay, name, state.group_ranks(name), ranks)
-                t = torch.tensor([float(rank)])
+                t = torch.tensor([float(rank)], device=state.device)
                 dist.all_reduce(t, group=getattr(state, f"{name}_group"))
                 assert t.item() == sum(ranks), (lay, name, t.item(), ranks)
             check_mlp(state)
