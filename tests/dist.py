@@ -11,6 +11,27 @@ test instead of hanging CI. Pools are spawned once per world size and reused acr
 session (spawning costs ~1.5 s per process here); a pool is rebuilt after a failure.
 After each call every rank runs ``tpkit.destroy_parallel()`` so tests start clean.
 
+Where the pool is easier than a user's job, and what covers the real road (issue 14):
+
+(a) The pool creates the default gloo group itself, so tpkit never creates, keeps or
+    destroys it here; init_parallel/destroy_parallel cycles over a tpkit-created group
+    run launched in test_userpath (tpkit-launch at 4 and 8 ranks, torchrun, plain python)
+    and test_slurm (srun + tpkit-launch).
+(b) No TPKIT_* (conftest removes them) and no TORCHELASTIC_* variables: layouts are passed
+    explicitly. TPKIT_* as defaults under explicit overrides, and TPKIT_BACKEND, are used
+    by the launched scripts (tests/launch_scripts/*, test_fabric_launch, test_launch_run).
+(c) Processes are reused and never exit between calls: exit-time teardown (the default
+    group destroyed at exit) and a checkpoint read by fresh processes after the writers
+    were killed are checked launched (reinit.py's at-exit hook; train.py save -> SIGKILL ->
+    resume in test_userpath). Reuse is otherwise harder than a fresh process: state must
+    be clean after destroy_parallel, which every call relies on.
+(d) Functions run inside the harness, not as ``__main__`` under tpkit-launch's wrapper:
+    exit codes, error files and signals are test_launch_run's.
+For the layer, attention, checkpoint, fp8, RNG and recompute math the pool is equivalent:
+those results depend only on the layout's groups, which init_parallel builds the same way
+over any default group (test_userpath's reinit.py re-checks groups, a TP MLP and float64
+CP attention on the launched road at every layout).
+
 ``fn`` must be picklable by reference (a module-level function); arguments and results
 are pickled by value (tensors included). Example::
 

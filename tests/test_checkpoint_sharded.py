@@ -1,4 +1,8 @@
-"""Sharded checkpoints: save at one layout, load at another, identical next step; atomicity."""
+"""Sharded checkpoints: save at one layout, load at another, identical next step; atomicity.
+
+Pool (tests/dist.py): the writers and readers are the same processes. A checkpoint read by
+fresh processes after the writers were SIGKILLed is test_userpath's train.py cycle, and a
+Fabric save read at another layout after teardown is its fabric_layouts.py."""
 import os
 
 import pytest

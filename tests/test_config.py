@@ -51,6 +51,24 @@ def test_env_round_trip():
     assert ParallelConfig.from_env(env, tp=4, sequence_parallel=False).tp == 4
 
 
+def test_env_overrides_drop_what_they_make_stale():
+    """tpkit-launch exports the dp it derived (TPKIT_DP); a script that builds another
+    layout (init_parallel(tp=4) after destroy_parallel) must not be held to it."""
+    env = ParallelConfig(tp=2, dp=4).to_env()               # tpkit-launch --tp 2, 8 ranks
+    assert ParallelConfig.from_env(env).dp == 4
+    assert ParallelConfig.from_env(env, tp=2).dp == 4        # same size: dp still holds
+    for changed in ({"tp": 4}, {"cp": 2}, {"pp": 2}, {"tp": 1}):
+        cfg = ParallelConfig.from_env(env, **changed)
+        assert cfg.dp is None and cfg.validate(8).dp == 8 // cfg.model_size, changed
+    assert ParallelConfig.from_env(env, tp=4, dp=2).dp == 2  # an explicit dp is kept
+    with pytest.raises(ValueError, match="dp=4 is inconsistent"):
+        ParallelConfig.from_env(env, tp=2, dp=4).validate(16)
+    hier = ParallelConfig(cp=4, cp_comm_type="a2a+p2p", cp_a2a_size=2).to_env()
+    assert ParallelConfig.from_env(hier, cp_comm_type="p2p").cp_a2a_size is None
+    assert ParallelConfig.from_env(hier, cp_comm_type="a2a+p2p").cp_a2a_size == 2
+    assert ParallelConfig.from_env(hier).cp_a2a_size == 2
+
+
 @pytest.mark.parametrize("env,needle", [
     ({"TPKIT_TP": "two"}, "TPKIT_TP='two'"),
     ({"TPKIT_SEQUENCE_PARALLEL": "maybe"}, "TPKIT_SEQUENCE_PARALLEL='maybe'"),

@@ -1,12 +1,17 @@
-"""DotProductAttention with context parallelism vs full-sequence SDPA (outputs and grads)."""
+"""DotProductAttention with context parallelism vs full-sequence SDPA (outputs and grads),
+in fp32, in float64 (which must stay float64: gradcheck-grade agreement) and in bf16
+(which must still accumulate in fp32)."""
 
 from dist import run
 
 TOL = 1e-5
+TOL64 = 1e-10  # float64 kernels vs float64 SDPA; float32 math anywhere shows as ~1e-7
 
 
-def _run_case(comm, mask, heads, groups, fmt, b=2, s=16, d=4):
-    """One attention case under the current state; returns max abs errors vs SDPA."""
+def _run_case(comm, mask, heads, groups, fmt, b=2, s=16, d=4, dtype="float32"):
+    """One attention case under the current state; returns max abs errors vs SDPA of the
+    full sequence in the same dtype (bf16: vs fp32 SDPA of the same bf16 values, errors
+    relative to the reference's magnitude)."""
     import torch
     import torch.nn.functional as F
     import tpkit
@@ -14,15 +19,15 @@ def _run_case(comm, mask, heads, groups, fmt, b=2, s=16, d=4):
     from tpkit.nn.dot_product_attention import DotProductAttention
 
     st = tpkit.get_parallel_state()
+    dt = getattr(torch, dtype)
+    ref_dt = torch.float32 if dt == torch.bfloat16 else dt
     g = torch.Generator().manual_seed(1000 + heads * 10 + groups)
-    q = torch.randn(b, heads, s, d, generator=g, dtype=torch.float32)
-    k = torch.randn(b, groups, s, d, generator=g)
-    v = torch.randn(b, groups, s, d, generator=g)
-    gout = torch.randn(b, heads, s, d, generator=g)
-    ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
+    q, k, v, gout = (torch.randn(b, h, s, d, generator=g, dtype=torch.float64).to(dt)
+                     for h in (heads, groups, groups, heads))
+    ref_in = [t.to(ref_dt, copy=True).requires_grad_() for t in (q, k, v)]
     ref = F.scaled_dot_product_attention(*ref_in, is_causal=(mask == "causal"),
                                          enable_gqa=True)
-    ref.backward(gout)
+    ref.backward(gout.to(ref_dt))
     hl, gl = heads // st.tp_size, groups // st.tp_size
     hs, gs = slice(st.tp_rank * hl, (st.tp_rank + 1) * hl), slice(st.tp_rank * gl, (st.tp_rank + 1) * gl)
     # the module's layout: sbhd [s, b, h, d] or bshd [b, s, h, d]
@@ -34,21 +39,30 @@ def _run_case(comm, mask, heads, groups, fmt, b=2, s=16, d=4):
                               qkv_format=fmt, cp_comm_type=comm)
     out = dpa(*local)
     go = shard_sequence(lay(gout[:, hs]), sd).flatten(2)
-    (out * go).sum().backward()
-    errs = {"out": (unshard_sequence(out.detach(), sd) - lay(ref.detach()[:, hs]).flatten(2))}
+    out.backward(go)
+    got = {"out": unshard_sequence(out.detach(), sd)}
+    want = {"out": lay(ref.detach()[:, hs]).flatten(2)}
     for name, t, r, sl in zip("qkv", local, ref_in, (hs, gs, gs)):
-        errs["d" + name] = unshard_sequence(t.grad, sd) - lay(r.grad[:, sl])
-    return {k_: e.abs().max().item() for k_, e in errs.items()}
+        got["d" + name], want["d" + name] = unshard_sequence(t.grad, sd), lay(r.grad[:, sl])
+    assert all(t.dtype == dt for t in got.values()), {n: t.dtype for n, t in got.items()}
+    if dt == torch.bfloat16:  # relative errors: per element (floor 1e-3 of the largest), and
+        errs = {}             # in units of the largest element ("<name>_max")
+        for n in got:
+            e, w = (got[n].double() - want[n].double()).abs(), want[n].double().abs()
+            errs[n] = (e / (w + 1e-3 * w.max())).max().item()
+            errs[n + "_max"] = (e.max() / w.max()).item()
+        return errs
+    return {n: (got[n] - want[n]).abs().max().item() for n in got}
 
 
-def _cases_worker(plan):
+def _cases_worker(plan, dtype="float32"):
     import tpkit
     results = {}
     for (tp, cp, comm, a2a), cases in plan:
         tpkit.init_parallel(tp=tp, cp=cp, cp_comm_type=comm, cp_a2a_size=a2a)
         for (mask, heads, groups, fmt) in cases:
             key = (tp, cp, comm, mask, heads, groups, fmt)
-            results[key] = _run_case(comm, mask, heads, groups, fmt)
+            results[key] = _run_case(comm, mask, heads, groups, fmt, dtype=dtype)
         tpkit.destroy_parallel()
     return results
 
@@ -71,4 +85,40 @@ def test_cp_attention_matches_sdpa():
     for res in run(_cases_worker, 4, PLAN, timeout=300):
         assert len(res) == n_cases
         bad = {key: errs for key, errs in res.items() if not max(errs.values()) <= TOL}
+        assert not bad, bad
+
+
+# Every comm type at cp=2 and cp=4 (a2a+p2p needs cp >= 4), both masks, MHA and GQA, and
+# no CP (PyTorch's SDPA itself); tp=2 x cp=2 checks the TP head slicing in float64 too.
+PLAN64 = ([((1, cp, c, None), CASES[:3]) for cp in (2, 4) for c in ("p2p", "all_gather", "a2a")]
+          + [((1, 4, "a2a+p2p", 2), CASES[:3]), ((2, 2, "p2p", None), CASES[:2]),
+             ((1, 1, "p2p", None), CASES[:3])])
+
+
+def test_float64_stays_float64():
+    """A float64 user (gradcheck, a float64 reference) gets float64 math on every path:
+    output and q/k/v gradients within 1e-10 of float64 SDPA, returned as float64."""
+    n_cases = sum(len(cases) for _, cases in PLAN64)
+    for res in run(_cases_worker, 4, PLAN64, "float64", timeout=300):
+        assert len(res) == n_cases
+        bad = {key: errs for key, errs in res.items() if not max(errs.values()) <= TOL64}
+        assert not bad, bad
+
+
+def test_bf16_accumulates_in_fp32():
+    """bf16 in, bf16 out, math in fp32: each element is the fp32 SDPA of the same bf16
+    values rounded to bf16 (2**-8 relative; with the math in bf16 elements are 20-500 %
+    off). One exception by design: all_gather reduce-scatters dK/dV in the input dtype
+    (as TE does), a bf16 sum over the CP ranks, so those are bounded relative to their
+    largest element (2**-7; measured 0.005) instead of per element."""
+    plan = [((1, 4, c, a), CASES[:3]) for c, a in (("p2p", None), ("all_gather", None),
+                                                   ("a2a", None), ("a2a+p2p", 2))]
+    for res in run(_cases_worker, 4, plan, "bfloat16", timeout=300):
+        bad = {}
+        for key, errs in res.items():
+            summed = ("dk", "dv") if key[2] == "all_gather" else ()
+            for n in ("out", "dq", "dk", "dv"):
+                e, tol = (errs[n + "_max"], 2 ** -7) if n in summed else (errs[n], 2 ** -8)
+                if not e <= tol:
+                    bad[key + (n,)] = e
         assert not bad, bad

@@ -3,7 +3,9 @@ tpkit's groups vs DDP and a single-process reference (TP, DP and CP), and DeepSp
 activation checkpointing replaying dropout from tpkit's RNG tracker.
 
 One harness call on 4 gloo ranks runs every scenario (importing DeepSpeed and building
-its engines is the slow part); the tests below assert on its cached results.
+its engines is the slow part); the tests below assert on its cached results. Pool
+(tests/dist.py): DeepSpeed's comm wraps the harness's group here; the same training as a
+script under tpkit-launch, over two layouts in one process, is test_userpath's ds_train.py.
 """
 import importlib.util
 import os

@@ -1,4 +1,8 @@
-"""TPKitStrategy through Lightning Fabric on gloo ranks vs a single-process reference."""
+"""TPKitStrategy through Lightning Fabric on gloo ranks vs a single-process reference.
+
+Pool (tests/dist.py): Lightning finds the harness's default group and skips creating one;
+Fabric creating it (tpkit-launch or its own launcher) is test_fabric_launch, and several
+Fabric layouts over it in one process are test_userpath's fabric_layouts.py."""
 import pytest
 import torch
 

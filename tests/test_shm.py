@@ -1,5 +1,9 @@
 """tpkit.shm: the shared-memory all-reduce TP groups use on CPU, against gloo's all-reduce
-on the same data, and the ways it must fail or step aside."""
+on the same data, and the ways it must fail or step aside.
+
+Pool (tests/dist.py): equivalent for the transport, which only needs the TP group and the
+host; segments set up and released across many layouts in one process are also checked
+launched (test_userpath's reinit.py sums a TP MLP through it after every rebuild)."""
 import glob
 import os
 

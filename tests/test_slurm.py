@@ -1,6 +1,7 @@
 """slurm/cpu.sbatch on a real single-node Slurm (munge, slurmctld, slurmd) brought up by
 slurm/ci/up.sh and torn down at the end of the session. In CI (CI=true) it must run:
 anything that stops it is a failure, never a skip."""
+import json
 import os
 import re
 import shutil
@@ -51,11 +52,13 @@ def job_env(slurm_conf: str) -> dict:
     return env
 
 
-def test_cpu_sbatch_two_tasks_runs_to_completion(slurm_conf, tmp_path):
+def run_cpu_sbatch(slurm_conf, tmp_path, ntasks: int, *args) -> tuple[str, str]:
+    """``sbatch --wait slurm/cpu.sbatch ARGS`` on one node with ``ntasks`` ranks (srun
+    starts one tpkit-launch); returns the job id and its log."""
     env = job_env(slurm_conf)
     cmd = ["sbatch", "--wait", "--parsable", "--job-name=tpkit-test", "--nodes=1",
-           "--ntasks-per-node=2", f"--output={tmp_path}/%x-%j.out",
-           "slurm/cpu.sbatch", "--tp", "2", SCRIPT, "2", "1"]
+           f"--ntasks-per-node={ntasks}", f"--output={tmp_path}/%x-%j.out",
+           "slurm/cpu.sbatch", *args]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
@@ -70,7 +73,12 @@ def test_cpu_sbatch_two_tasks_runs_to_completion(slurm_conf, tmp_path):
     assert job.isdigit(), (out, err)
     log = (tmp_path / f"tpkit-test-{job}.out").read_text()
     assert proc.returncode == 0, f"sbatch exit {proc.returncode}: {err}\n{log[-4000:]}"
-    assert f"[tpkit] job {job}: 1 node(s) x 2 ranks on localhost" in log
+    assert f"[tpkit] job {job}: 1 node(s) x {ntasks} ranks on localhost" in log
+    return job, log
+
+
+def test_cpu_sbatch_two_tasks_runs_to_completion(slurm_conf, tmp_path):
+    job, log = run_cpu_sbatch(slurm_conf, tmp_path, 2, "--tp", "2", SCRIPT, "2", "1")
     oks = {int(m.group(1)): m.group(0)
            for m in re.finditer(r"OK rank=(\d+) .*?args=\[.*?\]", log)}
     assert sorted(oks) == [0, 1], log
@@ -78,6 +86,17 @@ def test_cpu_sbatch_two_tasks_runs_to_completion(slurm_conf, tmp_path):
         # layout checked inside; rendezvous id derived from the Slurm job and step
         assert f"world=2 local_rank={rank} tp={rank} cp=0 dp=0" in line
         assert f"run_id=slurm-{job}.0" in line
+
+
+def test_layouts_rebuilt_in_one_slurm_job(slurm_conf, tmp_path):
+    """Issue 14 on the Slurm road (srun + tpkit-launch, rendezvous on the job's port):
+    tests/launch_scripts/reinit.py builds and destroys its 2-rank layouts twice over."""
+    _, log = run_cpu_sbatch(slurm_conf, tmp_path, 2, "--tp", "2",
+                            os.path.join("tests", "launch_scripts", "reinit.py"), "2")
+    from test_userpath import check_reinit
+    m = re.search(r"REINIT OK (\{.*\})", log)
+    assert m, log[-4000:]
+    check_reinit(json.loads(m.group(1)), 2, 2)
 
 
 def _poll(what, check, timeout=120):

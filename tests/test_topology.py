@@ -110,10 +110,12 @@ def _reinit_worker():
     import torch
     import torch.distributed as dist
     import tpkit
+    world = dist.group.WORLD
     first = tpkit.init_parallel(tp=2, cp=2)
     with pytest.raises(RuntimeError, match="destroy_parallel"):
         tpkit.init_parallel(tp=4)
     tpkit.destroy_parallel()
+    assert dist.is_initialized() and dist.group.WORLD is world  # layouts come and go
     with pytest.raises(RuntimeError, match="not initialised"):
         tpkit.get_parallel_state()
     from tpkit import parallel_state as ps
@@ -127,6 +129,9 @@ def _reinit_worker():
 
 
 def test_destroy_then_reinit_other_layout():
+    """In the pool the default group is the harness's, so this passed while the same
+    script hung under tpkit-launch, where tpkit created (and re-created) the default
+    group (issue 14); test_userpath runs the launched version."""
     assert run(_reinit_worker, 4) == [(2, 4, 1, 4.0)] * 4
 
 
@@ -136,6 +141,18 @@ def _bad_world_worker():
         tpkit.init_parallel(tp=3)
     with pytest.raises(ValueError, match="backend='mpi'"):
         tpkit.init_parallel(tp=2, backend="mpi")
+    # the default group (gloo here) lives as long as the process: another backend is an
+    # error, not silently gloo (CUDA faked so the check, not the "no GPUs" one, answers)
+    import torch
+    real = torch.cuda.is_available
+    torch.cuda.is_available = lambda: True
+    try:
+        with pytest.raises(ValueError, match="backend='nccl' was asked for, but the default "
+                                             "process group of this process runs 'gloo'"):
+            tpkit.init_parallel(tp=2, backend="nccl")
+    finally:
+        torch.cuda.is_available = real
+    assert not tpkit.is_initialized()
     return True
 
 

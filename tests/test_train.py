@@ -1,5 +1,10 @@
 """launch/train.py end to end: the same loss curve at every layout, with recompute, in
-emulated fp8 (within a stated tolerance), and across a resume at another layout."""
+emulated fp8 (within a stated tolerance), and across a resume at another layout.
+
+Pool (tests/dist.py): ``train.main`` runs inside the harness's processes, over its
+default group and without TPKIT_*; the script itself under tpkit-launch (its __main__,
+Lightning creating the group, a resume by new processes after a SIGKILL) is
+test_userpath.test_train_save_kill_resume."""
 import os
 import sys
 

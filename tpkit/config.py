@@ -136,7 +136,14 @@ class ParallelConfig:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides) -> "ParallelConfig":
-        """Build from ``TPKIT_*`` variables (unset ones take defaults); keyword overrides win."""
+        """Build from ``TPKIT_*`` variables (unset ones take defaults); keyword overrides win.
+
+        The variables describe one layout, so values derived from a size an override
+        changes are dropped rather than contradicted: ``TPKIT_DP`` (the rest of the world at
+        the exported tp*cp*pp) when tp, cp or pp is overridden with another value (dp is
+        then re-derived), and ``TPKIT_CP_A2A_SIZE`` when cp_comm_type is overridden with
+        something other than "a2a+p2p". So ``init_parallel(tp=4)`` under
+        ``tpkit-launch --tp 2`` builds tp=4 with dp = world / 4."""
         env = os.environ if env is None else env
         kwargs: dict = {}
         for field, var in ENV_VARS.items():
@@ -157,7 +164,13 @@ class ParallelConfig:
                     kwargs[field] = int(raw)
                 except ValueError:
                     raise ValueError(f"{var}={raw!r} is not an integer; set e.g. {var}=1") from None
-        kwargs.update({k: v for k, v in overrides.items() if v is not None})
+        overrides = {k: v for k, v in overrides.items() if v is not None}
+        if "dp" not in overrides and any(
+                k in overrides and overrides[k] != kwargs.get(k, 1) for k in ("tp", "cp", "pp")):
+            kwargs.pop("dp", None)
+        if "cp_a2a_size" not in overrides and overrides.get("cp_comm_type", "a2a+p2p") != "a2a+p2p":
+            kwargs.pop("cp_a2a_size", None)
+        kwargs.update(overrides)
         return cls(**kwargs)
 
     @classmethod

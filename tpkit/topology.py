@@ -6,9 +6,15 @@ order. Flattened groups (dp_cp, tp_cp, model-parallel, amax) and the two hierarc
 levels of ``a2a+p2p`` are built once and kept as attributes. Groups over dimensions of
 size 1 alias the size-1 tp/cp/... group instead of creating duplicates; NCCL creates
 communicators lazily, so a size-1 group that is never used costs nothing there.
+
+Lifetimes: a layout's groups live from init_parallel() to destroy_parallel(); the default
+process group outlives layouts (torch cannot create it twice on one rendezvous store), so
+any number of init/destroy cycles run over one default group, destroyed once at exit when
+init_parallel created it.
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import os
 import time
@@ -24,6 +30,9 @@ from .config import ParallelConfig, shm_allreduce_enabled
 MESH_DIMS = ("pp", "dp", "cp", "tp")
 
 _CURRENT: "ParallelState | None" = None
+# The default process group init_parallel created in this process (None: it created none).
+# It outlives every layout and is destroyed once, at interpreter exit (_destroy_default_group).
+_DEFAULT_GROUP = None
 
 
 @dataclasses.dataclass(eq=False)
@@ -46,7 +55,6 @@ class ParallelState:
     amax_mesh: DeviceMesh
     cp_a2a_mesh: DeviceMesh | None = None
     cp_p2p_mesh: DeviceMesh | None = None
-    owns_default_group: bool = False
     build_seconds: float = 0.0
 
     # --- groups ----------------------------------------------------------------
@@ -164,20 +172,55 @@ def _default_backend() -> str:
     return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() > 0 else "gloo"
 
 
-def _init_default_group(backend: str) -> bool:
-    """Initialise torch.distributed if needed; return True if we created the default group."""
+def _backend_names(pg_backend: str) -> set[str]:
+    """``"gloo"`` -> {gloo}; ``"cpu:gloo,cuda:nccl"`` -> {gloo, nccl}."""
+    return {part.split(":")[-1] for part in pg_backend.split(",")}
+
+
+def _init_default_group(backend: str | None) -> None:
+    """Create torch.distributed's default group unless one exists (then check that it runs
+    ``backend``, when one was asked for). A group created here lives until the process
+    exits: destroying it and creating another on the same rendezvous store (torchrun's,
+    tpkit-launch's, Slurm's) hangs, because the new group finds the old one's keys."""
+    global _DEFAULT_GROUP
     if dist.is_initialized():
-        return False
+        have = dist.get_backend()
+        if backend is not None and backend not in _backend_names(have):
+            raise ValueError(f"backend={backend!r} was asked for, but the default process "
+                             f"group of this process runs {have!r} and it lives until the "
+                             f"process exits; use backend={have!r} (or None), or start a "
+                             "new process for the other backend")
+        return
+    rendezvous = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if _DEFAULT_GROUP is not None and rendezvous:
+        raise RuntimeError(
+            "the default process group that tpkit.init_parallel() created was destroyed "
+            "(torch.distributed.destroy_process_group()); it cannot be created again on the "
+            "same rendezvous store in this process (the ranks would hang). Leave it alone: "
+            "tpkit.destroy_parallel() frees only the layout's groups, and tpkit destroys the "
+            "default group at exit")
+    backend = backend or _default_backend()
     timeout = timedelta(seconds=float(os.environ.get("TPKIT_PG_TIMEOUT", 600)))
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+    if rendezvous:
         dist.init_process_group(backend, init_method="env://", timeout=timeout)
     else:
         # A plain `python script.py`: a world of one, no rendezvous needed.
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=timeout)
-    return True
+    if _DEFAULT_GROUP is None:
+        atexit.register(_destroy_default_group)
+    _DEFAULT_GROUP = dist.group.WORLD
+
+
+def _destroy_default_group() -> None:
+    """At exit: destroy the default group if it is still the one init_parallel created
+    (NCCL warns about a group left alive; the user may have destroyed it already). No
+    barrier: a rank that exits after an error must not wait for the others."""
+    if _DEFAULT_GROUP is not None and dist.is_initialized() \
+            and dist.group.WORLD is _DEFAULT_GROUP:
+        dist.destroy_process_group()
 
 
 def _sub(mesh: DeviceMesh, config: ParallelConfig, dims: tuple[str, ...], name: str) -> DeviceMesh:
@@ -192,8 +235,7 @@ def _sub(mesh: DeviceMesh, config: ParallelConfig, dims: tuple[str, ...], name: 
     return mesh[real]._flatten(name)
 
 
-def build_state(config: ParallelConfig, *, device_type: str | None = None,
-                owns_default_group: bool = False) -> ParallelState:
+def build_state(config: ParallelConfig, *, device_type: str | None = None) -> ParallelState:
     """Build every group of ``config`` over the initialised default process group."""
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialised; use tpkit.init_parallel()")
@@ -222,7 +264,7 @@ def build_state(config: ParallelConfig, *, device_type: str | None = None,
         tp_cp_mesh=_sub(mesh, config, ("cp", "tp"), "tp_cp"),
         mp_mesh=_sub(mesh, config, ("pp", "tp"), "mp"),
         amax_mesh=_sub(mesh, config, ("dp", "cp", "tp"), "amax"),
-        cp_a2a_mesh=a2a, cp_p2p_mesh=p2p, owns_default_group=owns_default_group)
+        cp_a2a_mesh=a2a, cp_p2p_mesh=p2p)
     if backend == "gloo" and device_type == "cpu" and config.tp > 1:
         shm.setup(state.tp_group)   # collective over the TP group; None keeps gloo
     state.build_seconds = time.perf_counter() - t0
@@ -234,10 +276,13 @@ def init_parallel(tp: int | None = None, cp: int | None = None, pp: int | None =
                   cp_comm_type: str | None = None, cp_a2a_size: int | None = None,
                   config: ParallelConfig | None = None, backend: str | None = None,
                   seed: int | None = 1234) -> ParallelState:
-    """Initialise torch.distributed if needed (env://, or a world of one), build the
-    layout and make it the current state. Arguments left ``None`` come from ``TPKIT_*``
-    variables (what tpkit-launch exports), then from ParallelConfig's defaults.
-    ``seed`` seeds the RNG tracker (tpkit.random.model_parallel_seed); None skips it."""
+    """Build the layout's groups and make it the current state; call it again after
+    destroy_parallel() for another layout. The default process group is reused when one
+    exists (torchrun's env://, Lightning's, your own: then ``backend`` must match it);
+    otherwise it is created (env://, or a world of one) and kept until the process exits.
+    Arguments left ``None`` come from ``TPKIT_*`` variables (what tpkit-launch exports),
+    then from ParallelConfig's defaults. ``seed`` seeds the RNG tracker
+    (tpkit.random.model_parallel_seed); None skips it."""
     global _CURRENT
     if _CURRENT is not None:
         raise RuntimeError("a parallel state is already initialised; call "
@@ -263,13 +308,8 @@ def init_parallel(tp: int | None = None, cp: int | None = None, pp: int | None =
     shm_allreduce_enabled()   # a bad TPKIT_SHM_ALLREDUCE fails before any group exists
     if backend == "nccl" and not torch.cuda.is_available():
         raise ValueError("backend='nccl' needs CUDA GPUs and none are visible; use backend='gloo'")
-    owns = _init_default_group(backend or _default_backend())
-    try:
-        state = build_state(config, owns_default_group=owns)
-    except Exception:
-        if owns:
-            dist.destroy_process_group()
-        raise
+    _init_default_group(backend)
+    state = build_state(config)
     _CURRENT = state
     if seed is not None:
         from .random import model_parallel_seed
@@ -302,9 +342,11 @@ def set_parallel_state(state: ParallelState | None) -> None:
 
 
 def destroy_parallel() -> None:
-    """Destroy every group of the current state (and the default group if init_parallel
-    created it), reset the RNG tracker and clear the current state. Collective: every
-    rank calls it (it starts with a barrier)."""
+    """Destroy every group of the current layout (tp, cp, dp, ... and their shared-memory
+    transports), reset the RNG tracker and clear the current state, so that
+    init_parallel() can build another layout. The default process group is left alone:
+    it outlives layouts (init_parallel reuses it) and, if init_parallel created it, is
+    destroyed at exit. Collective: every rank calls it (it starts with a barrier)."""
     global _CURRENT
     state, _CURRENT = _CURRENT, None
     from .random import get_rng_tracker
@@ -324,8 +366,6 @@ def destroy_parallel() -> None:
             groups.update((id(g), g) for g in mesh.get_all_groups() if g is not world)
     for g in groups.values():
         dist.destroy_process_group(g)
-    if state.owns_default_group:
-        dist.destroy_process_group()
 
 
 def build_fake_state(config: ParallelConfig, world_size: int, rank: int = 0) -> ParallelState:
@@ -339,7 +379,7 @@ def build_fake_state(config: ParallelConfig, world_size: int, rank: int = 0) -> 
     from torch.testing._internal.distributed.fake_pg import FakeStore
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
-        return build_state(config, device_type="cpu", owns_default_group=True)
+        return build_state(config, device_type="cpu")
     except Exception:
         dist.destroy_process_group()
         raise

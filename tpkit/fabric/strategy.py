@@ -26,6 +26,7 @@ works with the layout taken from the ``TPKIT_*`` variables (tpkit-launch).
 """
 from __future__ import annotations
 
+import os
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from datetime import timedelta
 from typing import Any, Callable
@@ -146,9 +147,9 @@ class TPKitStrategy(ParallelStrategy):
         """Process group (reused when one exists), then the tpkit layout over it."""
         super().setup_environment()
         self._set_world_ranks()
-        if self._process_group_backend is None:
-            self._process_group_backend = _get_default_process_group_backend_for_device(
-                self.root_device)
+        if self._process_group_backend is None:  # tpkit-launch's --backend, else Lightning's
+            self._process_group_backend = os.environ.get("TPKIT_BACKEND") or \
+                _get_default_process_group_backend_for_device(self.root_device)
         if not dist.is_initialized():
             _init_dist_connection(self.cluster_environment, self._process_group_backend,
                                   timeout=self._timeout)
@@ -304,8 +305,11 @@ class TPKitStrategy(ParallelStrategy):
         return read_extras(path, exclude=state.keys())
 
     def teardown(self) -> None:
+        """Free the layout this strategy built (destroy_parallel: its groups, not the
+        default process group, which a later Fabric or init_parallel reuses)."""
         self._modules = []
-        if self._owns_state and topology.is_initialized():
+        if self._owns_state and topology.is_initialized() \
+                and topology.get_parallel_state() is self._state:
             topology.destroy_parallel()
         self._state = None
         self._owns_state = False

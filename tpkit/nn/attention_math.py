@@ -1,4 +1,8 @@
-"""Attention math in plain torch (fp32), shared by every context-parallel kernel.
+"""Attention math in plain torch, shared by every context-parallel kernel.
+
+Everything is computed in ``compute_dtype(input dtype)``: fp32 for half types and fp32
+(softmax statistics accumulate in fp32), float64 for float64 (so gradcheck and float64
+references see float64 math); results are returned in the input dtype.
 
 Tensors use a grouped layout so grouped-query attention never materialises repeated K/V:
 ``q`` is ``[b, g, r, s, d]`` (``g`` KV groups of ``r`` query heads each) and ``k``/``v`` are
@@ -11,6 +15,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype attention math runs in for inputs of ``dtype``: at least fp32."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def to_grouped(x: torch.Tensor, groups: int, is_kv: bool) -> torch.Tensor:
@@ -43,14 +52,16 @@ def _scores(q, k, scale, causal):
     return s
 
 
-def _keep_mask(shape, dropout_p: float, gen, device):
-    """Dropout keep-mask scaled by 1/(1-p), drawn from ``gen`` (replayed in backward)."""
-    keep = torch.rand(shape, generator=gen, device=device) >= dropout_p
-    return keep.to(torch.float32).div_(1.0 - dropout_p)
+def _keep_mask(shape, dropout_p: float, gen, like: torch.Tensor):
+    """Dropout keep-mask scaled by 1/(1-p) in ``like``'s dtype, drawn from ``gen``
+    (replayed in backward)."""
+    keep = torch.rand(shape, generator=gen, device=like.device) >= dropout_p
+    return keep.to(like.dtype).div_(1.0 - dropout_p)
 
 
 def block_forward(q, k, v, scale: float, causal: bool, dropout_p: float = 0.0, gen=None):
-    """Output ``[b, g, r, sq, d]`` and LSE ``[b, g, r, sq]`` of one block (fp32 inputs).
+    """Output ``[b, g, r, sq, d]`` and LSE ``[b, g, r, sq]`` of one block (inputs already
+    in the compute dtype).
     Every row sees at least one key (a diagonal or an unmasked block). In-place ops keep
     the memory traffic of the ``sq x sk`` scores low. With ``dropout_p`` the probabilities
     (not the LSE) are dropped with a mask drawn from ``gen``."""
@@ -59,7 +70,7 @@ def block_forward(q, k, v, scale: float, causal: bool, dropout_p: float = 0.0, g
     p = s.sub_(m).exp_()
     denom = p.sum(dim=-1, keepdim=True)
     if dropout_p > 0.0:
-        p = p.mul_(_keep_mask(p.shape, dropout_p, gen, p.device))
+        p = p.mul_(_keep_mask(p.shape, dropout_p, gen, p))
     out = torch.matmul(p, v).div_(denom)
     return out, (m + denom.log()).squeeze(-1)
 
@@ -69,7 +80,7 @@ def block_backward(q, k, v, dout, lse, delta, scale: float, causal: bool,
     """dq, dk, dv of one block given the final LSE and ``delta = sum(dout * out, -1)``;
     with dropout, ``gen`` must be in the state it had for this block's forward."""
     p = _scores(q, k, scale, causal).sub_(lse.unsqueeze(-1)).exp_()
-    keep = _keep_mask(p.shape, dropout_p, gen, p.device) if dropout_p > 0.0 else None
+    keep = _keep_mask(p.shape, dropout_p, gen, p) if dropout_p > 0.0 else None
     pd = p if keep is None else p * keep
     dv = torch.matmul(pd.transpose(-1, -2), dout).sum(2, keepdim=True)
     dp = torch.matmul(dout, v.transpose(-1, -2))
@@ -92,8 +103,8 @@ def local_attention(q, k, v, scale: float, mask: torch.Tensor | None, dropout_p:
     """Differentiable attention of grouped tensors (autograd keeps the probabilities).
     ``mask`` is True where hidden; dropout on the probabilities runs inside the RNG
     tracker's model-parallel stream (different per TP/CP coordinate)."""
-    dtype = q.dtype
-    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    dtype, cdt = q.dtype, compute_dtype(q.dtype)
+    s = torch.matmul(q.to(cdt), k.to(cdt).transpose(-1, -2)) * scale
     if mask is not None:
         s = s.masked_fill(mask, float("-inf"))
     p = torch.softmax(s, dim=-1)
@@ -101,4 +112,4 @@ def local_attention(q, k, v, scale: float, mask: torch.Tensor | None, dropout_p:
         from ..random import get_rng_tracker
         with get_rng_tracker().fork():
             p = F.dropout(p, dropout_p, training=True)
-    return torch.matmul(p, v.float()).to(dtype)
+    return torch.matmul(p, v.to(cdt)).to(dtype)

@@ -27,7 +27,7 @@ import torch.distributed as dist
 # placed on the torch.distributed namespace (e.g. collective counters) do not break it.
 from torch.distributed import distributed_c10d as _c10d
 
-from .attention_math import block_backward, block_forward, merge_into
+from .attention_math import block_backward, block_forward, compute_dtype, merge_into
 
 _KV_TAG, _DKV_TAG = 0, 1
 
@@ -94,11 +94,12 @@ class RingAttention(torch.autograd.Function):
             n, rank = dist.get_world_size(group), dist.get_rank(group)
             nxt = dist.get_global_rank(group, (rank + 1) % n)
             prv = dist.get_global_rank(group, (rank - 1) % n)
-        qf = q.float()
+        cdt = compute_dtype(q.dtype)  # fp32 for half types, float64 stays float64
+        qf = q.to(cdt)
         sq, sk = q.shape[-2], k.shape[-2]
         out = torch.zeros_like(qf)
-        lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
-        kv = torch.stack([k, v]).float().contiguous()
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=cdt, device=q.device)
+        kv = torch.stack([k, v]).to(cdt).contiguous()
         gen = _stream_generator(q.device) if dropout_p > 0.0 else None
         ctx.rng_state = None if gen is None else gen.get_state()
         for step in range(n):
@@ -125,11 +126,12 @@ class RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         rank, n, nxt, prv = ctx.ranks
         group, scale = ctx.group, ctx.scale
-        qf, dout = q.float(), dout.float()
+        cdt = out.dtype  # forward's compute dtype
+        qf, dout = q.to(cdt), dout.to(cdt)
         sq, sk = q.shape[-2], k.shape[-2]
         delta = (dout * out).sum(-1)
         dq = torch.zeros_like(qf)
-        kv = torch.stack([k, v]).float().contiguous()
+        kv = torch.stack([k, v]).to(cdt).contiguous()
         dkv = torch.zeros_like(kv)  # gradient of the K/V block held now, travelling with it
         dkv_works, gen = None, None
         if ctx.rng_state is not None:  # replay forward's dropout masks, block by block
