@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 import tpkit
-from tpkit.topology import format_rank_table
+from tpkit.planning import format_rank_table
 
 
 def main() -> None:

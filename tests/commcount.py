@@ -1,12 +1,17 @@
 """Count the torch.distributed collectives a block of code really issues.
 
-``with count_collectives() as calls: ...`` patches the public collective functions of
-``torch.distributed`` (code must call them as ``dist.all_reduce(...)``, i.e. through the
-module, which tpkit does), plus tpkit.shm's shared-memory all-reduce, and records one
-``Call(op, group_size)`` per call. Calls on a
-group of one rank are recorded too, so a test can assert that none were made.
-``calls.count("all_reduce")`` counts by name, optionally ``min_group_size=2``.
-Pass ``group=`` by keyword: a group passed positionally is counted as the world.
+``with count_collectives() as calls: ...`` replaces the public collective functions of
+``torch.distributed`` (looked up there at call time, as tpkit.collectives and torch's
+own callers do) and tpkit.shm's shared-memory all-reduce with counting wrappers, and
+records one ``Call(op, group_size)`` per call. Calls on a group of one rank are recorded
+too, so a test can assert that none were made. ``calls.count("all_reduce")`` counts by
+name, optionally ``min_group_size=2``. Pass ``group=`` by keyword: a group passed
+positionally is counted as the world.
+
+One op has one name: torch 2.13's ``all_gather_single``/``reduce_scatter_single`` are
+recorded as the ``all_gather_into_tensor``/``reduce_scatter_tensor`` every torch has.
+``isend``/``irecv`` are left alone (``P2POp`` accepts only the real ones); a ring hop is
+counted as its ``batch_isend_irecv``.
 """
 from __future__ import annotations
 
@@ -17,10 +22,12 @@ import torch.distributed as dist
 
 from tpkit.shm import ShmAllReduce
 
-OPS = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
-       "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "broadcast", "reduce",
-       "send", "recv", "isend", "irecv", "batch_isend_irecv", "barrier", "gather", "scatter",
-       "all_gather_object", "broadcast_object_list")
+OPS = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
+       "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all",
+       "all_to_all_single", "broadcast", "reduce", "send", "recv", "batch_isend_irecv",
+       "barrier", "gather", "scatter", "all_gather_object", "broadcast_object_list")
+NAMES = {"all_gather_single": "all_gather_into_tensor",
+         "reduce_scatter_single": "reduce_scatter_tensor"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +66,7 @@ def count_collectives():
         def inner(*args, **kwargs):
             group = _group_of(op, args, kwargs)
             size = dist.get_world_size(group) if group is not None else dist.get_world_size()
-            calls.append(Call(op, size))
+            calls.append(Call(NAMES.get(op, op), size))
             return fn(*args, **kwargs)
         return inner
 

@@ -81,7 +81,7 @@ def test_bad_env(env, needle):
 
 
 def test_shm_allreduce_switch():
-    from tpkit.config import shm_allreduce_enabled
+    from tpkit.shm import shm_allreduce_enabled
     assert shm_allreduce_enabled({}) is True
     assert shm_allreduce_enabled({"TPKIT_SHM_ALLREDUCE": "0"}) is False
     assert shm_allreduce_enabled({"TPKIT_SHM_ALLREDUCE": "yes"}) is True

@@ -7,9 +7,8 @@ import pytest
 
 from dist import run
 from tpkit.cli import launch
-from tpkit.cli.plan import planned_rank_table
 from tpkit.config import ParallelConfig
-from tpkit.topology import format_rank_table
+from tpkit.planning import format_rank_table, planned_rank_table
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "launch_scripts", "check_layout.py")

@@ -147,7 +147,7 @@ def test_tpkit_layers_torch_backend_unchanged():
     from tpkit import ParallelConfig
     from tpkit.nn import ColumnParallelLinear, LayerNorm
     from tpkit.nn.dot_product_attention import DotProductAttention
-    from tpkit.topology import build_fake_state, destroy_fake_state
+    from tpkit.planning import build_fake_state, destroy_fake_state
     s = build_fake_state(ParallelConfig(), 1)
     try:
         for backend in ("torch", "auto"):  # auto: no TE, no CUDA here
@@ -232,7 +232,7 @@ def test_tpkit_blocks_torch_and_auto_on_cpu():
     from tpkit import ParallelConfig
     from tpkit.nn.mlp import ParallelMLP
     from tpkit.nn.transformer import TransformerLayer
-    from tpkit.topology import build_fake_state, destroy_fake_state
+    from tpkit.planning import build_fake_state, destroy_fake_state
     s = build_fake_state(ParallelConfig(), 1)
     try:
         for backend in ("torch", "auto"):

@@ -163,7 +163,7 @@ def test_init_rejects_bad_layout_before_building():
 def test_fake_pg_65536_ranks(record_property):
     """Build the state of sampled ranks in a 65,536-rank world on the fake process group."""
     from tpkit.config import ParallelConfig
-    from tpkit.topology import build_fake_state, destroy_fake_state
+    from tpkit.planning import build_fake_state, destroy_fake_state
 
     tp, cp, dp, pp = 8, 4, 512, 4
     cfg = ParallelConfig(tp=tp, cp=cp, pp=pp, cp_comm_type="a2a+p2p", cp_a2a_size=2)

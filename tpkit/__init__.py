@@ -1,16 +1,17 @@
 """tpkit: tensor, sequence, context and data parallelism glued correctly.
 
-Public API re-exports only; see DESIGN.md §4. Names resolve lazily so that importing a
-submodule that needs no torch (``tpkit.config``, the ``tpkit-launch`` CLI) stays fast.
+Public API re-exports only (docs/design.md maps the package). Names resolve lazily:
+``import tpkit`` does not import torch, so submodules that need none (``tpkit.config``,
+the ``tpkit-launch`` CLI) stay fast.
 """
 import importlib
 
 _EXPORTS = {
     "ParallelConfig": "config",
     "ParallelState": "topology",
-    "init_parallel": "topology",
+    "init_parallel": "parallel_state",
     "get_parallel_state": "topology",
-    "destroy_parallel": "topology",
+    "destroy_parallel": "parallel_state",
     "is_initialized": "topology",
 }
 

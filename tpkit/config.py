@@ -153,12 +153,7 @@ class ParallelConfig:
             if field == "cp_comm_type":
                 kwargs[field] = raw
             elif field == "sequence_parallel":
-                if raw.strip().lower() in _TRUE:
-                    kwargs[field] = True
-                elif raw.strip().lower() in _FALSE:
-                    kwargs[field] = False
-                else:
-                    raise ValueError(f"{var}={raw!r} is not a boolean; use 1 or 0")
+                kwargs[field] = env_flag(var, env, default=False)
             else:
                 try:
                     kwargs[field] = int(raw)
@@ -179,15 +174,26 @@ class ParallelConfig:
         return any(var in env for var in ENV_VARS.values())
 
 
-def shm_allreduce_enabled(env: Mapping[str, str] | None = None) -> bool:
-    """``TPKIT_SHM_ALLREDUCE`` (default on): may TP groups on CPU sum through shared memory
-    (tpkit.shm)? Checked by tpkit-launch before workers start and by init_parallel."""
+
+def env_flag(name: str, env: Mapping[str, str] | None = None, *, default: bool,
+             fix: str = "use 1 or 0") -> bool:
+    """The boolean environment variable ``name`` (1/true/yes/on, 0/false/no/off or empty;
+    ``default`` when unset), or ValueError naming the value and ``fix``. Every TPKIT_*
+    switch is parsed here."""
     env = os.environ if env is None else env
-    raw = env.get("TPKIT_SHM_ALLREDUCE", "1").strip().lower()
-    if raw in _TRUE:
+    raw = env.get(name)
+    if raw is None:
+        return default
+    if raw.strip().lower() in _TRUE:
         return True
-    if raw in _FALSE:
+    if raw.strip().lower() in _FALSE:
         return False
-    raise ValueError(f"TPKIT_SHM_ALLREDUCE={env['TPKIT_SHM_ALLREDUCE']!r} is not a boolean; "
-                     "use 0 (TP all-reduces through gloo) or 1 (through shared memory when "
-                     "every TP rank is on one host)")
+    raise ValueError(f"{name}={raw!r} is not a boolean; {fix}")
+
+
+def __getattr__(name):
+    # shm_allreduce_enabled moved to tpkit.shm (issue 23); this path works for one release.
+    if name == "shm_allreduce_enabled":
+        from .shm import shm_allreduce_enabled
+        return shm_allreduce_enabled
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

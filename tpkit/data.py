@@ -14,8 +14,8 @@ ranks). With ``cp == 1`` nothing is cut (under SP the length must still divide b
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
+from .collectives import all_gather
 from .topology import resolve_state
 
 
@@ -35,8 +35,19 @@ def check_sequence_length(seq_len: int, state=None) -> None:
 
 
 def cp_chunk_ids(cp_rank: int, cp_size: int) -> tuple[int, int]:
-    """The two global chunk indices (of ``2*cp_size``) that ``cp_rank`` holds, in order."""
+    """The two global chunk indices (of ``2*cp_size``) that ``cp_rank`` holds, in order:
+    the one place the load-balanced layout is written down."""
     return cp_rank, 2 * cp_size - 1 - cp_rank
+
+
+def cp_positions(cp_rank: int, cp_size: int, local_len: int, device=None) -> torch.Tensor:
+    """Global positions of the ``local_len`` tokens CP rank ``cp_rank`` holds (the causal
+    masks of the CP attention kernels need them for any rank, not only this one)."""
+    if cp_size == 1:
+        return torch.arange(local_len, device=device)
+    c = local_len // 2
+    return torch.cat([torch.arange(i * c, (i + 1) * c, device=device)
+                      for i in cp_chunk_ids(cp_rank, cp_size)])
 
 
 def shard_sequence(tensor: torch.Tensor, seq_dim: int, state=None) -> torch.Tensor:
@@ -56,7 +67,9 @@ def shard_position_ids(seq_len: int, state=None, *, device=None) -> torch.Tensor
     """Position ids (int64, shape ``[seq_len / cp]``) of the tokens this CP rank holds, in
     the layout of :func:`shard_sequence`; feed them to RoPE so rotations match the
     unsharded sequence."""
-    return shard_sequence(torch.arange(seq_len, device=device), 0, state)
+    state = resolve_state(state)
+    check_sequence_length(seq_len, state)
+    return cp_positions(state.cp_rank, state.cp_size, seq_len // state.cp_size, device)
 
 
 def _reorder_gathered(parts: list[torch.Tensor], seq_dim: int) -> torch.Tensor:
@@ -74,10 +87,8 @@ class _Unshard(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, seq_dim, group, cp_rank, cp_size):
         ctx.seq_dim, ctx.cp_rank, ctx.cp_size = seq_dim, cp_rank, cp_size
-        x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(cp_size)]
-        dist.all_gather(parts, x, group=group)
-        return _reorder_gathered(parts, seq_dim)
+        return _reorder_gathered(all_gather(x, group, seq_dim).chunk(cp_size, seq_dim),
+                                 seq_dim)
 
     @staticmethod
     def backward(ctx, grad):

@@ -1,13 +1,156 @@
-"""Megatron-Core-compatible getters over the current ParallelState.
+"""Starting and ending layouts, and the Megatron-Core-style getters over the current one.
 
-Code written against ``megatron.core.parallel_state`` (and DeepSpeed's ``mpu``) can call
-these. Every getter raises when nothing is initialised — never a 0 or a wrong group.
+``init_parallel`` builds a layout's groups (tpkit.topology.build_state) over the default
+process group and makes it the current state; ``destroy_parallel`` frees them.
+
+Lifetimes: a layout's groups live from init_parallel() to destroy_parallel(); the default
+process group outlives layouts (torch cannot create it twice on one rendezvous store), so
+any number of init/destroy cycles run over one default group, destroyed once at exit when
+init_parallel created it (docs/design.md, "State lifetime").
+
+The getters (second half) let code written against ``megatron.core.parallel_state`` (and
+DeepSpeed's ``mpu``) run on tpkit. Every getter raises when nothing is initialised —
+never a 0 or a wrong group.
 """
 from __future__ import annotations
 
-from .topology import get_parallel_state, is_initialized
+import atexit
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from . import topology
+from .config import ParallelConfig
+from .random import get_rng_tracker, model_parallel_seed
+from .shm import shm_allreduce_enabled
+from .topology import (ParallelState, build_state, get_parallel_state,  # noqa: F401
+                       is_initialized, resolve_state, set_parallel_state)
+
+# The default process group init_parallel created in this process (None: it created none).
+# It outlives every layout and is destroyed once, at interpreter exit (_destroy_default_group).
+_DEFAULT_GROUP = None
 
 
+def _default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() > 0 else "gloo"
+
+
+def _backend_names(pg_backend: str) -> set[str]:
+    """``"gloo"`` -> {gloo}; ``"cpu:gloo,cuda:nccl"`` -> {gloo, nccl}."""
+    return {part.split(":")[-1] for part in pg_backend.split(",")}
+
+
+def _init_default_group(backend: str | None) -> None:
+    """Create torch.distributed's default group unless one exists (then check that it runs
+    ``backend``, when one was asked for). A group created here lives until the process
+    exits: destroying it and creating another on the same rendezvous store (torchrun's,
+    tpkit-launch's, Slurm's) hangs, because the new group finds the old one's keys."""
+    global _DEFAULT_GROUP
+    if dist.is_initialized():
+        have = dist.get_backend()
+        if backend is not None and backend not in _backend_names(have):
+            raise ValueError(f"backend={backend!r} was asked for, but the default process "
+                             f"group of this process runs {have!r} and it lives until the "
+                             f"process exits; use backend={have!r} (or None), or start a "
+                             "new process for the other backend")
+        return
+    rendezvous = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if _DEFAULT_GROUP is not None and rendezvous:
+        raise RuntimeError(
+            "the default process group that tpkit.init_parallel() created was destroyed "
+            "(torch.distributed.destroy_process_group()); it cannot be created again on the "
+            "same rendezvous store in this process (the ranks would hang). Leave it alone: "
+            "tpkit.destroy_parallel() frees only the layout's groups, and tpkit destroys the "
+            "default group at exit")
+    backend = backend or _default_backend()
+    timeout = timedelta(seconds=float(os.environ.get("TPKIT_PG_TIMEOUT", 600)))
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if rendezvous:
+        dist.init_process_group(backend, init_method="env://", timeout=timeout)
+    else:
+        # A plain `python script.py`: a world of one, no rendezvous needed.
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timeout)
+    if _DEFAULT_GROUP is None:
+        atexit.register(_destroy_default_group)
+    _DEFAULT_GROUP = dist.group.WORLD
+
+
+def _destroy_default_group() -> None:
+    """At exit: destroy the default group if it is still the one init_parallel created
+    (NCCL warns about a group left alive; the user may have destroyed it already). No
+    barrier: a rank that exits after an error must not wait for the others."""
+    if _DEFAULT_GROUP is not None and dist.is_initialized() \
+            and dist.group.WORLD is _DEFAULT_GROUP:
+        dist.destroy_process_group()
+
+
+def init_parallel(tp: int | None = None, cp: int | None = None, pp: int | None = None,
+                  dp: int | None = None, *, sequence_parallel: bool | None = None,
+                  cp_comm_type: str | None = None, cp_a2a_size: int | None = None,
+                  config: ParallelConfig | None = None, backend: str | None = None,
+                  seed: int | None = 1234) -> ParallelState:
+    """Build the layout's groups and make it the current state; call it again after
+    destroy_parallel() for another layout. The default process group is reused when one
+    exists (torchrun's env://, Lightning's, your own: then ``backend`` must match it);
+    otherwise it is created (env://, or a world of one) and kept until the process exits.
+    Arguments left ``None`` come from ``TPKIT_*`` variables (what tpkit-launch exports),
+    then from ParallelConfig's defaults. ``seed`` seeds the RNG tracker
+    (tpkit.random.model_parallel_seed); None skips it."""
+    if is_initialized():
+        raise RuntimeError("a parallel state is already initialised; call "
+                           "tpkit.destroy_parallel() before init_parallel() with a new layout")
+    if config is None:
+        config = ParallelConfig.from_env(
+            tp=tp, cp=cp, pp=pp, dp=dp, sequence_parallel=sequence_parallel,
+            cp_comm_type=cp_comm_type, cp_a2a_size=cp_a2a_size)
+    elif any(v is not None for v in (tp, cp, pp, dp, sequence_parallel, cp_comm_type,
+                                      cp_a2a_size)):
+        raise ValueError("pass either config= or individual sizes to init_parallel, not both")
+    if backend is None and os.environ.get("TPKIT_BACKEND"):
+        backend = os.environ["TPKIT_BACKEND"]  # exported by tpkit-launch
+    if backend is not None and backend not in ("nccl", "gloo"):
+        raise ValueError(f"backend={backend!r} is not supported; use 'nccl' or 'gloo'")
+    if dist.is_initialized():
+        # Validate before building so a bad layout fails without touching the groups.
+        config.validate(dist.get_world_size())
+    elif "WORLD_SIZE" in os.environ:
+        config.validate(int(os.environ["WORLD_SIZE"]))
+    else:
+        config.validate(1)
+    shm_allreduce_enabled()   # a bad TPKIT_SHM_ALLREDUCE fails before any group exists
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError("backend='nccl' needs CUDA GPUs and none are visible; use backend='gloo'")
+    _init_default_group(backend)
+    state = build_state(config)
+    set_parallel_state(state)
+    if seed is not None:
+        model_parallel_seed(seed, state)
+    return state
+
+
+def destroy_parallel() -> None:
+    """Destroy every group of the current layout (tp, cp, dp, ... and their shared-memory
+    transports), reset the RNG tracker and clear the current state, so that
+    init_parallel() can build another layout. The default process group is left alone:
+    it outlives layouts (init_parallel reuses it) and, if init_parallel created it, is
+    destroyed at exit. Collective: every rank calls it (it starts with a barrier)."""
+    state = get_parallel_state() if is_initialized() else None
+    set_parallel_state(None)
+    get_rng_tracker().reset()
+    if state is None or not dist.is_initialized():
+        return
+    if state.backend != "fake":
+        # Tearing gloo groups down while a peer is still inside a collective on them
+        # aborts the process ("terminate called without an active exception").
+        dist.barrier()
+    topology.destroy_groups(state)
+
+
+# --- Megatron-Core getters ------------------------------------------------------------
 def model_parallel_is_initialized() -> bool:
     return is_initialized()
 

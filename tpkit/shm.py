@@ -17,10 +17,13 @@ is on the same host and can map the segment (checked collectively, so all ranks 
 alike), on x86-64 (total store order: with one locked instruction between them, "data,
 then flag" becomes visible in that order), unless ``TPKIT_SHM_ALLREDUCE=0``. Otherwise
 the group keeps using gloo, with a warning when the host looked able but the segment
-failed. The segment lives in
-/dev/shm and is unlinked as soon as every rank has mapped it, so nothing is left behind
-even if a process dies. Waiting spins (yielding the CPU) for a short while, then sleeps;
-it raises after the group's own timeout, naming the ranks that never arrived.
+failed. The segment's file exists in /dev/shm only while the group sets up: group rank 0
+creates it and unlinks it as soon as every rank has mapped it (the memory then lives
+until the last rank unmaps it or exits, whatever way it exits). A rank 0 killed inside
+that window (SIGKILL between the creation and the unlink) leaves the file behind; the
+next set-up on the host removes the files whose creating process is gone
+(``sweep_stale``). Waiting spins (yielding the CPU) for a short while, then sleeps; it
+raises after the group's own timeout, naming the ranks that never arrived.
 """
 from __future__ import annotations
 
@@ -28,18 +31,21 @@ import contextlib
 import mmap
 import os
 import platform
+import re
 import secrets
 import socket
 import threading
 import time
 import warnings
+from typing import Mapping
 
 import torch
 import torch.distributed as dist
 
-from .config import shm_allreduce_enabled
+from .config import env_flag
 
-__all__ = ["SLOT_BYTES", "ShmAllReduce", "bypassed", "get", "release", "setup"]
+__all__ = ["SLOT_BYTES", "ShmAllReduce", "bypassed", "get", "release", "setup",
+           "shm_allreduce_enabled", "sweep_stale"]
 
 SLOT_BYTES = 1 << 20          # per rank and parity; larger tensors go in chunks
 _LINE = 64                    # one cache line per rank flag (no false sharing)
@@ -48,6 +54,8 @@ _TOKEN = 16
 _SPIN_YIELDS = 2000           # ~ms of sched_yield spinning before sleeping
 _SLEEP_S = 5e-5
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+_DIR = "/dev/shm"
+_NAME = re.compile(r"tpkit-(\d+)-[0-9a-f]{12}")   # tpkit-<creator pid>-<random hex>
 
 # group_name -> (group, transport); release() clears. The group object is kept and compared
 # so a later group that reuses a destroyed group's name never finds a stale transport.
@@ -138,13 +146,21 @@ class ShmAllReduce:
             pass
 
 
+def shm_allreduce_enabled(env: Mapping[str, str] | None = None) -> bool:
+    """``TPKIT_SHM_ALLREDUCE`` (default on): may TP groups on CPU sum through shared memory?
+    Checked by tpkit-launch before workers start and by init_parallel."""
+    return env_flag("TPKIT_SHM_ALLREDUCE", env, default=True,
+                    fix="use 0 (TP all-reduces through gloo) or 1 (through shared memory "
+                        "when every TP rank is on one host)")
+
+
 def _local_reason() -> str | None:
     """Why this process cannot take part, or None."""
     if not shm_allreduce_enabled():
         return "disabled by TPKIT_SHM_ALLREDUCE=0"
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return f"not on x86-64 ({platform.machine()})"
-    if not os.path.isdir("/dev/shm"):
+    if not os.path.isdir(_DIR):
         return "no /dev/shm"
     return None
 
@@ -158,9 +174,41 @@ def _host_key() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:   # another user's process
+        return True
+    return True
+
+
+def sweep_stale(directory: str = _DIR) -> list[str]:
+    """Remove the segment files in ``directory`` whose creating process is gone (left by a
+    rank 0 killed during set-up); returns their names. A file of a live process (another
+    job setting up) is never touched; files of other users are skipped."""
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        m = _NAME.fullmatch(name)
+        if m is None or _alive(int(m.group(1))):
+            continue
+        try:
+            os.unlink(os.path.join(directory, name))
+            removed.append(name)
+        except OSError:
+            pass
+    return removed
+
+
 def _create(size: int, token: bytes) -> tuple[str, mmap.mmap]:
     nbytes = _HEADER + 2 * size * SLOT_BYTES
-    path = f"/dev/shm/tpkit-{os.getpid()}-{secrets.token_hex(6)}"
+    sweep_stale()
+    path = f"{_DIR}/tpkit-{os.getpid()}-{secrets.token_hex(6)}"
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.posix_fallocate(fd, 0, nbytes)   # fail now, not with SIGBUS on first touch

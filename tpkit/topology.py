@@ -1,38 +1,37 @@
-"""ParallelState: the layout turned into a DeviceMesh and every process group.
+"""What a layout is: ParallelState, the DeviceMesh and every process group it holds,
+and the one "current state" slot of this process.
 
-Rank order (DESIGN.md §3): TP innermost, then CP, DP, PP outermost, i.e.
-``rank = tp + TP*(cp + CP*(dp + DP*pp))`` — the mesh ``(pp, dp, cp, tp)`` in row-major
-order. Flattened groups (dp_cp, tp_cp, model-parallel, amax) and the two hierarchical CP
-levels of ``a2a+p2p`` are built once and kept as attributes. Groups over dimensions of
-size 1 alias the size-1 tp/cp/... group instead of creating duplicates; NCCL creates
-communicators lazily, so a size-1 group that is never used costs nothing there.
+Rank order (docs/design.md, "Layout and rank order"): TP innermost, then CP, DP, PP
+outermost, i.e. ``rank = tp + TP*(cp + CP*(dp + DP*pp))`` — the mesh ``(pp, dp, cp, tp)``
+in row-major order. The groups (GROUP_NAMES; docs/design.md has the table of who uses
+which) are built once by ``build_state`` and kept as attributes: tp, cp, dp, pp, the
+flattened dp_cp, tp_cp, mp (tp x pp) and amax (tp x cp x dp of one stage), and the two
+hierarchical CP levels of ``a2a+p2p``. Groups over dimensions of size 1 alias the size-1
+tp/cp/... group instead of creating duplicates; NCCL creates communicators lazily, so a
+size-1 group that is never used costs nothing there.
 
-Lifetimes: a layout's groups live from init_parallel() to destroy_parallel(); the default
-process group outlives layouts (torch cannot create it twice on one rendezvous store), so
-any number of init/destroy cycles run over one default group, destroyed once at exit when
-init_parallel created it.
+Starting and ending layouts (init_parallel, destroy_parallel, the default process
+group's lifetime) is tpkit.parallel_state's; planning a layout without workers (the fake
+process group, the rank table as text) is tpkit.planning's.
 """
 from __future__ import annotations
 
-import atexit
 import dataclasses
+import importlib
 import os
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from . import shm
-from .config import ParallelConfig, shm_allreduce_enabled
+from .config import ParallelConfig
 
 MESH_DIMS = ("pp", "dp", "cp", "tp")
+GROUP_NAMES = ("tp", "cp", "dp", "pp", "dp_cp", "tp_cp", "mp", "amax", "cp_a2a", "cp_p2p")
 
 _CURRENT: "ParallelState | None" = None
-# The default process group init_parallel created in this process (None: it created none).
-# It outlives every layout and is destroyed once, at interpreter exit (_destroy_default_group).
-_DEFAULT_GROUP = None
 
 
 @dataclasses.dataclass(eq=False)
@@ -95,8 +94,8 @@ class ParallelState:
         return self.cp_mesh.mesh.tolist()
 
     def group_ranks(self, name: str) -> list[int]:
-        """Global ranks of this rank's group ``name`` (tp, cp, dp, pp, dp_cp, tp_cp, mp, amax,
-        cp_a2a, cp_p2p), in group-rank order."""
+        """Global ranks of this rank's group ``name`` (one of GROUP_NAMES), in group-rank
+        order."""
         m = getattr(self, f"{name}_mesh")
         if m is None:
             raise ValueError(f"group {name!r} does not exist for cp_comm_type="
@@ -104,8 +103,8 @@ class ParallelState:
         return m.mesh.flatten().tolist()
 
     def all_groups(self) -> dict[str, object]:
-        names = ["tp", "cp", "dp", "pp", "dp_cp", "tp_cp", "mp", "amax", "cp_a2a", "cp_p2p"]
-        return {n: getattr(self, f"{n}_group") for n in names
+        """The groups of GROUP_NAMES this layout has, by name."""
+        return {n: getattr(self, f"{n}_group") for n in GROUP_NAMES
                 if getattr(self, f"{n}_mesh") is not None}
 
     # --- rank table ----------------------------------------------------------------
@@ -137,90 +136,6 @@ class ParallelState:
             rows.append(row)
         rows.sort(key=lambda row: row["rank"])
         return rows
-
-
-def _fmt_group(g: range) -> str:
-    """``0,2`` for short groups, ``0-7`` for consecutive ranks, ``0..56/8`` (first..last/step)."""
-    if len(g) <= 4 and g.step != 1 or len(g) == 1:
-        return ",".join(map(str, g))
-    if g.step == 1:
-        return f"{g.start}-{g[-1]}"
-    return f"{g.start}..{g[-1]}/{g.step}"
-
-
-def format_rank_table(rows: list[dict], *, limit: int | None = None) -> str:
-    """A fixed-width text table; ``limit`` keeps the first and last rows of huge tables."""
-    cols = ["rank", "node", "local_rank", "tp", "cp", "dp", "pp",
-            "tp_group", "cp_group", "dp_group", "pp_group"]
-    shown = rows
-    if limit is not None and len(rows) > limit:
-        shown = rows[: limit // 2] + [None] + rows[-(limit - limit // 2):]
-    text_rows = [[c for c in cols]]
-    for row in shown:
-        if row is None:
-            text_rows.append(["..."] + [""] * (len(cols) - 1))
-            continue
-        text_rows.append([_fmt_group(row[c]) if c.endswith("_group") else str(row[c])
-                          for c in cols])
-    widths = [max(len(r[i]) for r in text_rows) for i in range(len(cols))]
-    return "\n".join("  ".join(v.rjust(w) for v, w in zip(r, widths)).rstrip()
-                     for r in text_rows)
-
-
-# --- building ------------------------------------------------------------------------
-def _default_backend() -> str:
-    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() > 0 else "gloo"
-
-
-def _backend_names(pg_backend: str) -> set[str]:
-    """``"gloo"`` -> {gloo}; ``"cpu:gloo,cuda:nccl"`` -> {gloo, nccl}."""
-    return {part.split(":")[-1] for part in pg_backend.split(",")}
-
-
-def _init_default_group(backend: str | None) -> None:
-    """Create torch.distributed's default group unless one exists (then check that it runs
-    ``backend``, when one was asked for). A group created here lives until the process
-    exits: destroying it and creating another on the same rendezvous store (torchrun's,
-    tpkit-launch's, Slurm's) hangs, because the new group finds the old one's keys."""
-    global _DEFAULT_GROUP
-    if dist.is_initialized():
-        have = dist.get_backend()
-        if backend is not None and backend not in _backend_names(have):
-            raise ValueError(f"backend={backend!r} was asked for, but the default process "
-                             f"group of this process runs {have!r} and it lives until the "
-                             f"process exits; use backend={have!r} (or None), or start a "
-                             "new process for the other backend")
-        return
-    rendezvous = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    if _DEFAULT_GROUP is not None and rendezvous:
-        raise RuntimeError(
-            "the default process group that tpkit.init_parallel() created was destroyed "
-            "(torch.distributed.destroy_process_group()); it cannot be created again on the "
-            "same rendezvous store in this process (the ranks would hang). Leave it alone: "
-            "tpkit.destroy_parallel() frees only the layout's groups, and tpkit destroys the "
-            "default group at exit")
-    backend = backend or _default_backend()
-    timeout = timedelta(seconds=float(os.environ.get("TPKIT_PG_TIMEOUT", 600)))
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    if rendezvous:
-        dist.init_process_group(backend, init_method="env://", timeout=timeout)
-    else:
-        # A plain `python script.py`: a world of one, no rendezvous needed.
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                                timeout=timeout)
-    if _DEFAULT_GROUP is None:
-        atexit.register(_destroy_default_group)
-    _DEFAULT_GROUP = dist.group.WORLD
-
-
-def _destroy_default_group() -> None:
-    """At exit: destroy the default group if it is still the one init_parallel created
-    (NCCL warns about a group left alive; the user may have destroyed it already). No
-    barrier: a rank that exits after an error must not wait for the others."""
-    if _DEFAULT_GROUP is not None and dist.is_initialized() \
-            and dist.group.WORLD is _DEFAULT_GROUP:
-        dist.destroy_process_group()
 
 
 def _sub(mesh: DeviceMesh, config: ParallelConfig, dims: tuple[str, ...], name: str) -> DeviceMesh:
@@ -270,53 +185,22 @@ def build_state(config: ParallelConfig, *, device_type: str | None = None) -> Pa
     state.build_seconds = time.perf_counter() - t0
     return state
 
-
-def init_parallel(tp: int | None = None, cp: int | None = None, pp: int | None = None,
-                  dp: int | None = None, *, sequence_parallel: bool | None = None,
-                  cp_comm_type: str | None = None, cp_a2a_size: int | None = None,
-                  config: ParallelConfig | None = None, backend: str | None = None,
-                  seed: int | None = 1234) -> ParallelState:
-    """Build the layout's groups and make it the current state; call it again after
-    destroy_parallel() for another layout. The default process group is reused when one
-    exists (torchrun's env://, Lightning's, your own: then ``backend`` must match it);
-    otherwise it is created (env://, or a world of one) and kept until the process exits.
-    Arguments left ``None`` come from ``TPKIT_*`` variables (what tpkit-launch exports),
-    then from ParallelConfig's defaults. ``seed`` seeds the RNG tracker
-    (tpkit.random.model_parallel_seed); None skips it."""
-    global _CURRENT
-    if _CURRENT is not None:
-        raise RuntimeError("a parallel state is already initialised; call "
-                           "tpkit.destroy_parallel() before init_parallel() with a new layout")
-    if config is None:
-        config = ParallelConfig.from_env(
-            tp=tp, cp=cp, pp=pp, dp=dp, sequence_parallel=sequence_parallel,
-            cp_comm_type=cp_comm_type, cp_a2a_size=cp_a2a_size)
-    elif any(v is not None for v in (tp, cp, pp, dp, sequence_parallel, cp_comm_type,
-                                      cp_a2a_size)):
-        raise ValueError("pass either config= or individual sizes to init_parallel, not both")
-    if backend is None and os.environ.get("TPKIT_BACKEND"):
-        backend = os.environ["TPKIT_BACKEND"]  # exported by tpkit-launch
-    if backend is not None and backend not in ("nccl", "gloo"):
-        raise ValueError(f"backend={backend!r} is not supported; use 'nccl' or 'gloo'")
-    if dist.is_initialized():
-        # Validate before building so a bad layout fails without touching the groups.
-        config.validate(dist.get_world_size())
-    elif "WORLD_SIZE" in os.environ:
-        config.validate(int(os.environ["WORLD_SIZE"]))
-    else:
-        config.validate(1)
-    shm_allreduce_enabled()   # a bad TPKIT_SHM_ALLREDUCE fails before any group exists
-    if backend == "nccl" and not torch.cuda.is_available():
-        raise ValueError("backend='nccl' needs CUDA GPUs and none are visible; use backend='gloo'")
-    _init_default_group(backend)
-    state = build_state(config)
-    _CURRENT = state
-    if seed is not None:
-        from .random import model_parallel_seed
-        model_parallel_seed(seed, state)
-    return state
+def destroy_groups(state: ParallelState) -> None:
+    """Release the TP group's shared-memory transport and destroy every group of
+    ``state`` except the default one. Collective; the caller makes sure no rank is still
+    inside a collective on them (destroy_parallel starts with a barrier)."""
+    shm.release(state.tp_group)
+    world = dist.group.WORLD
+    groups = {}  # resolve every group first: meshes share groups by name
+    for mesh in (state.mesh, state.dp_cp_mesh, state.tp_cp_mesh, state.mp_mesh,
+                 state.amax_mesh, state.cp_a2a_mesh, state.cp_p2p_mesh):
+        if mesh is not None:
+            groups.update((id(g), g) for g in mesh.get_all_groups() if g is not world)
+    for g in groups.values():
+        dist.destroy_process_group(g)
 
 
+# --- the current state ---------------------------------------------------------------
 def get_parallel_state() -> ParallelState:
     """The current state; raises if init_parallel() has not run (never a default)."""
     if _CURRENT is None:
@@ -336,55 +220,20 @@ def is_initialized() -> bool:
 
 
 def set_parallel_state(state: ParallelState | None) -> None:
-    """Install ``state`` as the current one (for tests and frameworks building their own)."""
+    """Install ``state`` as the current one (frameworks that build their own state with
+    build_state; init_parallel and destroy_parallel use it)."""
     global _CURRENT
     _CURRENT = state
 
 
-def destroy_parallel() -> None:
-    """Destroy every group of the current layout (tp, cp, dp, ... and their shared-memory
-    transports), reset the RNG tracker and clear the current state, so that
-    init_parallel() can build another layout. The default process group is left alone:
-    it outlives layouts (init_parallel reuses it) and, if init_parallel created it, is
-    destroyed at exit. Collective: every rank calls it (it starts with a barrier)."""
-    global _CURRENT
-    state, _CURRENT = _CURRENT, None
-    from .random import get_rng_tracker
-    get_rng_tracker().reset()
-    if state is None or not dist.is_initialized():
-        return
-    if state.backend != "fake":
-        # Tearing gloo groups down while a peer is still inside a collective on them
-        # aborts the process ("terminate called without an active exception").
-        dist.barrier()
-        shm.release(state.tp_group)
-    world = dist.group.WORLD
-    groups = {}  # resolve every group first: meshes share groups by name
-    for mesh in (state.mesh, state.dp_cp_mesh, state.tp_cp_mesh, state.mp_mesh,
-                 state.amax_mesh, state.cp_a2a_mesh, state.cp_p2p_mesh):
-        if mesh is not None:
-            groups.update((id(g), g) for g in mesh.get_all_groups() if g is not world)
-    for g in groups.values():
-        dist.destroy_process_group(g)
+# Names that lived here before the reshape of issue 23; importing them from tpkit.topology
+# keeps working for one release (docs/design.md, "Old import paths").
+_MOVED = {"init_parallel": "parallel_state", "destroy_parallel": "parallel_state",
+          "build_fake_state": "planning", "destroy_fake_state": "planning",
+          "format_rank_table": "planning"}
 
 
-def build_fake_state(config: ParallelConfig, world_size: int, rank: int = 0) -> ParallelState:
-    """The state rank ``rank`` would build in a world of ``world_size``, on PyTorch's fake
-    process group, in this process (no workers, no GPUs). Used by ``--dry-run`` and tests.
-    Requires that no default process group exists; destroy it with destroy_fake_state()."""
-    if dist.is_initialized():
-        raise RuntimeError("build_fake_state needs a process without a default process group")
-    config = config.validate(world_size)
-    # Importing this module registers the "fake" backend (no public home in torch yet).
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-    try:
-        return build_state(config, device_type="cpu")
-    except Exception:
-        dist.destroy_process_group()
-        raise
-
-
-def destroy_fake_state(state: ParallelState) -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def __getattr__(name):
+    if name in _MOVED:
+        return getattr(importlib.import_module(f".{_MOVED[name]}", __package__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -131,7 +131,8 @@ def _visible_gpus() -> int:
 
 def resolve(args, env: Mapping[str, str]) -> Plan:
     """Check the invocation against the layout, the machine and Slurm; raise LaunchError."""
-    from tpkit.config import ParallelConfig, shm_allreduce_enabled
+    from tpkit.config import ParallelConfig
+    from tpkit.shm import shm_allreduce_enabled
     from .slurm import slurm_info
     try:
         shm_allreduce_enabled(env)

@@ -43,7 +43,7 @@ from lightning.fabric.utilities.distributed import (_get_default_process_group_b
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from torch import nn
 
-from .. import topology
+from .. import parallel_state, topology
 from ..config import ParallelConfig
 from . import grads
 
@@ -165,7 +165,7 @@ class TPKitStrategy(ParallelStrategy):
                                  "first or pass matching sizes")
             self._state = state
         else:
-            self._state = topology.init_parallel(
+            self._state = parallel_state.init_parallel(
                 config=self._config, seed=1234 if self._seed is None else self._seed)
             self._owns_state = True
         clear_dtensor_caches()
@@ -310,7 +310,7 @@ class TPKitStrategy(ParallelStrategy):
         self._modules = []
         if self._owns_state and topology.is_initialized() \
                 and topology.get_parallel_state() is self._state:
-            topology.destroy_parallel()
+            parallel_state.destroy_parallel()
         self._state = None
         self._owns_state = False
         clear_dtensor_caches()

@@ -8,96 +8,21 @@ backward). Sequence parallelism shards activations along dim 0 (``[s, b, h]``):
 a gathered one (its backward is the reverse all-to-all), for context parallelism.
 
 Every function is the identity when the group has one rank (no collective is issued).
-Collectives are called as ``dist.xxx(..., group=group)`` so tests/commcount.py sees them;
-SUM all-reduces of a TP group on CPU go through its shared-memory transport when it has one
-(tpkit.shm, set up by build_state), which commcount counts too.
+The collectives themselves (and the shared-memory path of TP sums) are tpkit.collectives'.
 """
 from __future__ import annotations
 
-import warnings
-
 import torch
-import torch.distributed as dist
 
-from .. import shm
-
-# torch 2.13 deprecates the *_tensor names in favour of *_single; the old names are the
-# ones every supported torch has (and the ones tests/commcount.py counts).
-warnings.filterwarnings("ignore", category=FutureWarning,
-                        message=r"`torch\.distributed\.(all_gather_into_tensor|"
-                                r"reduce_scatter_tensor)` is deprecated")
+from ..collectives import (all_gather, all_reduce_sum, group_rank, group_size,  # noqa: F401
+                           reduce_scatter, split)
+from ..collectives import all_to_all as _all_to_all
 
 __all__ = ["copy_to_tp_region", "reduce_from_tp_region", "scatter_to_tp_region",
            "gather_from_tp_region", "gather_from_sp_region", "reduce_scatter_to_sp_region",
-           "scatter_to_sp_region", "all_to_all", "all_reduce_sum", "group_size", "group_rank"]
-
-
-def group_size(group) -> int:
-    return dist.get_world_size(group=group)
-
-
-def group_rank(group) -> int:
-    return dist.get_rank(group=group)
-
-
-# --- raw collectives (no autograd) ------------------------------------------------------
-def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
-    """SUM over ``group``, in place when ``x`` is contiguous (returns the reduced tensor),
-    through the group's shared-memory transport when build_state set one up (CPU, one
-    host: tpkit.shm), else the group's backend. No autograd; every TP SUM goes here."""
-    x = x.contiguous()
-    t = shm.get(group)
-    if t is not None and t.supports(x):
-        return t.all_reduce_(x)
-    dist.all_reduce(x, group=group)
-    return x
-
-
-def _all_gather_dim0(x: torch.Tensor, group) -> torch.Tensor:
-    n = group_size(group)
-    x = x.contiguous()
-    out = torch.empty((n * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, x, group=group)
-    return out
-
-
-def _reduce_scatter_dim0(x: torch.Tensor, group) -> torch.Tensor:
-    n = group_size(group)
-    if x.shape[0] % n:
-        raise ValueError(f"dim 0 of size {x.shape[0]} cannot be reduce-scattered over {n} "
-                         f"ranks; make the sequence length a multiple of {n}")
-    x = x.contiguous()
-    out = torch.empty((x.shape[0] // n,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, x, group=group)
-    return out
-
-
-def _split_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    n = group_size(group)
-    if x.shape[dim] % n:
-        raise ValueError(f"dim {dim} of size {x.shape[dim]} cannot be split over {n} ranks; "
-                         f"make it a multiple of {n}")
-    return x.chunk(n, dim=dim)[group_rank(group)].contiguous()
-
-
-def _gather_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    dim = dim % x.dim()
-    if dim == 0:
-        return _all_gather_dim0(x, group)
-    # gathering x.movedim(dim, 0) along dim 0 is the gather along dim, moved to the front
-    return _all_gather_dim0(x.movedim(dim, 0), group).movedim(0, dim).contiguous()
-
-
-def _all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group) -> torch.Tensor:
-    n = group_size(group)
-    if x.shape[scatter_dim] % n:
-        raise ValueError(f"scatter dim {scatter_dim} of size {x.shape[scatter_dim]} is not "
-                         f"divisible by the group size {n}")
-    chunks = [c.contiguous() for c in x.chunk(n, dim=scatter_dim)]
-    inp = torch.stack(chunks, 0)
-    out = torch.empty_like(inp)
-    dist.all_to_all_single(out, inp, group=group)
-    return torch.cat(out.unbind(0), dim=gather_dim)
+           "scatter_to_sp_region", "all_to_all"]
+# all_reduce_sum, group_size and group_rank moved to tpkit.collectives; importing them
+# from here keeps working for one release (docs/design.md, "Old import paths").
 
 
 # --- autograd functions -----------------------------------------------------------------
@@ -131,56 +56,56 @@ class _ScatterToTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, group):
         ctx.dim, ctx.group = dim, group
-        return _split_dim(x, dim, group)
+        return split(x, group, dim)
 
     @staticmethod
     def backward(ctx, g):
-        return _gather_dim(g, ctx.dim, ctx.group), None, None
+        return all_gather(g, ctx.group, ctx.dim), None, None
 
 
 class _GatherFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, group):
         ctx.dim, ctx.group = dim, group
-        return _gather_dim(x, dim, group)
+        return all_gather(x, group, dim)
 
     @staticmethod
     def backward(ctx, g):
-        return _split_dim(g, ctx.dim, ctx.group), None, None
+        return split(g, ctx.group, ctx.dim), None, None
 
 
 class _GatherFromSP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _all_gather_dim0(x, group)
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return all_gather(x, group, dim)
 
     @staticmethod
     def backward(ctx, g):
-        return _reduce_scatter_dim0(g, ctx.group), None
+        return reduce_scatter(g, ctx.group, ctx.dim), None, None
 
 
 class _ReduceScatterToSP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _reduce_scatter_dim0(x, group)
+        return reduce_scatter(x, group, 0)
 
     @staticmethod
     def backward(ctx, g):
-        return _all_gather_dim0(g, ctx.group), None
+        return all_gather(g, ctx.group, 0), None
 
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, scatter_dim, gather_dim, group):
         ctx.dims, ctx.group = (scatter_dim, gather_dim), group
-        return _all_to_all(x, scatter_dim, gather_dim, group)
+        return _all_to_all(x, group, scatter_dim, gather_dim)
 
     @staticmethod
     def backward(ctx, g):
         s, gd = ctx.dims
-        return _all_to_all(g, gd, s, ctx.group), None, None, None
+        return _all_to_all(g, ctx.group, gd, s), None, None, None
 
 
 # --- public API -------------------------------------------------------------------------
@@ -207,9 +132,10 @@ def gather_from_tp_region(x: torch.Tensor, group, dim: int = -1) -> torch.Tensor
     return x if group_size(group) == 1 else _GatherFromTP.apply(x, dim, group)
 
 
-def gather_from_sp_region(x: torch.Tensor, group) -> torch.Tensor:
-    """SP all-gather of dim 0 forward; reduce-scatter of dim 0 backward."""
-    return x if group_size(group) == 1 else _GatherFromSP.apply(x, group)
+def gather_from_sp_region(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
+    """All-gather of the sequence dim (``dim``; 0 for ``[s, b, h]``) forward, its
+    reduce-scatter backward: SP's all-gather, and the CP all-gather of K/V."""
+    return x if group_size(group) == 1 else _GatherFromSP.apply(x, group, dim % x.dim())
 
 
 def reduce_scatter_to_sp_region(x: torch.Tensor, group) -> torch.Tensor:

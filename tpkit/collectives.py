@@ -1,0 +1,132 @@
+"""The collectives tpkit issues on tensors, in one place, without autograd.
+
+``tpkit.nn.mappings`` wraps them in autograd functions (Megatron's f/g and the SP/CP
+gathers); checkpoints, gradient finalisation, fp8 amax reduction, the loss and the CP
+kernels call them directly.
+
+- SUM all-reduces go through the group's shared-memory transport when it has one (a TP
+  group on CPU whose ranks share a host: ``tpkit.shm``, set up by ``build_state``), else
+  through the group's backend. Every TP sum in tpkit goes through ``all_reduce_sum``.
+- Gathers and reduce-scatters use the single-tensor forms along dim 0 (other dims are
+  moved to the front and back), under the name the running torch offers
+  (``all_gather_single``/``reduce_scatter_single`` since torch 2.13, ``*_tensor`` before).
+- A group of one issues nothing where the result is the input (callers check, since the
+  autograd wrappers skip themselves too).
+
+Every function here is a collective: every rank of ``group`` calls it, in the same order.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from . import shm
+
+__all__ = ["group_size", "group_rank", "all_reduce_sum", "all_reduce_max", "all_reduce_flat",
+           "all_gather", "reduce_scatter", "split", "all_to_all", "exchange"]
+
+
+def group_size(group) -> int:
+    return dist.get_world_size(group=group)
+
+
+def group_rank(group) -> int:
+    return dist.get_rank(group=group)
+
+
+# --- reductions ------------------------------------------------------------------------
+def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
+    """SUM over ``group``, in place when ``x`` is contiguous (returns the reduced tensor),
+    through the group's shared-memory transport when it has one, else its backend."""
+    x = x.contiguous()
+    t = shm.get(group)
+    if t is not None and t.supports(x):
+        return t.all_reduce_(x)
+    dist.all_reduce(x, group=group)
+    return x
+
+
+def all_reduce_max(x: torch.Tensor, group) -> torch.Tensor:
+    """MAX over ``group``, in place (``x`` must be contiguous); returns ``x``."""
+    dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group)
+    return x
+
+
+def all_reduce_flat(tensors: list[torch.Tensor], group) -> None:
+    """Sum ``tensors`` over ``group`` in place with one flattened all-reduce per dtype."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for bucket in by_dtype.values():
+        flat = all_reduce_sum(_flatten_dense_tensors(bucket), group)
+        for t, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+            t.copy_(synced)
+
+
+# --- gathers and scatters ---------------------------------------------------------------
+def _all_gather_single(out, x, group):
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, x, group=group)
+
+
+def _reduce_scatter_single(out, x, group):
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    fn(out, x, group=group)
+
+
+def all_gather(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
+    """Every rank's ``x`` concatenated along ``dim`` in group-rank order (a new tensor)."""
+    n = group_size(group)
+    dim = dim % x.dim()
+    src = (x if dim == 0 else x.movedim(dim, 0)).contiguous()
+    out = torch.empty((n * src.shape[0],) + tuple(src.shape[1:]), dtype=src.dtype,
+                      device=src.device)
+    _all_gather_single(out, src, group)
+    return out if dim == 0 else out.movedim(0, dim).contiguous()
+
+
+def reduce_scatter(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
+    """The sum over ``group`` of ``x``, of which this rank keeps its chunk along ``dim``."""
+    n = group_size(group)
+    dim = dim % x.dim()
+    if x.shape[dim] % n:
+        raise ValueError(f"dim {dim} of size {x.shape[dim]} cannot be reduce-scattered over "
+                         f"{n} ranks; make it (the sequence length) a multiple of {n}")
+    src = (x if dim == 0 else x.movedim(dim, 0)).contiguous()
+    out = torch.empty((src.shape[0] // n,) + tuple(src.shape[1:]), dtype=src.dtype,
+                      device=src.device)
+    _reduce_scatter_single(out, src, group)
+    return out if dim == 0 else out.movedim(0, dim).contiguous()
+
+
+def split(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    """This rank's chunk of ``x`` along ``dim`` (no communication; the inverse of
+    ``all_gather``)."""
+    n = group_size(group)
+    if x.shape[dim] % n:
+        raise ValueError(f"dim {dim} of size {x.shape[dim]} cannot be split over {n} ranks; "
+                         f"make it a multiple of {n}")
+    return x.chunk(n, dim=dim)[group_rank(group)].contiguous()
+
+
+def all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+    """Send chunk ``j`` of ``scatter_dim`` to rank ``j``; concatenate what arrives along
+    ``gather_dim`` in rank order."""
+    n = group_size(group)
+    if x.shape[scatter_dim] % n:
+        raise ValueError(f"scatter dim {scatter_dim} of size {x.shape[scatter_dim]} is not "
+                         f"divisible by the group size {n}")
+    inp = torch.stack([c.contiguous() for c in x.chunk(n, dim=scatter_dim)], 0)
+    out = torch.empty_like(inp)
+    dist.all_to_all_single(out, inp, group=group)
+    return torch.cat(out.unbind(0), dim=gather_dim)
+
+
+# --- point to point ---------------------------------------------------------------------
+def exchange(send: torch.Tensor, recv: torch.Tensor, group, nxt: int, prv: int, tag: int):
+    """Start sending ``send`` to global rank ``nxt`` and receiving ``recv`` from ``prv``
+    (one ring hop); returns the works to wait on."""
+    ops = [dist.P2POp(dist.isend, send, nxt, group=group, tag=tag),
+           dist.P2POp(dist.irecv, recv, prv, group=group, tag=tag)]
+    return dist.batch_isend_irecv(ops)
