@@ -137,13 +137,18 @@ def test_dropout_streams(sp):
 
 
 def test_block_input_checks():
-    import types
-    from tpkit.nn import ParallelMLP, ParallelSelfAttention, TransformerLayer
+    from tpkit import ParallelConfig
+    from tpkit.planning import fake_state
     from tpkit.random import get_rng_tracker
     get_rng_tracker().reset()
     get_rng_tracker().add("model-parallel-rng", 9)
-    st = types.SimpleNamespace(tp_size=2, tp_rank=0, tp_group=None, sequence_parallel=False,
-                               device=torch.device("cpu"))
+    with fake_state(ParallelConfig(tp=2), 2) as st:   # rank 0 of tp=2, no workers
+        _block_input_checks(st)
+    get_rng_tracker().reset()
+
+
+def _block_input_checks(st):
+    from tpkit.nn import ParallelMLP, ParallelSelfAttention, TransformerLayer
     with pytest.raises(ValueError, match="num_attention_heads=3 is not divisible"):
         ParallelSelfAttention(12, 3, state=st)
     with pytest.raises(ValueError, match="num_gqa_groups=1 is not divisible"):
@@ -164,7 +169,6 @@ def test_block_input_checks():
     mlp = ParallelMLP(16, 32, state=st)
     with pytest.raises(ValueError, match="3 dims"):
         mlp(torch.zeros(2, 8, 2, 16))
-    get_rng_tracker().reset()
 
 
 def _tiny_gpt(tp, sp):

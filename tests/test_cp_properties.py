@@ -174,7 +174,7 @@ def test_collective_counts(results):
         c = r["counts"]
         # ring: n-1 K/V hops forward; backward n-1 K/V hops + n dK/dV hops
         assert c["p2p"][:2] == ({"batch_isend_irecv": 3}, {"batch_isend_irecv": 7})
-        assert c["all_gather"][:2] == ({"all_gather": 2}, {"reduce_scatter": 2})
+        assert c["all_gather"][:2] == ({"all_gather_into_tensor": 2}, {"reduce_scatter_tensor": 2})
         assert c["a2a"][:2] == ({"all_to_all_single": 4}, {"all_to_all_single": 4})
         assert c["a2a+p2p"][:2] == ({"all_to_all_single": 4, "batch_isend_irecv": 1},
                                     {"all_to_all_single": 4, "batch_isend_irecv": 3})

@@ -103,7 +103,7 @@ def test_tpkit_nn_gpt_matches_single_process(tp, cp, dp, sp, kind, gpt_reference
 
 
 def _train_without_sp_sync(steps):
-    import tpkit.fabric.grads as grads
+    import tpkit.grads as grads
     real = grads.sync_sequence_parallel_grads
     grads.sync_sequence_parallel_grads = lambda params, state: 0
     try:

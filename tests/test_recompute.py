@@ -173,5 +173,5 @@ def test_context_fn_entered_in_forward_and_recompute(reentrant):
 
 
 def test_te_hook_defaults_to_false():
-    from tpkit.recompute import _holds_te_modules
-    assert _holds_te_modules(torch.nn.Linear(2, 2)) is False
+    from tpkit.te import holds_te_modules
+    assert holds_te_modules(torch.nn.Linear(2, 2)) is False

@@ -37,22 +37,11 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor, Shard
 
+from .collectives import all_gather, group_size
+from .param_tags import tp_spec
 from .topology import get_parallel_state
 
 EXTRA_STATE_SUFFIX = "_extra_state"
-
-
-# --- which tensors are TP-sharded ----------------------------------------------------------
-def tp_spec(t) -> tuple[int, tuple[int, ...] | None] | None:
-    """(partition dim, segment sizes or None) of a TP-sharded tensor, else None."""
-    dim = getattr(t, "tp_partition_dim", None)
-    if dim is None and getattr(t, "tensor_model_parallel", False):
-        dim = getattr(t, "partition_dim", None)  # TE's attribute
-        if dim is not None and dim < 0:
-            dim = None
-    if dim is None:
-        return None
-    return int(dim), getattr(t, "tp_partition_sizes", None)
 
 
 def unwrap_module(module: nn.Module) -> nn.Module:
@@ -120,15 +109,14 @@ def _gather_fsdp(t: DTensor, group) -> torch.Tensor:
     if t.device_mesh.ndim != 1 or tuple(t.placements) != (Shard(0),):
         raise ValueError(f"FSDP parameter placements {t.placements} on a {t.device_mesh.ndim}-D "
                          "mesh are not supported; use TPKitStrategy(data_parallel='fsdp')")
-    n = dist.get_world_size(group)
+    n = group_size(group)
     assert n == t.device_mesh.size(), "FSDP mesh is not the state's dp x cp mesh"
     rows = -(-t.shape[0] // n)  # torch.chunk's chunk size
     with torch.no_grad():
         local = t.to_local().detach()
         padded = local.new_zeros((rows, *t.shape[1:]))
         padded[: local.shape[0]] = local
-        out = local.new_empty((rows * n, *t.shape[1:]))
-        dist.all_gather_into_tensor(out, padded, group=group)
+        out = all_gather(padded, group)
         sizes = [c.shape[0] for c in torch.empty(t.shape[0]).chunk(n)]
         return torch.cat([out[i * rows: i * rows + c] for i, c in enumerate(sizes)], 0)
 

@@ -10,9 +10,10 @@ tensor is ``cat(segment_0, segment_1, ...)`` in the un-interleaved order. Everyt
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from .collectives import all_gather, group_size
+from .param_tags import partition_dim
 from .topology import resolve_state
 
 __all__ = ["full_state_dict", "load_full_state_dict", "full_shapes", "gather_param",
@@ -21,13 +22,11 @@ __all__ = ["full_state_dict", "load_full_state_dict", "full_shapes", "gather_par
 
 def gather_param(p: torch.Tensor, dim: int, sizes, group) -> torch.Tensor:
     """The full tensor of the shard ``p`` (sharded along ``dim``, optionally in segments)."""
-    n = dist.get_world_size(group=group)
+    n = group_size(group)
     local = p.detach().movedim(dim, 0).contiguous()
     if n == 1:
         return local.movedim(0, dim).clone()
-    out = torch.empty((n * local.shape[0],) + tuple(local.shape[1:]), dtype=local.dtype,
-                      device=local.device)
-    dist.all_gather_into_tensor(out, local, group=group)
+    out = all_gather(local, group)
     per_rank = out.chunk(n, 0)
     if sizes is not None:
         seg_local = [s // n for s in sizes]
@@ -52,7 +51,7 @@ def full_state_dict(model: nn.Module, state=None) -> dict[str, torch.Tensor]:
     out = {}
     for name, t in model.state_dict(keep_vars=True).items():
         p = params.get(name)
-        dim = getattr(p, "tp_partition_dim", None) if p is not None else None
+        dim = partition_dim(p) if p is not None else None
         if dim is None:
             out[name] = t.detach().clone()
         else:
@@ -69,7 +68,7 @@ def full_shapes(model: nn.Module, state=None) -> dict[str, torch.Size]:
     out = {}
     for name, t in model.state_dict(keep_vars=True).items():
         shape = list(t.shape)
-        dim = getattr(params.get(name), "tp_partition_dim", None)
+        dim = partition_dim(params.get(name))
         if dim is not None:
             shape[dim] *= n
         out[name] = torch.Size(shape)
@@ -91,7 +90,7 @@ def load_full_state_dict(model: nn.Module, sd: dict[str, torch.Tensor], state=No
         for name, t in own.items():
             src = sd[name]
             p = params.get(name)
-            dim = getattr(p, "tp_partition_dim", None) if p is not None else None
+            dim = partition_dim(p) if p is not None else None
             if dim is not None:
                 sizes = getattr(p, "tp_partition_sizes", None)
                 full_len = src.shape[dim] if src.dim() > dim else -1
@@ -111,6 +110,6 @@ def load_full_state_dict(model: nn.Module, sd: dict[str, torch.Tensor], state=No
             t.copy_(src)
 
 # Sharded, reshardable checkpoints with torch.distributed.checkpoint (tpkit/_dcp.py).
-from ._dcp import load, save  # noqa: E402
+from ._dcp import load, read_extras, save, unwrap_module  # noqa: E402
 
-__all__ += ["save", "load"]
+__all__ += ["save", "load", "read_extras", "unwrap_module"]

@@ -40,6 +40,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from .collectives import all_reduce_max
+from .nn import linear as _nn_linear
+from .topology import get_parallel_state, is_initialized
+
 E4M3 = (torch.float8_e4m3fn, 448.0)
 E5M2 = (torch.float8_e5m2, 57344.0)
 FORMATS = {"E4M3": (E4M3, E4M3), "HYBRID": (E4M3, E5M2)}  # (forward, backward)
@@ -238,7 +242,6 @@ def is_active() -> bool:
 def _resolve_group(fp8_group):
     if fp8_group is not None:
         return fp8_group
-    from .topology import get_parallel_state, is_initialized
     if is_initialized():
         return get_parallel_state().amax_group
     if not dist.is_initialized():
@@ -255,9 +258,7 @@ def _reduce_and_update(metas: list[FP8Meta], slots: list[int], session: _Session
     if session.reduce_amax and group is not None and dist.get_world_size(group) > 1:
         dev = torch.device("cuda", torch.cuda.current_device()) \
             if dist.get_backend(group) == "nccl" else torch.device("cpu")
-        buf = flat.to(dev)
-        dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group)
-        flat = buf.cpu()
+        flat = all_reduce_max(flat.to(dev).contiguous(), group).cpu()
     for i, m in enumerate(metas):
         m.amax_history[0, slots] = flat[i * len(slots):(i + 1) * len(slots)]
         m.update(slots)
@@ -417,3 +418,8 @@ def linear(layer, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     dev = x.device.type
     out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
     return _FP8Linear.apply(x, weight, bias, rec, out_dtype)
+
+
+# tpkit.nn's parallel linear layers matmul through this module's ``linear`` from now on
+# (F.linear outside fp8_autocast): installed, not imported by nn (docs/design.md, "Layers").
+_nn_linear.set_matmul(linear)

@@ -28,7 +28,7 @@ FOREIGN_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride")
 ALL_TAGS = TP_PARAM_ATTRS + FOREIGN_ATTRS
 
 __all__ = ["TP_PARAM_ATTRS", "FOREIGN_ATTRS", "ALL_TAGS", "set_tp_attrs", "tp_spec",
-           "partition_dim", "is_sequence_parallel", "sequence_parallel_params", "tags_of",
+           "partition_dim", "is_sequence_parallel", "tags_of",
            "set_tags", "mark_tensor_model_parallel"]
 
 
@@ -65,11 +65,6 @@ def tp_spec(t) -> tuple[int, tuple[int, ...] | None] | None:
 
 def is_sequence_parallel(p) -> bool:
     return bool(getattr(p, "sequence_parallel", False))
-
-
-def sequence_parallel_params(params: Iterable) -> list:
-    """The parameters tagged ``sequence_parallel=True``, in the order given."""
-    return [p for p in params if is_sequence_parallel(p)]
 
 
 def tags_of(p) -> dict:

@@ -24,28 +24,13 @@ the recomputed forward is bitwise the original one.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 
 import torch
-import torch.distributed as dist
 
-
-# --- Transformer Engine hook (the TE helper fills tpkit.te) ---------------------------------
-def _holds_te_modules(function) -> bool:
-    """HOOK: True when ``function`` holds Transformer Engine modules, so that ``checkpoint``
-    delegates to TE's own checkpoint (TE modules keep fp8 state TE must restore itself).
-    Asks ``tpkit.te.holds_te_modules(function)`` when tpkit.te defines it; else False."""
-    if importlib.util.find_spec("tpkit.te") is None:
-        return False
-    from . import te
-    check = getattr(te, "holds_te_modules", None)
-    return bool(check(function)) if check is not None else False
-
-
-def _te_checkpoint(function, *args, **kwargs):
-    """HOOK: TE's checkpoint, reached through ``tpkit.te.checkpoint`` (same signature)."""
-    from . import te
-    return te.checkpoint(function, *args, **kwargs)
+from . import fp8, te
+from .collectives import all_gather, group_rank, group_size
+from .random import get_rng_tracker
+from .topology import get_parallel_state, is_initialized
 
 
 # --- RNG and autocast capture ----------------------------------------------------------------
@@ -89,8 +74,7 @@ def _autocast_contexts():
 
 
 def _fp8_contexts():
-    """(forward, recompute) context factories from tpkit.fp8 (lazy: fp8 sits beside us)."""
-    from . import fp8
+    """(forward, recompute) context factories from tpkit.fp8."""
     return fp8.recompute_contexts()
 
 
@@ -98,7 +82,7 @@ def _fp8_contexts():
 def _split(t: torch.Tensor, group) -> torch.Tensor:
     """This rank's slice of ``t`` flattened and zero-padded to a multiple of the group size
     (a fresh tensor: a view would keep the whole storage alive)."""
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    size, rank = group_size(group), group_rank(group)
     chunk = -(-t.numel() // size)
     flat = t.detach().reshape(-1)
     part = flat[rank * chunk:(rank + 1) * chunk]
@@ -108,12 +92,10 @@ def _split(t: torch.Tensor, group) -> torch.Tensor:
 
 
 def _gather(chunk: torch.Tensor, shape: torch.Size, group) -> torch.Tensor:
-    parts = [torch.empty_like(chunk) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, chunk.contiguous(), group=group)
     numel = 1
     for s in shape:
         numel *= s
-    return torch.cat(parts)[:numel].view(shape)
+    return all_gather(chunk, group)[:numel].view(shape)
 
 
 # --- reentrant checkpoint -------------------------------------------------------------------------
@@ -217,14 +199,13 @@ def checkpoint(function, *args, distribute_saved_activations: bool = False,
     (TE's ``te.distributed.checkpoint`` signature; see the module docstring). A
     ``context_fn`` keyword returning (forward_ctx, recompute_ctx), as torch's and TE's
     checkpoint take, is honoured in both modes; other keywords go to ``function``."""
-    if _holds_te_modules(function):
-        return _te_checkpoint(function, *args,
-                              distribute_saved_activations=distribute_saved_activations,
-                              get_rng_state_tracker=get_rng_state_tracker, tp_group=tp_group,
-                              use_reentrant=use_reentrant, **kwargs)
+    if te.holds_te_modules(function):   # TE modules keep fp8 state TE restores itself
+        return te.checkpoint(function, *args,
+                             distribute_saved_activations=distribute_saved_activations,
+                             get_rng_state_tracker=get_rng_state_tracker, tp_group=tp_group,
+                             use_reentrant=use_reentrant, **kwargs)
     user_context_fn = kwargs.pop("context_fn", None) or _noop_context_fn
     if get_rng_state_tracker is None:
-        from .random import get_rng_tracker
         get_rng_state_tracker = get_rng_tracker
     elif not callable(get_rng_state_tracker):
         raise TypeError(f"get_rng_state_tracker={get_rng_state_tracker!r} must be a callable "
@@ -238,7 +219,6 @@ def checkpoint(function, *args, distribute_saved_activations: bool = False,
             context_fn=lambda: _non_reentrant_context_fn(get_rng_state_tracker, user_context_fn),
             **kwargs)
     if distribute_saved_activations:
-        from .topology import get_parallel_state, is_initialized
         state = get_parallel_state() if tp_group is None or is_initialized() else None
         if tp_group is None:
             tp_group = state.tp_group

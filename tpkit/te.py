@@ -21,7 +21,8 @@ from collections.abc import Mapping
 
 import torch
 
-from .topology import resolve_state
+from .random import get_rng_tracker
+from .topology import is_initialized, resolve_state
 
 CHECKED_TE_VERSION = "2.20.2"
 INSTALL_HINT = "pip install 'tpkit[te]'"
@@ -96,7 +97,6 @@ def te_autocast(enabled: bool = True, recipe=None, group=None, *, calibrating: b
     default would reduce amaxes over the whole world, across pipeline stages."""
     te = require_te()
     if group is None:
-        from .topology import is_initialized
         if state is not None or is_initialized():
             group = resolve_state(state).amax_group
     if hasattr(te, "autocast"):  # TE >= 2.9
@@ -205,10 +205,8 @@ def checkpoint(function, *args, distribute_saved_activations: bool = False,
     ``tp_group`` the state's (TE's own default would be the whole world)."""
     te = require_te()
     if get_rng_state_tracker is None:
-        from .random import get_rng_tracker
         get_rng_state_tracker = get_rng_tracker
     if tp_group is None:
-        from .topology import is_initialized
         if is_initialized():
             tp_group = resolve_state(None).tp_group
     return te.checkpoint(function, *args,
@@ -251,7 +249,6 @@ def make(kind: str, state=None, **kwargs) -> torch.nn.Module:
         if key in kwargs and kwargs[key] is not value and kwargs[key] != value:
             raise ValueError(f"{key}={kwargs[key]!r} contradicts the parallel state "
                              f"(tp={state.tp_size}); drop it, tpkit passes the state's")
-    from .random import get_rng_tracker
     defaults = {"tp_group": state.tp_group, "tp_size": state.tp_size,
                 "sequence_parallel": state.sequence_parallel,
                 "get_rng_state_tracker": get_rng_tracker}

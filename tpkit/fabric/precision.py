@@ -21,19 +21,24 @@ import torch
 from lightning.fabric.plugins.precision.precision import Precision
 from torch import nn
 
+from .. import fp8
+from ..te import is_te_module, te_autocast, te_recipe
+from ..topology import get_parallel_state
+from .replace import replace_layers
+
 PRECISIONS = ("bf16-mixed", "16-mixed", "32-true", "fp8")
 _DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
 
 def _uses_te(module: nn.Module) -> bool:
-    from ..te import is_te_module
     return any(is_te_module(m) for m in module.modules())
 
 
 class TPKitPrecision(Precision):
-    """See the module docstring. ``replace_layers=True`` (fp8 only) swaps plain
-    ``nn.Linear``/``nn.LayerNorm`` for tpkit layers (torch backend) where that keeps the
-    math identical, warning with the names it skipped."""
+    """See the module docstring. ``replace_layers=True`` (fp8 with the torch backend only)
+    routes every exact ``nn.Linear`` through tpkit's emulated fp8 (tpkit.fabric.replace:
+    same parameters, ``F.linear`` outside fp8), warning with the names it left unchanged
+    (nn.Linear subclasses, and nn.LayerNorm: emulated fp8 converts GEMMs only)."""
 
     def __init__(self, precision: str = "bf16-mixed", *, recipe: Any = None,
                  fallback_compute_dtype: torch.dtype | None = None,
@@ -70,7 +75,6 @@ class TPKitPrecision(Precision):
     @property
     def amax_group(self):
         if self._state is None:
-            from ..topology import get_parallel_state
             self._state = get_parallel_state()
         return self._state.amax_group
 
@@ -84,10 +88,8 @@ class TPKitPrecision(Precision):
         """The recipe object for the active backend, built from ``recipe`` (dict or object)."""
         spec = self.recipe_spec
         if self._te:
-            from ..te import te_recipe
             return te_recipe(spec)
-        from ..fp8 import DelayedScaling
-        return DelayedScaling.from_any(spec)
+        return fp8.DelayedScaling.from_any(spec)
 
     # --- Precision hooks -----------------------------------------------------------------
     def convert_module(self, module: nn.Module) -> nn.Module:
@@ -96,7 +98,6 @@ class TPKitPrecision(Precision):
             self._device = params[0].device
         if self.precision == "fp8":
             if self.replace_layers and not _uses_te(module):
-                from .replace import replace_layers
                 replace_layers(module)
             self._te = _uses_te(module)
         return module
@@ -114,11 +115,9 @@ class TPKitPrecision(Precision):
             stack.enter_context(torch.autocast(device_type=self._device_type(),
                                                dtype=self.fallback_compute_dtype))
         if self._te:
-            from ..te import te_autocast
             stack.enter_context(te_autocast(enabled=True, recipe=self.recipe,
                                             group=self.amax_group))
         else:
-            from .. import fp8
             stack.enter_context(fp8.fp8_autocast(enabled=True, recipe=self.recipe,
                                                  fp8_group=self.amax_group))
         return stack

@@ -16,13 +16,14 @@ import warnings
 
 from torch import nn
 
+from .. import fp8
+
 
 class FP8Linear(nn.Linear):
     """nn.Linear whose matmul goes through tpkit.fp8.linear (emulated fp8 in autocast)."""
 
     def forward(self, x):
-        from ..fp8 import linear
-        return linear(self, x, self.weight, self.bias)
+        return fp8.linear(self, x, self.weight, self.bias)
 
 
 def replace_layers(module: nn.Module) -> list[str]:

@@ -43,9 +43,11 @@ from lightning.fabric.utilities.distributed import (_get_default_process_group_b
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from torch import nn
 
-from .. import parallel_state, topology
+from .. import checkpoint, grads, parallel_state, topology
 from ..config import ParallelConfig
-from . import grads
+from ..param_tags import set_tags, tags_of
+from ..random import MODEL_PARALLEL_RNG, get_rng_tracker, model_parallel_seed
+from ..te import is_te_module, wire_parallel_groups
 
 DATA_PARALLEL = ("ddp", "fsdp")
 
@@ -191,10 +193,8 @@ class TPKitStrategy(ParallelStrategy):
                 raise TypeError(f"parallelize_fn must return an nn.Module, got "
                                 f"{type(module).__name__}")
         _materialize(module, self.root_device)
-        from ..te import is_te_module, wire_parallel_groups
         if any(is_te_module(m) for m in module.modules()):
             wire_parallel_groups(module, state)
-        from ..random import MODEL_PARALLEL_RNG, get_rng_tracker, model_parallel_seed
         if MODEL_PARALLEL_RNG not in get_rng_tracker().states_:
             model_parallel_seed(1234 if self._seed is None else self._seed, state)
         if hasattr(self.precision, "attach"):
@@ -276,12 +276,10 @@ class TPKitStrategy(ParallelStrategy):
 
     # --- checkpoints ---------------------------------------------------------------------
     def get_module_state_dict(self, module: nn.Module) -> dict[str, Any]:
-        from .._dcp import unwrap_module
-        return unwrap_module(module).state_dict()
+        return checkpoint.unwrap_module(module).state_dict()
 
     def load_module_state_dict(self, module: nn.Module, state_dict, strict: bool = True) -> None:
-        from .._dcp import unwrap_module
-        unwrap_module(module).load_state_dict(state_dict, strict=strict)
+        checkpoint.unwrap_module(module).load_state_dict(state_dict, strict=strict)
 
     def save_checkpoint(self, path, state: dict, storage_options: Any | None = None,
                         filter: dict | None = None) -> None:
@@ -289,8 +287,7 @@ class TPKitStrategy(ParallelStrategy):
         if storage_options is not None or filter is not None:
             raise ValueError("TPKitStrategy.save_checkpoint does not support storage_options "
                              "or filter; save a smaller state dict instead")
-        from .._dcp import save
-        save(self.broadcast(str(path)), state)
+        checkpoint.save(self.broadcast(str(path)), state)
 
     def load_checkpoint(self, path, state=None, strict: bool = True,
                         weights_only: bool | None = None) -> dict[str, Any]:
@@ -299,10 +296,9 @@ class TPKitStrategy(ParallelStrategy):
         if not isinstance(state, dict) or not state:
             raise ValueError("TPKitStrategy.load_checkpoint needs state={'model': model, ...} "
                              "with the objects to restore in place")
-        from .._dcp import load, read_extras
         path = self.broadcast(str(path))
-        load(path, state, strict=strict)
-        return read_extras(path, exclude=state.keys())
+        checkpoint.load(path, state, strict=strict)
+        return checkpoint.read_extras(path, exclude=state.keys())
 
     def teardown(self) -> None:
         """Free the layout this strategy built (destroy_parallel: its groups, not the
@@ -383,12 +379,8 @@ def _apply_fsdp(module: nn.Module, state) -> nn.Module:
     """FSDP2 over the flattened dp x cp mesh; tpkit's parameter tags are carried over to the
     DTensor parameters FSDP creates."""
     from torch.distributed.fsdp import fully_shard
-    tags = ("tp_partition_dim", "tp_partition_sizes", "sequence_parallel",
-            "tensor_model_parallel", "partition_dim", "partition_stride")
-    saved = {n: {t: getattr(p, t) for t in tags if hasattr(p, t)}
-             for n, p in module.named_parameters()}
+    saved = {n: tags_of(p) for n, p in module.named_parameters()}
     fully_shard(module, mesh=state.dp_cp_mesh)
     for n, p in module.named_parameters():
-        for t, v in saved.get(n, {}).items():
-            setattr(p, t, v)
+        set_tags(p, saved.get(n, {}))
     return module

@@ -31,8 +31,10 @@ from __future__ import annotations
 import warnings
 
 import torch
-import torch.distributed as dist
 
+from ..collectives import all_reduce_sum
+from ..param_tags import mark_tensor_model_parallel
+from ..random import get_rng_tracker, model_parallel_seed
 from ..topology import ParallelState, get_parallel_state, is_initialized
 
 INSTALL_HINT = ("DeepSpeed is not installed; tpkit.integrations.deepspeed needs it: "
@@ -162,7 +164,7 @@ def sequence_share(loss_sum: torch.Tensor, num_tokens, state: ParallelState | No
     state = state if state is not None else get_parallel_state()
     n = torch.as_tensor(num_tokens, dtype=torch.float64, device=loss_sum.device).detach().clone()
     if state.cp_size > 1:
-        dist.all_reduce(n, group=state.cp_group)
+        n = all_reduce_sum(n, state.cp_group)
     if n.item() <= 0:
         raise ValueError(f"the sequence has {n.item():g} tokens across the CP group; "
                          "num_tokens must be positive on at least one CP rank")
@@ -176,12 +178,7 @@ def mark_tensor_parallel_params(module: torch.nn.Module) -> int:
     DeepSpeed's gradient norm (clipping, ZeRO overflow checks) counts an unmarked
     parameter on TP rank 0 only, so unmarked TP shards would leave out the other ranks'
     shards and clip with a wrong norm."""
-    n = 0
-    for p in module.parameters():
-        if getattr(p, "tp_partition_dim", None) is not None:
-            p.tensor_model_parallel = True
-            n += 1
-    return n
+    return mark_tensor_model_parallel(module.parameters())
 
 
 # --- activation checkpointing --------------------------------------------------------
@@ -200,13 +197,13 @@ def configure_activation_checkpointing(state: ParallelState | None = None, *,
     This monkeypatches three names of ``deepspeed.checkpointing`` (undo with
     ``restore_deepspeed_rng``): ``get_cuda_rng_tracker`` and ``_CUDA_RNG_STATE_TRACKER``
     return tpkit's tracker, and ``model_parallel_cuda_manual_seed(seed)`` runs
-    ``tpkit.random.model_parallel_seed(seed, state)`` (streams distinct per TP, CP and PP
-    coordinate; DeepSpeed's own seeds only differ per TP rank).
+    ``tpkit.random.model_parallel_seed(seed, state)`` (the default stream the same on a
+    whole PP stage, the model-parallel stream distinct per (tp, pp) coordinate and the
+    same across CP and DP ranks; DeepSpeed's own seeds only differ per TP rank).
 
     ``partition_activations=True`` needs TP >= 2: DeepSpeed 0.19 breaks in backward at
     model-parallel size 1. Returns the mpu."""
     deepspeed = require_deepspeed()
-    from ..random import get_rng_tracker, model_parallel_seed
     if state is None:
         state = mpu.state if mpu is not None else get_parallel_state()
     if mpu is None:

@@ -9,7 +9,8 @@ from .embedding import VocabParallelEmbedding
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .loss import vocab_parallel_cross_entropy
 from .mlp import ParallelMLP
-from .norm import LayerNorm, RMSNorm, sync_sequence_parallel_grads
+from ..grads import sync_sequence_parallel_grads
+from .norm import LayerNorm, RMSNorm
 from .rope import RotaryEmbedding, apply_rotary_pos_emb
 from .transformer import TransformerLayer
 

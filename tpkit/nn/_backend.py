@@ -3,9 +3,15 @@
 ``backend="torch"`` always builds tpkit's own layers; ``"te"`` builds the Transformer
 Engine module and fails loudly when TE or CUDA is missing; ``"auto"`` picks TE only when
 TE imports *and* CUDA is available, so one model file runs on CPU and on GPUs.
-tpkit.te is imported lazily: nothing here touches transformer_engine for "torch".
+tpkit.te imports ``transformer_engine`` only when a TE module is asked for: nothing here
+touches it for "torch".
 """
 from __future__ import annotations
+
+import inspect
+
+from .. import te
+from ..topology import resolve_state
 
 BACKENDS = ("auto", "torch", "te")
 
@@ -16,7 +22,6 @@ def resolve_backend(backend: str = "auto") -> str:
         raise ValueError(f"backend={backend!r} is unknown; use one of {BACKENDS}")
     if backend == "torch":
         return "torch"
-    from .. import te
     if backend == "te":
         te.require_te()  # raises with what to install / that CUDA is needed
         return "te"
@@ -25,7 +30,6 @@ def resolve_backend(backend: str = "auto") -> str:
 
 def build_te(kind: str, state=None, **te_kwargs):
     """The TE module for ``kind`` (a key of tpkit.te.KINDS) built for ``state``."""
-    from .. import te
     return te.make(kind, state, **te_kwargs)
 
 
@@ -67,7 +71,6 @@ def _translate_norm(a: dict, kind: str) -> dict:
 def _translate_attention(a: dict, kind: str) -> dict:
     comm = a.get("cp_comm_type")
     if comm is not None:
-        from ._common import resolve_state
         state = resolve_state(a.get("state"))
         if comm != state.cp_comm_type:
             raise ValueError(f"cp_comm_type={comm!r} differs from the state's "
@@ -122,7 +125,6 @@ _HANDLED = {
 
 
 def _te_from_constructor(cls, args: tuple, kwargs: dict):
-    import inspect
     kind = cls._te_kind
     if kind not in _HANDLED:
         raise ValueError(f"{cls.__name__} has no Transformer Engine counterpart in tpkit; "

@@ -1,5 +1,6 @@
-"""Small helpers shared by the torch-backend layers: state resolution, divisibility
-checks with clear messages, parameter tagging and deterministic shard initialisation."""
+"""Small helpers shared by the torch-backend layers: the state a layer is bound to,
+divisibility and shape checks with clear messages, and deterministic shard
+initialisation. Parameter tags are tpkit.param_tags'."""
 from __future__ import annotations
 
 import copy
@@ -8,7 +9,9 @@ import math
 import torch
 from torch import nn
 
-from ..topology import resolve_state  # noqa: F401  (re-exported to the layers)
+from ..param_tags import set_tags, set_tp_attrs, tags_of  # noqa: F401  (set_tp_attrs: layers)
+from ..random import MODEL_PARALLEL_RNG, get_rng_tracker
+from ..topology import resolve_state
 
 
 class SharedRef:
@@ -26,13 +29,10 @@ class SharedRef:
         return self
 
 
-TP_PARAM_ATTRS = ("tp_partition_dim", "tp_partition_sizes", "sequence_parallel")
-
-
 class ParallelModule(nn.Module):
     """Base of the layers bound to a ParallelState (``state``; ``group`` is its TP group).
 
-    ``copy.deepcopy`` keeps the state shared and the params' TP tags (Parameter's own
+    ``copy.deepcopy`` keeps the state shared and the params' tags (Parameter's own
     deepcopy drops Python attributes, which would silently unshard checkpoints)."""
 
     state = property(lambda self: self._state_ref.obj)
@@ -47,16 +47,13 @@ class ParallelModule(nn.Module):
         memo[id(self)] = new
         state = self.state  # shared, with its groups, by every submodule holding them
         memo.setdefault(id(state), state)
-        all_groups = getattr(state, "all_groups", None)
-        for g in (all_groups().values() if all_groups is not None else ()):
+        for g in state.all_groups().values():
             memo.setdefault(id(g), g)
         for k, v in self.__dict__.items():
             new.__dict__[k] = copy.deepcopy(v, memo)
         for name, p in self._parameters.items():
             if p is not None:
-                for attr in TP_PARAM_ATTRS:
-                    if hasattr(p, attr):
-                        setattr(new._parameters[name], attr, getattr(p, attr))
+                set_tags(new._parameters[name], tags_of(p))
         return new
 
 
@@ -64,14 +61,18 @@ def resolve_sp(sequence_parallel, state) -> bool:
     return bool(state.sequence_parallel if sequence_parallel is None else sequence_parallel)
 
 
-def divide(n: int, tp: int, what: str) -> int:
-    """``n // tp``, or a ValueError naming ``what`` and the fix."""
+def divide(n: int, d: int, what: str, by: str | None = None) -> int:
+    """``n // d``, or a ValueError naming ``what`` and the fix: the one divisibility check of
+    tpkit.nn. ``d`` is the tensor-parallel size unless ``by`` names it."""
     if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
         raise ValueError(f"{what}={n!r} must be a positive integer")
-    if n % tp:
-        raise ValueError(f"{what}={n} is not divisible by the tensor-parallel size {tp}; "
-                         f"choose a multiple of {tp} or another tp")
-    return n // tp
+    if n % d:
+        if by is None:
+            raise ValueError(f"{what}={n} is not divisible by the tensor-parallel size {d}; "
+                             f"choose a multiple of {d} or another tp")
+        raise ValueError(f"{what}={n} is not divisible by {by}={d}; make {what} a multiple "
+                         f"of {by}")
+    return n // d
 
 
 def check_last_dim(x: torch.Tensor, expected: int, layer: str) -> None:
@@ -86,26 +87,10 @@ def check_sbh(x: torch.Tensor, hidden: int, layer: str) -> None:
                          f"sequence first), got shape {tuple(x.shape)}")
 
 
-def set_tp_attrs(param: torch.nn.Parameter, partition_dim: int | None,
-                 partition_sizes: tuple[int, ...] | None = None,
-                 sequence_parallel: bool = False) -> torch.nn.Parameter:
-    """Tag ``param``: ``tp_partition_dim`` (sharded along that dim over TP),
-    ``tp_partition_sizes`` (the full dim is several segments each sharded on its own,
-    e.g. fused q/k/v) and ``sequence_parallel`` (replicated, gradient needs a TP sum)."""
-    if partition_dim is not None:
-        param.tp_partition_dim = partition_dim
-        if partition_sizes is not None:
-            param.tp_partition_sizes = tuple(partition_sizes)
-    if sequence_parallel:
-        param.sequence_parallel = True
-    return param
-
-
 def init_shard(weight: torch.Tensor, init_method, fan_in: int, tp_size: int) -> None:
     """Initialise a weight shard: ``init_method(weight)`` or uniform(+-1/sqrt(fan_in)) (the
     global fan-in, nn.Linear's scale), on the RNG tracker's model-parallel stream so
     shards differ across TP ranks. Tests load full weights instead (tpkit.checkpoint)."""
-    from ..random import MODEL_PARALLEL_RNG, get_rng_tracker
     tracker = get_rng_tracker()
     fn = init_method or (lambda w: torch.nn.init.uniform_(w, -1 / math.sqrt(fan_in),
                                                           1 / math.sqrt(fan_in)))

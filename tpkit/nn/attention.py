@@ -3,9 +3,11 @@
 The fused QKV weight's full layout is ``[Q (heads*d); K (groups*d); V (groups*d)]`` along
 dim 0; it is sharded per segment (``tp_partition_sizes``), so each rank holds its heads'
 q rows and its groups' k and v rows, and one matmul + one collective serves all three.
-The attention core is the swappable submodule ``self.core_attention`` (see sdpa.py for
-the contract): tpkit's DotProductAttention, so with CP the local (load-balanced) sequence
-shard attends to the whole sequence with the state's cp_comm_type.
+The attention core is the swappable submodule ``self.core_attention``: tpkit's
+DotProductAttention (TE's DotProductAttention call contract: ``core(q, k, v)`` with
+``[s, b, heads/tp, d]`` tensors, returning ``[s, b, heads/tp * d]``), so with CP the local
+(load-balanced) sequence shard attends to the whole sequence with the state's
+cp_comm_type.
 """
 from __future__ import annotations
 
@@ -39,12 +41,8 @@ class ParallelSelfAttention(TEBackendMixin, ParallelModule):
         divide(hidden_size, 1, "hidden_size")
         self.heads_local = divide(num_attention_heads, tp, "num_attention_heads")
         self.groups_local = divide(groups, tp, "num_gqa_groups")
-        if num_attention_heads % groups:
-            raise ValueError(f"num_attention_heads={num_attention_heads} is not divisible by "
-                             f"num_gqa_groups={groups}; pick groups dividing the heads")
-        if hidden_size % num_attention_heads:
-            raise ValueError(f"hidden_size={hidden_size} is not divisible by "
-                             f"num_attention_heads={num_attention_heads}")
+        divide(num_attention_heads, groups, "num_attention_heads", by="num_gqa_groups")
+        divide(hidden_size, num_attention_heads, "hidden_size", by="num_attention_heads")
         self.hidden_size = hidden_size
         self.num_attention_heads, self.num_gqa_groups = num_attention_heads, groups
         d = self.kv_channels = hidden_size // num_attention_heads

@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..random import get_rng_tracker
+
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype attention math runs in for inputs of ``dtype``: at least fp32."""
@@ -102,14 +104,14 @@ def merge_into(out: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, l: torch.T
 def local_attention(q, k, v, scale: float, mask: torch.Tensor | None, dropout_p: float):
     """Differentiable attention of grouped tensors (autograd keeps the probabilities).
     ``mask`` is True where hidden; dropout on the probabilities runs inside the RNG
-    tracker's model-parallel stream (different per TP/CP coordinate)."""
+    tracker's model-parallel stream (distinct per TP and PP coordinate, the same on every
+    CP rank of a TP coordinate: tpkit.random), each CP rank drawing for its own queries."""
     dtype, cdt = q.dtype, compute_dtype(q.dtype)
     s = torch.matmul(q.to(cdt), k.to(cdt).transpose(-1, -2)) * scale
     if mask is not None:
         s = s.masked_fill(mask, float("-inf"))
     p = torch.softmax(s, dim=-1)
     if dropout_p > 0.0:
-        from ..random import get_rng_tracker
         with get_rng_tracker().fork():
             p = F.dropout(p, dropout_p, training=True)
     return torch.matmul(p, v.to(cdt)).to(dtype)

@@ -1,7 +1,9 @@
 """Context-parallel attention kernels in plain torch (run on CPU/gloo as well as GPUs).
 
 Inputs are this rank's shard in the load-balanced layout of ``tpkit.data.shard_sequence``
-(CP rank r holds chunks r and 2n-1-r of 2n), as ``[b, h, s, d]`` tensors.
+(CP rank r holds chunks r and 2n-1-r of 2n: tpkit.data.cp_chunk_ids), as ``[b, h, s, d]``
+tensors. These are the reference kernels: fused per-device ones, when they come, are
+chosen beside them and tested against them (docs/design.md).
 
 =============  ==========================================================================
 comm type      what travels
@@ -16,42 +18,19 @@ a2a+p2p        a2a inside the inner CP level, then ring attention over the outer
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
+from ..collectives import group_rank, group_size
+from ..config import CP_COMM_TYPES
+from ..data import cp_positions
 from .attention_math import (causal_mask, from_grouped, local_attention, position_mask,
                              to_grouped)
-from .mappings import all_to_all
+from .mappings import all_to_all, gather_from_sp_region
 from .ring_attention import ring_attention
 
-COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
-
-
-def lb_positions(rank: int, n: int, local_len: int, device=None) -> torch.Tensor:
-    """Global positions of the ``local_len`` tokens CP rank ``rank`` of ``n`` holds."""
-    c = local_len // 2
-    a, b = rank * c, (2 * n - 1 - rank) * c
-    return torch.cat([torch.arange(a, a + c, device=device), torch.arange(b, b + c, device=device)])
-
-
-# --- autograd collectives over the sequence / head dims ------------------------------------
-class _AllGatherSeq(torch.autograd.Function):
-    """All-gather along dim ``dim`` (rank order); backward reduce-scatters the gradient."""
-
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, x, group=group)
-        return torch.cat(parts, dim=dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        n = dist.get_world_size(ctx.group)
-        parts = [p.contiguous() for p in grad.chunk(n, dim=ctx.dim)]
-        out = torch.empty_like(parts[0])
-        dist.reduce_scatter(out, parts, group=ctx.group)
-        return out, None, None
+# Old names (issue 23 moved them): the comm types are tpkit.config.CP_COMM_TYPES and the
+# load-balanced positions tpkit.data.cp_positions; these aliases work for one release.
+COMM_TYPES = CP_COMM_TYPES
+lb_positions = cp_positions
 
 
 def _lb_from_a2a(x: torch.Tensor, a: int, dim: int) -> torch.Tensor:
@@ -75,14 +54,14 @@ def _p2p(q, k, v, group, causal, scale, dropout_p, stats):
 
 
 def _all_gather(q, k, v, group, causal, scale, dropout_p):
-    n, rank = dist.get_world_size(group), dist.get_rank(group)
-    kf = _AllGatherSeq.apply(k, 3, group)
-    vf = _AllGatherSeq.apply(v, 3, group)
+    n, rank = group_size(group), group_rank(group)
+    kf = gather_from_sp_region(k, group, dim=3)   # all-gather the sequence, reduce-scatter dK
+    vf = gather_from_sp_region(v, group, dim=3)
     mask = None
     if causal:
         sl = q.shape[-2]
-        q_pos = lb_positions(rank, n, sl, q.device)
-        k_pos = torch.cat([lb_positions(r, n, sl, q.device) for r in range(n)])
+        q_pos = cp_positions(rank, n, sl, q.device)
+        k_pos = torch.cat([cp_positions(r, n, sl, q.device) for r in range(n)])
         mask = position_mask(q_pos, k_pos)
     return local_attention(q, kf, vf, scale, mask, dropout_p)
 
@@ -90,7 +69,7 @@ def _all_gather(q, k, v, group, causal, scale, dropout_p):
 def _a2a(q, k, v, a2a_group, p2p_group, causal, scale, dropout_p, stats):
     """Ulysses over ``a2a_group`` (heads scattered, sequence gathered), then attention over
     the gathered sequence: locally (``p2p_group`` None) or by a ring over ``p2p_group``."""
-    a = dist.get_world_size(a2a_group)
+    a = group_size(a2a_group)
     b, g, r, s, d = q.shape
     q4 = from_grouped(q)
     k4, v4 = k.squeeze(2), v.squeeze(2)
@@ -126,5 +105,5 @@ def context_parallel_attention(q, k, v, *, comm_type: str, group, causal: bool, 
     elif comm_type == "a2a+p2p":
         out = _a2a(qg, kg, vg, group[0], group[1], causal, scale, dropout_p, stats)
     else:
-        raise ValueError(f"cp_comm_type={comm_type!r} is unknown; use one of {COMM_TYPES}")
+        raise ValueError(f"cp_comm_type={comm_type!r} is unknown; use one of {CP_COMM_TYPES}")
     return from_grouped(out)

@@ -13,21 +13,18 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
+from ..collectives import group_size
+from ..config import CP_COMM_TYPES
 from ..random import get_rng_tracker
+from ..topology import resolve_state
 from ._backend import TEBackendMixin
-from .context_parallel import COMM_TYPES, context_parallel_attention
+from ._common import divide
+from .context_parallel import context_parallel_attention
 
 MASK_TYPES = ("causal", "no_mask")
 QKV_FORMATS = ("sbhd", "bshd")
-
-
-def _divide(a: int, b: int, what: str, fix: str) -> int:
-    if a % b != 0:
-        raise ValueError(f"{what}: {a} is not divisible by {b}; {fix}")
-    return a // b
 
 
 class DotProductAttention(TEBackendMixin, torch.nn.Module):
@@ -40,9 +37,7 @@ class DotProductAttention(TEBackendMixin, torch.nn.Module):
                  cp_comm_type: str | None = None, softmax_scale: float | None = None,
                  state=None, backend: str = "torch"):
         super().__init__()
-        if state is None:
-            from ..topology import get_parallel_state
-            state = get_parallel_state()
+        state = resolve_state(state)
         if attn_mask_type not in MASK_TYPES:
             raise ValueError(f"attn_mask_type={attn_mask_type!r} is not supported by tpkit's "
                              f"torch DotProductAttention (any cp_comm_type); use one of "
@@ -53,13 +48,9 @@ class DotProductAttention(TEBackendMixin, torch.nn.Module):
         if not 0.0 <= attention_dropout < 1.0:
             raise ValueError(f"attention_dropout={attention_dropout} must be in [0, 1)")
         num_gqa_groups = num_attention_heads if num_gqa_groups is None else num_gqa_groups
-        _divide(num_attention_heads, num_gqa_groups, "num_attention_heads by num_gqa_groups",
-                "choose num_gqa_groups dividing the number of heads")
-        tp = state.tp_size
-        self.num_heads_local = _divide(num_attention_heads, tp, "num_attention_heads by tp",
-                                       f"use a head count divisible by tp={tp}")
-        self.num_gqa_local = _divide(num_gqa_groups, tp, "num_gqa_groups by tp",
-                                     f"use num_gqa_groups divisible by tp={tp}")
+        divide(num_attention_heads, num_gqa_groups, "num_attention_heads", by="num_gqa_groups")
+        self.num_heads_local = divide(num_attention_heads, state.tp_size, "num_attention_heads")
+        self.num_gqa_local = divide(num_gqa_groups, state.tp_size, "num_gqa_groups")
         self.kv_channels = kv_channels
         self.attn_mask_type = attn_mask_type
         self.attention_dropout = attention_dropout
@@ -67,13 +58,12 @@ class DotProductAttention(TEBackendMixin, torch.nn.Module):
         self.softmax_scale = 1.0 / math.sqrt(kv_channels) if softmax_scale is None else softmax_scale
         self.state = state
         self.stats: dict | None = None  # set to {} to count ring blocks/FLOPs (tests, benches)
-        # a state without CP attributes (a duck-typed TP-only state in tests) means no CP
-        comm = getattr(state, "cp_comm_type", "p2p") if cp_comm_type is None else cp_comm_type
-        if comm == "a2a+p2p" and getattr(state, "cp_a2a_group", None) is None:
+        comm = state.cp_comm_type if cp_comm_type is None else cp_comm_type
+        if comm == "a2a+p2p" and state.cp_a2a_group is None:
             raise ValueError("cp_comm_type='a2a+p2p' needs the two CP levels: build the "
                              "state with init_parallel(cp_comm_type='a2a+p2p', cp_a2a_size=...) "
                              "or call set_context_parallel_group([a2a_group, p2p_group], ...)")
-        if getattr(state, "cp_size", 1) == 1:
+        if state.cp_size == 1:
             group, ranks = None, None
         else:
             group = [state.cp_a2a_group, state.cp_p2p_group] if comm == "a2a+p2p" \
@@ -93,24 +83,25 @@ class DotProductAttention(TEBackendMixin, torch.nn.Module):
             raise ValueError(f"load_balancing_strategy={load_balancing_strategy!r} is not "
                              "supported by tpkit's torch DotProductAttention; only "
                              "'dual_chunk_swap' (tpkit.data.shard_sequence's layout)")
-        if cp_comm_type not in COMM_TYPES:
-            raise ValueError(f"cp_comm_type={cp_comm_type!r} is unknown; use one of {COMM_TYPES}")
+        if cp_comm_type not in CP_COMM_TYPES:
+            raise ValueError(f"cp_comm_type={cp_comm_type!r} is unknown; use one of "
+                             f"{CP_COMM_TYPES}")
         if cp_comm_type == "a2a+p2p":
             if not isinstance(cp_group, (list, tuple)) or len(cp_group) != 2 \
                     or any(g is None for g in cp_group):
                 raise ValueError("cp_comm_type='a2a+p2p' needs cp_group=[a2a_group, p2p_group] "
                                  f"(TE's convention), got {cp_group!r}")
-            size = dist.get_world_size(cp_group[0]) * dist.get_world_size(cp_group[1])
+            size = group_size(cp_group[0]) * group_size(cp_group[1])
         elif isinstance(cp_group, (list, tuple)):
             raise ValueError(f"cp_comm_type={cp_comm_type!r} takes one process group; a list "
                              "[a2a_group, p2p_group] is only for 'a2a+p2p'")
         else:
-            size = 1 if cp_group is None else dist.get_world_size(cp_group)
+            size = 1 if cp_group is None else group_size(cp_group)
         if cp_global_ranks is not None and len(cp_global_ranks) != size:
             raise ValueError(f"cp_global_ranks={cp_global_ranks} has {len(cp_global_ranks)} "
                              f"ranks but the CP group(s) have {size}; pass the group's ranks")
         if cp_comm_type in ("a2a", "a2a+p2p") and size > 1:
-            a = dist.get_world_size(cp_group[0] if cp_comm_type == "a2a+p2p" else cp_group)
+            a = group_size(cp_group[0] if cp_comm_type == "a2a+p2p" else cp_group)
             for what, n in (("local attention heads", self.num_heads_local),
                             ("local gqa groups", self.num_gqa_local)):
                 if n % a != 0:

@@ -11,6 +11,7 @@ then sees only its tokens' share of the bias gradient).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from . import mappings
@@ -18,19 +19,34 @@ from ._backend import TEBackendMixin
 from ._common import (ParallelModule, check_last_dim, divide, init_shard,
                       resolve_sp, set_tp_attrs)
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "linear_fn"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "linear_fn", "set_matmul"]
+
+
+def _plain_matmul(layer: nn.Module, x: torch.Tensor, weight: torch.Tensor,
+                  bias: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x, weight, bias)
+
+
+_MATMUL = _plain_matmul
+
+
+def set_matmul(fn):
+    """Install ``fn(layer, x, weight, bias)`` as the matmul of every parallel linear layer
+    (None: ``F.linear`` again); returns the previous one. tpkit.fp8 installs its emulated
+    fp8 linear when it is imported (plain ``F.linear`` outside ``fp8_autocast``): the hook
+    keeps nn below fp8 in the import order (docs/design.md, "Layers")."""
+    global _MATMUL
+    prev, _MATMUL = _MATMUL, (fn or _plain_matmul)
+    return prev
 
 
 def linear_fn(layer: nn.Module, x: torch.Tensor, weight: torch.Tensor,
               bias: torch.Tensor | None) -> torch.Tensor:
-    """The ONE place where every Column/RowParallelLinear matmul happens.
-
-    ``F.linear``, or emulated fp8 inside ``tpkit.fp8.fp8_autocast`` (``layer`` owns the
-    scaling state, ``layer.fp8_meta``), so keep all parallel-linear matmuls going through
-    this function (a module global, looked up at call time, so assigning
-    ``tpkit.nn.linear.linear_fn`` reroutes every layer)."""
-    from .. import fp8  # lazy: fp8 sits above nn in the dependency order
-    return fp8.linear(layer, x, weight, bias)
+    """The ONE place where every Column/RowParallelLinear matmul happens: the installed
+    matmul (``set_matmul``), to which ``layer`` is passed so that it can keep per-layer
+    state (tpkit.fp8's ``layer.fp8_meta``). A module global looked up at call time, so
+    assigning ``tpkit.nn.linear.linear_fn`` reroutes every layer too."""
+    return _MATMUL(layer, x, weight, bias)
 
 
 class _ParallelLinearBase(ParallelModule):

@@ -15,9 +15,9 @@ exps and, with smoothing, the sum of logits packed in one tensor); none backward
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from .mappings import all_reduce_sum
+from ..collectives import all_reduce_max, all_reduce_sum, group_rank, group_size
+from ..topology import get_parallel_state
 
 __all__ = ["vocab_parallel_cross_entropy"]
 
@@ -25,10 +25,10 @@ __all__ = ["vocab_parallel_cross_entropy"]
 class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, smoothing, ignore_index, group):
-        n = dist.get_world_size(group=group)
+        n = group_size(group)
         v_local = logits.shape[-1]
         vocab = v_local * n
-        start = dist.get_rank(group=group) * v_local
+        start = group_rank(group) * v_local
         in_dtype = logits.dtype
         ignored = target == ignore_index
         bad = ~(ignored | ((target >= 0) & (target < vocab)))
@@ -41,7 +41,7 @@ class _VocabParallelCE(torch.autograd.Function):
         logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
         lmax = logits.max(dim=-1)[0]
         if n > 1:
-            dist.all_reduce(lmax, op=dist.ReduceOp.MAX, group=group)
+            all_reduce_max(lmax, group)
         shifted = logits - lmax.unsqueeze(-1)
         local_t = target - start
         outside = (local_t < 0) | (local_t >= v_local) | ignored
@@ -86,7 +86,6 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, *,
     output of a ColumnParallelLinear without gather_output) against global ``target [...]``.
     ``group`` defaults to the current state's TP group."""
     if group is None:
-        from ..topology import get_parallel_state
         group = get_parallel_state().tp_group
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing={label_smoothing} must be in [0, 1]")

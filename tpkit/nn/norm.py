@@ -1,22 +1,21 @@
-"""LayerNorm / RMSNorm for the torch backend, and the SP gradient all-reduce.
+"""LayerNorm / RMSNorm for the torch backend.
 
 Under sequence parallelism each TP rank normalises only its ``s/tp`` tokens, so the
 (replicated) norm parameters get a partial gradient on every rank; they are tagged
-``sequence_parallel=True`` and ``sync_sequence_parallel_grads`` sums those gradients over
-the TP group (Megatron's ``_allreduce_layernorm_grads``) before the optimizer step.
+``sequence_parallel=True`` and ``tpkit.grads.sync_sequence_parallel_grads`` (also
+``tpkit.nn.sync_sequence_parallel_grads``) sums those gradients over the TP group before
+the optimizer step.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ._backend import TEBackendMixin
-from ._common import ParallelModule, divide, resolve_sp, resolve_state, set_tp_attrs
-from .mappings import all_reduce_sum
+from ._common import ParallelModule, divide, resolve_sp, set_tp_attrs
 
-__all__ = ["LayerNorm", "RMSNorm", "sync_sequence_parallel_grads"]
+__all__ = ["LayerNorm", "RMSNorm"]
 
 
 class _Norm(ParallelModule):
@@ -73,28 +72,7 @@ class RMSNorm(TEBackendMixin, _Norm):
         return F.rms_norm(x, (self.hidden_size,), self.weight, self.eps)
 
 
-def sequence_parallel_params(module: nn.Module) -> list[nn.Parameter]:
-    """Parameters tagged ``sequence_parallel=True``, in a deterministic order."""
-    return [p for _, p in module.named_parameters() if getattr(p, "sequence_parallel", False)]
-
-
-def sync_sequence_parallel_grads(module: nn.Module, state=None) -> int:
-    """Sum the gradients of ``sequence_parallel`` params over the TP group with one
-    flattened all-reduce (per dtype). Call after backward, before the optimizer step.
-    Returns the number of gradients reduced."""
-    state = resolve_state(state)
-    grads = [p.grad for p in sequence_parallel_params(module) if p.grad is not None]
-    if state.tp_size > 1:
-        all_reduce_flat(grads, state.tp_group)
-    return len(grads)
-
-
-def all_reduce_flat(tensors: list[torch.Tensor], group) -> None:
-    """Sum ``tensors`` over ``group`` in place with one flattened all-reduce per dtype."""
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t)
-    for bucket in by_dtype.values():
-        flat = all_reduce_sum(_flatten_dense_tensors(bucket), group)
-        for t, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
-            t.copy_(synced)
+# sync_sequence_parallel_grads and the flat all-reduce moved to tpkit.grads and
+# tpkit.collectives (issue 23); these names work from here for one release.
+from ..collectives import all_reduce_flat  # noqa: E402,F401
+from ..grads import sync_sequence_parallel_grads  # noqa: E402,F401

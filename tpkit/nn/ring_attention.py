@@ -23,20 +23,12 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-# P2POp only accepts the real isend/irecv; take them from distributed_c10d so wrappers
-# placed on the torch.distributed namespace (e.g. collective counters) do not break it.
-from torch.distributed import distributed_c10d as _c10d
 
+from ..collectives import exchange as _exchange
+from ..random import get_device_rng_state, get_rng_tracker, set_device_rng_state
 from .attention_math import block_backward, block_forward, compute_dtype, merge_into
 
 _KV_TAG, _DKV_TAG = 0, 1
-
-
-def _exchange(send: torch.Tensor, recv: torch.Tensor, group, nxt: int, prv: int, tag: int):
-    """Start sending ``send`` to ``nxt`` and receiving ``recv`` from ``prv``; return the works."""
-    ops = [dist.P2POp(_c10d.isend, send, nxt, group=group, tag=tag),
-           dist.P2POp(_c10d.irecv, recv, prv, group=group, tag=tag)]
-    return dist.batch_isend_irecv(ops)
 
 
 def _wait(works) -> None:
@@ -46,7 +38,6 @@ def _wait(works) -> None:
 
 def _stream_generator(device: torch.device) -> torch.Generator:
     """A generator at the tracker's model-parallel stream (the stream is not advanced)."""
-    from ..random import get_device_rng_state, get_rng_tracker
     gen = torch.Generator(device=device)
     with get_rng_tracker().fork():
         gen.set_state(get_device_rng_state(device))
@@ -54,7 +45,6 @@ def _stream_generator(device: torch.device) -> torch.Generator:
 
 
 def _advance_stream(gen: torch.Generator, device: torch.device) -> None:
-    from ..random import get_rng_tracker, set_device_rng_state
     with get_rng_tracker().fork():
         set_device_rng_state(gen.get_state(), device)
 

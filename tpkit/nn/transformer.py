@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..random import get_rng_tracker
 from ._backend import TEBackendMixin
 from ._common import ParallelModule, check_sbh, resolve_sp
 from .attention import ParallelSelfAttention
@@ -61,7 +62,6 @@ class TransformerLayer(TEBackendMixin, ParallelModule):
         if not self.training or self.hidden_dropout == 0.0:
             return x
         if self.sequence_parallel and self.state.tp_size > 1:
-            from ..random import get_rng_tracker
             with get_rng_tracker().fork():
                 return F.dropout(x, self.hidden_dropout, True)
         return F.dropout(x, self.hidden_dropout, True)

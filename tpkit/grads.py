@@ -1,0 +1,95 @@
+"""Gradient finalisation for TP/SP/CP/DP: sequence-parallel sums, a TP-aware norm and
+clipping. Used by TPKitStrategy, launch/train.py and hand-written loops alike.
+
+All work on the *local* tensors: with FSDP2 a gradient is a DTensor over the dp(x cp)
+mesh and its local shard is what this rank owns. Which parameters are TP shards and
+which need a TP sum is read off their tags (tpkit.param_tags).
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from .collectives import all_reduce_flat, all_reduce_max, all_reduce_sum
+from .param_tags import is_sequence_parallel, tp_spec
+from .topology import resolve_state
+
+__all__ = ["sync_sequence_parallel_grads", "grad_norm", "clip_grad_norm"]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def sync_sequence_parallel_grads(module_or_params: nn.Module | Iterable[nn.Parameter],
+                                 state=None) -> int:
+    """Sum over TP the gradients of the parameters tagged ``sequence_parallel=True``
+    (replicated weights fed sequence-sharded activations, e.g. norm weights under SP: each
+    TP rank holds the gradient of its own tokens; Megatron's ``_allreduce_layernorm_grads``).
+    ``module_or_params`` is a module (its parameters) or an iterable of parameters. One
+    flattened all-reduce per dtype; call after backward, before clipping or the optimizer
+    step. Returns the number of gradients reduced."""
+    state = resolve_state(state)
+    params = module_or_params.parameters() if isinstance(module_or_params, nn.Module) \
+        else module_or_params
+    grads = [_local(p.grad) for p in params if is_sequence_parallel(p) and p.grad is not None]
+    if state.tp_size > 1:
+        all_reduce_flat(grads, state.tp_group)
+    return len(grads)
+
+
+def grad_norm(params: Iterable[torch.nn.Parameter], state, norm_type: float = 2.0) -> torch.Tensor:
+    """The global gradient norm of a TP(/FSDP)-sharded model, as if computed on the full
+    parameters in one process: TP-sharded gradients contribute every shard, replicated ones
+    once (not ``tp`` times). One all-reduce over TP (plus one over dp(x cp) under FSDP)."""
+    params = [p for p in params if p.grad is not None]
+    norm_type = float(norm_type)
+    if not params:
+        return torch.tensor(0.0)
+    device = _local(params[0].grad).device
+    tp = state.tp_size
+    inf = math.isinf(norm_type)
+    fsdp = any(isinstance(p.grad, DTensor) for p in params)
+    # Replicated gradients are identical on every TP rank: their p-th powers are pre-divided
+    # by tp so the TP sum below counts them once (one collective instead of two).
+    sharded = [_local(p.grad).detach() for p in params if tp_spec(p) is not None]
+    replicated = [_local(p.grad).detach() for p in params if tp_spec(p) is None]
+    acc = torch.zeros((), dtype=torch.float32, device=device)
+    for grads, weight in ((sharded, 1.0), (replicated, 1.0 / tp)):
+        grads = [g for g in grads if g.numel()]
+        if not grads:
+            continue
+        norms = torch.stack(torch._foreach_norm(grads, norm_type, dtype=torch.float32))
+        if inf:
+            acc = torch.maximum(acc, norms.max())
+        else:
+            acc = acc + norms.pow(norm_type).sum() * weight
+    reduce = all_reduce_max if inf else all_reduce_sum
+    if fsdp and state.dp_cp_size > 1:
+        acc = reduce(acc, state.dp_cp_group)
+    if tp > 1:
+        acc = reduce(acc, state.tp_group)
+    return acc if inf else acc.pow(1.0 / norm_type)
+
+
+def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float, state, *,
+                   norm_type: float = 2.0, error_if_nonfinite: bool = True) -> torch.Tensor:
+    """Scale gradients so the global norm (grad_norm) is at most ``max_norm``; returns the
+    norm before clipping, like torch.nn.utils.clip_grad_norm_."""
+    params = [p for p in params if p.grad is not None]
+    total = grad_norm(params, state, norm_type)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(f"the total gradient norm of order {norm_type} is {total.item()}; "
+                           "pass error_if_nonfinite=False to clip anyway")
+    coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+    by_dtype: dict = {}
+    for p in params:
+        g = _local(p.grad)
+        by_dtype.setdefault((g.device, g.dtype), []).append(g)
+    for (_, dtype), gs in by_dtype.items():
+        torch._foreach_mul_(gs, coef.to(device=gs[0].device, dtype=dtype))
+    return total
