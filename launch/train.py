@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import corpus  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
+from tpkit.config import CP_COMM_TYPES  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -33,7 +34,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     lay.add_argument("--cp", type=int, default=None)
     lay.add_argument("--sequence-parallel", action="store_true", default=None)
     lay.add_argument("--cp-comm-type", default=None,
-                     choices=["p2p", "all_gather", "a2a", "a2a+p2p"])
+                     choices=CP_COMM_TYPES)
     lay.add_argument("--data-parallel", default="ddp", choices=["ddp", "fsdp"])
     m = ap.add_argument_group("model")
     m.add_argument("--hidden", type=int, default=128)

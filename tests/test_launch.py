@@ -190,13 +190,34 @@ def test_slurm_derivation(monkeypatch, tmp_path):
 
 
 def test_help_lists_tpkit_and_torchrun_flags(capsys):
-    with pytest.raises(SystemExit) as e:
-        launch.main(["--help"])
-    assert e.value.code == 0
-    out = capsys.readouterr().out
-    for flag in ("--tp", "--cp-comm-type", "--dry-run", "--backend", "--nnodes", "--max-restarts",
-                 "--rdzv-endpoint", "--log-dir", "--monitor-interval"):
-        assert flag in out
+    for argv, flags in (
+            (["--help"], ("--tp", "--cp-comm-type", "--dry-run", "--backend", "--nnodes",
+                          "--rdzv-endpoint", "--nproc-per-node", "--help-all")),
+            (["--help-all"], ("--tp", "--cp-comm-type", "--dry-run", "--backend", "--nnodes",
+                              "--max-restarts", "--rdzv-endpoint", "--log-dir",
+                              "--monitor-interval"))):
+        with pytest.raises(SystemExit) as e:
+            launch.main(argv)
+        assert e.value.code == 0
+        out = capsys.readouterr().out
+        for flag in flags:
+            assert flag in out, (argv, flag)
+
+
+def test_help_does_not_import_torch():
+    """``tpkit-launch --help`` answers without importing torch (the full parser is
+    torchrun's, which does); a script's own --help still goes to the script."""
+    import subprocess
+    import sys
+    code = ("import sys\nfrom tpkit.cli import launch\n"
+            "try:\n    launch.main(['--help'])\nexcept SystemExit as e:\n    assert e.code == 0\n"
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, env=dict(os.environ, PYTHONPATH=os.path.dirname(HERE)))
+    assert out.stdout.strip().endswith("False"), out.stdout[-300:]
+    assert launch._asks_for_help(["-h"]) and launch._asks_for_help(["--tp", "--help"])
+    assert not launch._asks_for_help(["--tp", "2", "--help"])   # full parser: same help
+    assert not launch._asks_for_help(["train.py", "--help"])     # the script's flag
 
 
 # --- dry run ------------------------------------------------------------------------------

@@ -104,6 +104,38 @@ def test_segment_is_unlinked_after_setup():
         assert glob.glob(f"/dev/shm/tpkit-{pid}-*") == []
 
 
+def _killed_rank0_leftover():
+    """A rank 0 SIGKILLed between creating its segment and unlinking it (the set-up
+    window), as a real process: returns the file it left in /dev/shm."""
+    import subprocess
+    import sys
+    code = ("import os, signal\nfrom tpkit import shm\n"
+            "path, mm = shm._create(2, b'0' * 16)\nprint(path, flush=True)\n"
+            "os.kill(os.getpid(), signal.SIGKILL)")
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert proc.returncode == -9, proc.stderr
+    return proc.stdout.strip()
+
+
+def test_segment_of_a_killed_rank0_is_removed_by_the_next_setup():
+    from tpkit import shm
+    left = _killed_rank0_leftover()
+    assert os.path.exists(left)            # what a SIGKILL in the window leaves behind
+    live = f"/dev/shm/tpkit-{os.getpid()}-{'ab' * 6}"   # a live process's segment: kept
+    open(live, "wb").close()
+    try:
+        path, mm = shm._create(2, b"1" * 16)   # rank 0's first step of every set-up
+        mm.close()
+        os.unlink(path)
+        assert not os.path.exists(left)
+        assert os.path.exists(live)
+    finally:
+        os.unlink(live)
+        if os.path.exists(left):
+            os.unlink(left)
+
+
 def _layers_count(disable):
     import tpkit
     from tpkit import shm

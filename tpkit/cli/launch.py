@@ -27,14 +27,26 @@ def _raise(message: str):
 
 
 # --- command line ------------------------------------------------------------------
-def build_parser():
-    """torchrun's own parser (so every torchrun flag works) plus tpkit's layout flags.
-    Flags tpkit resolves itself default to None, meaning "not given"."""
-    from torch.distributed.run import get_args_parser
-    parser = get_args_parser()
-    parser.prog = PROG
-    parser.description = __doc__.split("\n\n")[1].replace("\n", " ")
-    parser.error = _raise
+# torchrun options whose defaults tpkit resolves itself (Slurm, one node, auto).
+_RESOLVED = {
+    "nproc_per_node": (("--nproc-per-node", "--nproc_per_node"), "N",
+                       "workers per node: N, or auto (default) = the visible GPUs; without "
+                       "GPUs tp*cp*pp, or with --dp the whole layout split over the nodes "
+                       "(tp*cp*pp*dp / nnodes)"),
+    "nnodes": (("--nnodes",), "N", "nodes, N or MIN:MAX (default 1; SLURM_NNODES inside Slurm)"),
+    "node_rank": (("--node-rank", "--node_rank"), "R",
+                  "this node's rank (SLURM_NODEID inside Slurm; used by --rdzv-backend static)"),
+    "rdzv_backend": (("--rdzv-backend", "--rdzv_backend"), "B", "c10d (default) or static"),
+    "rdzv_endpoint": (("--rdzv-endpoint", "--rdzv_endpoint"), "HOST:PORT",
+                      "HOST:PORT of the first node (inside Slurm: first host of the job)"),
+    "rdzv_id": (("--rdzv-id", "--rdzv_id"), "ID",
+                "job id shared by all nodes (inside Slurm: slurm-JOBID.STEPID)"),
+}
+_DESCRIPTION = __doc__.split("\n\n")[1].replace("\n", " ")
+_HELP_ALL = "this help with every torchrun option (imports torch: slower)"
+
+
+def _add_tpkit_options(parser) -> None:
     g = parser.add_argument_group("tpkit layout (exported to every worker as TPKIT_*)")
     for dim, what in (("tp", "tensor"), ("cp", "context"), ("pp", "pipeline")):
         g.add_argument(f"--{dim}", type=int, default=None, metavar="N",
@@ -53,24 +65,56 @@ def build_parser():
                         "else gloo); exported as TPKIT_BACKEND")
     g.add_argument("--dry-run", "--dry_run", action="store_true",
                    help="print the rank table and groups this launch would build; start nothing")
+
+
+def build_parser():
+    """torchrun's own parser (so every torchrun flag works) plus tpkit's layout flags.
+    Flags tpkit resolves itself default to None, meaning "not given"."""
+    from torch.distributed.run import get_args_parser
+    parser = get_args_parser()
+    parser.prog = PROG
+    parser.description = _DESCRIPTION
+    parser.error = _raise
+    _add_tpkit_options(parser)
+    parser.add_argument("--help-all", action="help", help=_HELP_ALL)
     env = os.environ
     parser.set_defaults(
         nproc_per_node=env.get("PET_NPROC_PER_NODE", "auto"), nnodes=env.get("PET_NNODES"),
         node_rank=env.get("PET_NODE_RANK"), rdzv_backend=env.get("PET_RDZV_BACKEND"),
         rdzv_endpoint=env.get("PET_RDZV_ENDPOINT"), rdzv_id=env.get("PET_RDZV_ID"))
-    helps = {
-        "nproc_per_node": "workers per node: N, or auto (default) = visible GPUs, or "
-                          "tp*cp*pp without GPUs",
-        "nnodes": "nodes, N or MIN:MAX (default 1; SLURM_NNODES inside Slurm)",
-        "node_rank": "this node's rank (SLURM_NODEID inside Slurm; used by --rdzv-backend static)",
-        "rdzv_backend": "c10d (default) or static",
-        "rdzv_endpoint": "HOST:PORT of the first node (inside Slurm: first host of the job)",
-        "rdzv_id": "job id shared by all nodes (inside Slurm: slurm-JOBID.STEPID)",
-    }
     for action in parser._actions:
-        if action.dest in helps:
-            action.help = helps[action.dest]
+        if action.dest in _RESOLVED:
+            action.help = _RESOLVED[action.dest][2]
     return parser
+
+
+def help_parser():
+    """The parser ``--help`` prints without importing torch: tpkit's flags and the torchrun
+    flags tpkit resolves; the others pass through to torchrun (``--help-all`` lists them)."""
+    import argparse
+    parser = argparse.ArgumentParser(
+        prog=PROG, description=_DESCRIPTION,
+        usage=f"{PROG} [options] SCRIPT [SCRIPT ARGS ...]",
+        epilog="Every other torchrun option (--max-restarts, --log-dir, --monitor-interval, "
+               "--standalone, -m, ...) is accepted too and passed through; "
+               f"`{PROG} --help-all` lists them.")
+    g = parser.add_argument_group("torchrun options tpkit resolves")
+    for dest, (flags, metavar, text) in _RESOLVED.items():
+        g.add_argument(*flags, dest=dest, metavar=metavar, help=text)
+    _add_tpkit_options(parser)
+    parser.add_argument("--help-all", action="store_true", help=_HELP_ALL)
+    return parser
+
+
+def _asks_for_help(argv: list[str]) -> bool:
+    """``-h``/``--help`` before the first non-option word (later ones may be the script's,
+    or follow an option's value: those go through the full parser)."""
+    for tok in argv:
+        if tok in ("-h", "--help"):
+            return True
+        if not tok.startswith("-"):
+            return False
+    return False
 
 
 @dataclasses.dataclass
@@ -273,6 +317,8 @@ def describe_failure(e) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Console entry: returns the exit code (0 ok, 1 a worker failed, 2 bad invocation)."""
     argv = sys.argv[1:] if argv is None else argv
+    if _asks_for_help(argv):
+        help_parser().parse_args(["--help"])   # prints, SystemExit(0); torch not imported
     try:
         args = build_parser().parse_args(argv)
         plan = resolve(args, os.environ)
