@@ -13,7 +13,15 @@ import torch.nn.functional as F
 
 from dist import run
 from tpkit import fp8
-from tpkit.fp8 import E4M3, E5M2, DelayedScaling, FP8Meta, fp8_autocast, qdq
+from tpkit.fp8 import E4M3, E5M2, DelayedScaling, FP8Meta, fp8_autocast
+
+
+def qdq(t: torch.Tensor, scale: torch.Tensor, fmt) -> torch.Tensor:
+    """Reference quantize-dequantize, written from TE's cast: ``t * scale`` saturated to the
+    format's range, rounded to nearest by torch's float8 dtype, divided back."""
+    dtype, fmax = fmt
+    s = scale.float()
+    return ((t.float() * s).clamp(-fmax, fmax).to(dtype).float() / s).to(t.dtype)
 
 
 @pytest.fixture(autouse=True)

@@ -8,7 +8,7 @@ import torch
 import tpkit.te as tte
 from dist import run
 from te_fake import cuda, fake_state, fake_te  # noqa: F401  (fixtures)
-from tpkit.nn._backend import resolve_backend, te_module_or_none
+from tpkit.nn._backend import resolve_backend
 
 TE_HINT = r"pip install 'tpkit\[te\]'"
 
@@ -18,7 +18,6 @@ def test_auto_on_cpu_resolves_to_torch():
     assert not torch.cuda.is_available()
     assert resolve_backend("auto") == "torch"
     assert resolve_backend("torch") == "torch"
-    assert te_module_or_none("column", "auto") is None
 
 
 def test_te_missing_raises_with_install_hint(monkeypatch, cuda):
@@ -58,6 +57,7 @@ def test_te_1x_refused(fake_te, cuda, monkeypatch):
 
 # --- building ---------------------------------------------------------------------------------
 def test_make_builds_te_modules_with_state_kwargs(fake_te, cuda, fake_state):
+    from tpkit.nn import RowParallelLinear
     from tpkit.random import get_rng_tracker
     s = fake_state
     parallel = {"tp_group": s.tp_group, "tp_size": 2, "sequence_parallel": True,
@@ -93,7 +93,7 @@ def test_make_builds_te_modules_with_state_kwargs(fake_te, cuda, fake_state):
         if hasattr(m, "tp_size"):
             assert m.tp_size == 2
     # through the constructors' hook
-    m = te_module_or_none("row", "te", s, in_features=4, out_features=4)
+    m = RowParallelLinear(4, 4, state=s, backend="te")
     assert type(m) is fake_te.Linear and m.init_args["parallel_mode"] == "row"
     # the state without SP: SP off; a layer may still opt out under SP
     m = tte.make("column", s, in_features=4, out_features=4, sequence_parallel=False)

@@ -330,12 +330,6 @@ def quantize(t: torch.Tensor, scale: torch.Tensor, fmt) -> torch.Tensor:
     return (t.float() * s).clamp(-fmax, fmax).to(dtype)
 
 
-def qdq(t: torch.Tensor, scale: torch.Tensor, fmt) -> torch.Tensor:
-    """Quantize ``t * scale`` to ``fmt`` (saturating) and dequantize back to t's dtype."""
-    s = scale.to(device=t.device, dtype=torch.float32)
-    return (quantize(t, scale, fmt).float() / s).to(t.dtype)
-
-
 def _gemm(a: torch.Tensor, b: torch.Tensor, alpha) -> torch.Tensor:
     """``(a @ b) * alpha`` in float32 with autocast off (the fp8 GEMM's accumulation)."""
     with torch.autocast(a.device.type, enabled=False):

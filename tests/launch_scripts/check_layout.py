@@ -3,8 +3,9 @@ tpkit.init_parallel() with no arguments builds the layout tpkit-launch exported.
 
     check_layout.py TP CP [--fail-rank R] [--wait-signal DIR]
 
-Every rank checks its tp/cp/dp groups against the rank formula of DESIGN.md §3 and that
-an all-reduce over each group sums the group's ranks, then prints one ``OK`` line.
+Every rank checks its tp/cp/dp groups against the rank formula of docs/design.md
+("Layout and rank order") and that an all-reduce over each group sums the group's ranks,
+then prints one ``OK`` line.
 ``--fail-rank R`` makes rank R raise after the checks; ``--wait-signal DIR`` skips the
 process group, writes DIR/ready.<rank> and sleeps until a signal, writing
 DIR/<SIGNAL>.<rank> when it arrives.

@@ -6,8 +6,8 @@ a job does, through the public API only.
 
 Each round runs every layout of LAYOUTS[world] (the first one with no arguments, i.e. the
 layout tpkit-launch exported; then explicit ones, the same layout twice in a row among
-them). For each layout every rank checks, against the rank formula of DESIGN.md §3
-(independent of tpkit's mesh code):
+them). For each layout every rank checks, against the rank formula of docs/design.md
+("Layout and rank order", independent of tpkit's mesh code):
 - the tp/cp/dp/pp group ranks, and an all-reduce over every group summing its ranks;
 - the TP sums of tpkit.nn (shared memory on CPU) through a column -> row parallel MLP
   equal to the same MLP computed whole;

@@ -1,7 +1,12 @@
 """Tensor- and sequence-parallel layers (torch backend), Megatron-Core / TE semantics.
 
-Global sizes in constructors, ``[s, b, h]`` activations, sequence parallelism on dim 0,
-``state=None`` meaning the current tpkit.get_parallel_state().
+Global sizes in constructors, ``[s, b, h]`` activations, sequence parallelism on dim 0.
+The layers bound to a layout take ``state=None`` (the current
+tpkit.get_parallel_state()); those that shard activations along the sequence also take
+``sequence_parallel=None`` (the state's setting): the linears, embedding, norms, MLP,
+self-attention and TransformerLayer. DotProductAttention takes ``state`` only (its
+inputs are per-head, SP does not reach it); RotaryEmbedding takes neither (it holds no
+shard). Most constructors also take ``backend="torch"|"te"|"auto"`` (tpkit.nn._backend).
 """
 from .attention import ParallelSelfAttention
 from .dot_product_attention import DotProductAttention

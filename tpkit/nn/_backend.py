@@ -33,14 +33,6 @@ def build_te(kind: str, state=None, **te_kwargs):
     return te.make(kind, state, **te_kwargs)
 
 
-def te_module_or_none(kind: str, backend: str, state=None, **te_kwargs):
-    """For constructors: the TE module when ``backend`` resolves to TE, else None (the
-    caller then builds its torch implementation)."""
-    if resolve_backend(backend) != "te":
-        return None
-    return build_te(kind, state, **te_kwargs)
-
-
 # --- the hook used by tpkit.nn constructors ------------------------------------------------
 def _translate_linear(a: dict, kind: str) -> dict:
     if kind == "column" and a.get("gather_output"):
