@@ -17,7 +17,6 @@ process group, the rank table as text) is tpkit.planning's.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import os
 import time
 
@@ -226,14 +225,13 @@ def set_parallel_state(state: ParallelState | None) -> None:
     _CURRENT = state
 
 
-# Names that lived here before the reshape of issue 23; importing them from tpkit.topology
-# keeps working for one release (docs/design.md, "Old import paths").
-_MOVED = {"init_parallel": "parallel_state", "destroy_parallel": "parallel_state",
-          "build_fake_state": "planning", "destroy_fake_state": "planning",
-          "format_rank_table": "planning"}
-
-
 def __getattr__(name):
-    if name in _MOVED:
-        return getattr(importlib.import_module(f".{_MOVED[name]}", __package__), name)
+    # Names that lived here before issue 23; importing them from tpkit.topology keeps
+    # working for one release (docs/design.md, "Old import paths").
+    if name in ("init_parallel", "destroy_parallel"):
+        from . import parallel_state
+        return getattr(parallel_state, name)
+    if name in ("build_fake_state", "destroy_fake_state", "format_rank_table"):
+        from . import planning
+        return getattr(planning, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -124,7 +124,7 @@ class LayerNormMLP(_TPModule):
 
 
 # Keyword-only options TE's LayerNorm/RMSNorm forward through **kwargs to their fused op
-# (ops/basic/layer_norm.py and rmsnorm.py); the contract test checks this list too.
+# (ops/basic/layer_norm.py and ops/basic/rmsnorm.py); the contract test checks this list too.
 NORM_OP_KWARGS = ("eps", "device", "dtype", "zero_centered_gamma", "sm_margin")
 
 
