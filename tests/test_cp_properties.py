@@ -15,7 +15,26 @@ def _qkv(s_local, requires_grad=True, groups=HEADS):
 
 
 def _balance_and_memory():
-    """Ring FLOPs per rank (causal, load-balanced) and bytes saved for backward."""
+    """Ring FLOPs per rank (causal, load-balanced) and bytes saved for backward. The ring's
+    forward blocks are counted by wrapping the block function it calls."""
+    import tpkit.nn.ring_attention as ring
+
+    real, stats = ring.block_forward, {}
+
+    def counting(q, k, *args, **kwargs):
+        b, g, r, nq, d = q.shape
+        stats["blocks"] = stats.get("blocks", 0) + 1
+        stats["flops"] = stats.get("flops", 0) + 4 * b * g * r * nq * k.shape[-2] * d
+        return real(q, k, *args, **kwargs)
+
+    ring.block_forward = counting
+    try:
+        return _balance_and_memory_counted(stats)
+    finally:
+        ring.block_forward = real
+
+
+def _balance_and_memory_counted(stats):
     import torch
     import tpkit
     from tpkit.nn.dot_product_attention import DotProductAttention
@@ -26,7 +45,7 @@ def _balance_and_memory():
                               (1, 4, "a2a+p2p", 2), (1, 4, "all_gather", None)):
         st = tpkit.init_parallel(tp=tp, cp=cp, cp_comm_type=comm, cp_a2a_size=a2a)
         dpa = DotProductAttention(HEADS, D, attn_mask_type="causal")
-        dpa.stats = {}
+        stats.clear()
         q, k, v = _qkv(s_full // cp)
         saved = []
 
@@ -36,7 +55,7 @@ def _balance_and_memory():
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             o = dpa(q, k, v)
         o.sum().backward()
-        out[(cp, comm)] = {"flops": dpa.stats.get("flops", 0), "blocks": dpa.stats.get("blocks", 0),
+        out[(cp, comm)] = {"flops": stats.get("flops", 0), "blocks": stats.get("blocks", 0),
                            "saved": sum(saved), "cp_rank": st.cp_rank}
         tpkit.destroy_parallel()
     return out

@@ -29,7 +29,7 @@ INSTALL_HINT = "pip install 'tpkit[te]'"
 
 
 def _cuda_available() -> bool:
-    """Whether TE could run here (patched in tests)."""
+    """Whether TE could run here: tpkit.te's one CUDA check."""
     return torch.cuda.is_available()
 
 
@@ -120,7 +120,7 @@ _STREAMS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _new_cuda_stream():
-    """The CP side stream TE overlaps communication on (patched in CPU tests)."""
+    """A new CUDA stream for TE to overlap CP communication on (cp_stream keeps one per state)."""
     return torch.cuda.Stream()
 
 

@@ -48,9 +48,8 @@ def _a2a_from_lb(x: torch.Tensor, a: int, dim: int) -> torch.Tensor:
 
 
 # --- kernels (grouped tensors [b, g, r, s, d] / [b, g, 1, s, d]) -----------------------------
-def _p2p(q, k, v, group, causal, scale, dropout_p, stats):
-    return ring_attention(q, k, v, group, causal=causal, scale=scale, stats=stats,
-                          dropout_p=dropout_p)
+def _p2p(q, k, v, group, causal, scale, dropout_p):
+    return ring_attention(q, k, v, group, causal=causal, scale=scale, dropout_p=dropout_p)
 
 
 def _all_gather(q, k, v, group, causal, scale, dropout_p):
@@ -66,7 +65,7 @@ def _all_gather(q, k, v, group, causal, scale, dropout_p):
     return local_attention(q, kf, vf, scale, mask, dropout_p)
 
 
-def _a2a(q, k, v, a2a_group, p2p_group, causal, scale, dropout_p, stats):
+def _a2a(q, k, v, a2a_group, p2p_group, causal, scale, dropout_p):
     """Ulysses over ``a2a_group`` (heads scattered, sequence gathered), then attention over
     the gathered sequence: locally (``p2p_group`` None) or by a ring over ``p2p_group``."""
     a = group_size(a2a_group)
@@ -82,7 +81,7 @@ def _a2a(q, k, v, a2a_group, p2p_group, causal, scale, dropout_p, stats):
         mask = causal_mask(qg.shape[-2], kg.shape[-2], q.device) if causal else None
         out = local_attention(qg, kg, vg, scale, mask, dropout_p)
     else:
-        out = ring_attention(qg, kg, vg, p2p_group, causal=causal, scale=scale, stats=stats,
+        out = ring_attention(qg, kg, vg, p2p_group, causal=causal, scale=scale,
                              dropout_p=dropout_p)
     out = all_to_all(_a2a_from_lb(from_grouped(out), a, 2), a2a_group, scatter_dim=2,
                      gather_dim=1)
@@ -90,20 +89,20 @@ def _a2a(q, k, v, a2a_group, p2p_group, causal, scale, dropout_p, stats):
 
 
 def context_parallel_attention(q, k, v, *, comm_type: str, group, causal: bool, scale: float,
-                               dropout_p: float = 0.0, stats: dict | None = None):
+                               dropout_p: float = 0.0):
     """Attention of this rank's load-balanced shard; q ``[b, h, s, d]``, k/v ``[b, g, s, d]``.
     ``group`` is the CP group, or ``[a2a_group, p2p_group]`` for ``a2a+p2p``. Returns
     ``[b, h, s, d]``. Callers validate arguments (DotProductAttention does)."""
     g = k.shape[1]
     qg, kg, vg = to_grouped(q, g, False), to_grouped(k, g, True), to_grouped(v, g, True)
     if comm_type == "p2p":
-        out = _p2p(qg, kg, vg, group, causal, scale, dropout_p, stats)
+        out = _p2p(qg, kg, vg, group, causal, scale, dropout_p)
     elif comm_type == "all_gather":
         out = _all_gather(qg, kg, vg, group, causal, scale, dropout_p)
     elif comm_type == "a2a":
-        out = _a2a(qg, kg, vg, group, None, causal, scale, dropout_p, stats)
+        out = _a2a(qg, kg, vg, group, None, causal, scale, dropout_p)
     elif comm_type == "a2a+p2p":
-        out = _a2a(qg, kg, vg, group[0], group[1], causal, scale, dropout_p, stats)
+        out = _a2a(qg, kg, vg, group[0], group[1], causal, scale, dropout_p)
     else:
         raise ValueError(f"cp_comm_type={comm_type!r} is unknown; use one of {CP_COMM_TYPES}")
     return from_grouped(out)

@@ -57,7 +57,6 @@ class DotProductAttention(TEBackendMixin, torch.nn.Module):
         self.qkv_format = qkv_format
         self.softmax_scale = 1.0 / math.sqrt(kv_channels) if softmax_scale is None else softmax_scale
         self.state = state
-        self.stats: dict | None = None  # set to {} to count ring blocks/FLOPs (tests, benches)
         comm = state.cp_comm_type if cp_comm_type is None else cp_comm_type
         if comm == "a2a+p2p" and state.cp_a2a_group is None:
             raise ValueError("cp_comm_type='a2a+p2p' needs the two CP levels: build the "
@@ -141,8 +140,7 @@ class DotProductAttention(TEBackendMixin, torch.nn.Module):
         if self.cp_size > 1:
             out = context_parallel_attention(q, k, v, comm_type=self.cp_comm_type,
                                              group=self.cp_group, causal=causal,
-                                             scale=self.softmax_scale, dropout_p=dropout_p,
-                                             stats=self.stats)
+                                             scale=self.softmax_scale, dropout_p=dropout_p)
         else:  # no CP: PyTorch's fused kernel (saves q, k, v, out, lse like the ring)
             kw = dict(is_causal=causal, dropout_p=dropout_p, scale=self.softmax_scale,
                       enable_gqa=q.shape[1] != k.shape[1])

@@ -62,22 +62,12 @@ def _plan(step: int, rank: int, n: int, causal: bool, sq: int, sk: int):
     return slice(sq // 2, sq), full_k, False
 
 
-def _record(stats: dict | None, q, k, rows: slice, cols: slice) -> None:
-    if stats is None:
-        return
-    b, g, r, _, d = q.shape
-    nq, nk = rows.stop - rows.start, cols.stop - cols.start
-    stats["blocks"] = stats.get("blocks", 0) + 1
-    # two matmuls (QK^T and PV), 2 flops per multiply-add
-    stats["flops"] = stats.get("flops", 0) + 4 * b * g * r * nq * nk * d
-
-
 class RingAttention(torch.autograd.Function):
     """Grouped q ``[b, g, r, s, d]`` and k/v ``[b, g, 1, s, d]`` (this rank's shard) ->
-    output like q. ``group`` is the ring (None: no CP, just this rank); ``stats`` (a dict or None) counts computed blocks."""
+    output like q. ``group`` is the ring (None: no CP, just this rank)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, causal: bool, scale: float, stats, dropout_p: float):
+    def forward(ctx, q, k, v, group, causal: bool, scale: float, dropout_p: float):
         if group is None:  # no CP: one step, no communication (memory-efficient attention)
             n, rank, nxt, prv = 1, 0, None, None
         else:
@@ -98,7 +88,6 @@ class RingAttention(torch.autograd.Function):
                 nxt_kv = torch.empty_like(kv)
                 works = _exchange(kv, nxt_kv, group, nxt, prv, _KV_TAG)
             rows, cols, blk_causal = _plan(step, rank, n, causal, sq, sk)
-            _record(stats, q, k, rows, cols)
             o, l = block_forward(qf[..., rows, :], kv[0][..., cols, :], kv[1][..., cols, :],
                                  scale, blk_causal, dropout_p, gen)
             merge_into(out[..., rows, :], lse[..., rows], o, l)
@@ -149,10 +138,9 @@ class RingAttention(torch.autograd.Function):
             kv = nxt_kv
         _wait(dkv_works)  # after n hops the accumulator of our own K/V is back
         return (dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype),
-                None, None, None, None, None)
+                None, None, None, None)
 
 
-def ring_attention(q, k, v, group, *, causal: bool, scale: float, stats: dict | None = None,
-                   dropout_p: float = 0.0):
+def ring_attention(q, k, v, group, *, causal: bool, scale: float, dropout_p: float = 0.0):
     """Ring attention of grouped tensors over ``group`` (see the module docstring)."""
-    return RingAttention.apply(q, k, v, group, causal, scale, stats, dropout_p)
+    return RingAttention.apply(q, k, v, group, causal, scale, dropout_p)
