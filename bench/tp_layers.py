@@ -204,7 +204,7 @@ def main(quick: bool = False) -> dict:
             f"(on {os.cpu_count()} cores; waits in the synchronous gloo collectives grow "
             "with load).\n\n"
             + table(rows))
-    write_section("tp_layers", "Tensor-parallel layers (issue 3)", body)
+    write_section("tp_layers", "Tensor-parallel layers", body)
     print(table(rows))
     return res
 

@@ -325,7 +325,7 @@ def main(quick: bool = False) -> dict:
             "backward all-reduces per layer where tpkit's fused QKV has 1) and "
             "`loss_parallel`'s cross entropy all-reduces 3 times forward (tpkit packs 2).\n\n"
             + table(rows))
-    write_section("train", "GPT training step (issue 9)", body)
+    write_section("train", "GPT training step", body)
     print(table(rows))
     return res
 
