@@ -79,8 +79,8 @@ def write_section(name: str, title: str, body: str) -> None:
         with open(BENCHMARKS_MD) as f:
             text = f.read()
     if not text:
-        text = "# Benchmarks\n\nWritten by `python -m bench`; each row compares a figure with a " \
-               "peer or limit measured in the same run.\n"
+        text = "# Benchmarks\n\nEach row compares a figure with a peer or limit measured in " \
+               "the same run; `python -m bench` writes the CPU sections.\n"
     pattern = re.compile(re.escape(start) + ".*?" + re.escape(end), re.S)
     if pattern.search(text):
         text = pattern.sub(lambda _: block, text)

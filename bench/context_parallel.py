@@ -121,7 +121,9 @@ def main() -> None:
                           "kernel computes each block whole in torch ops (no query tiling, no "
                           "fused kernel), so transient score memory is (S/cp)^2 per block and it "
                           "is slower than PyTorch's fused CPU kernel; saved tensors are O(S/cp). "
-                          "On GPUs tpkit hands CP to TE's DotProductAttention instead.")
+                          "The same kernels run on GPUs; only a model built with "
+                          "backend=\"te\" (or \"auto\" where Transformer Engine and CUDA are "
+                          "available) hands CP to TE's DotProductAttention.")
     write_section("context_parallel", "Context parallelism (ring attention, gloo)", body)
 
 
