@@ -1,9 +1,14 @@
 """Contract between tests/fake_te and Transformer Engine's real Python sources.
 
-``obtain_wheel()`` gets the pinned ``transformer-engine`` wheel (pure Python, ~1.2 MB,
+``obtain_wheel()`` gets the ``transformer-engine`` wheel of ``TE_VERSION`` (pure Python, ~1.2 MB,
 it holds ``transformer_engine/pytorch``) into ``~/.cache/tpkit/te`` with ``pip download``;
 ``signature()`` reads a function's parameters (name, kind, default source text) with
 ``ast`` — nothing of TE is imported, so this runs on CPU machines without CUDA.
+
+``TE_CONTRACT_VERSION=2.x`` checks another release instead of the pinned one: then only the
+checks of what tpkit itself passes to TE run (``TPKIT_PASSES``), since the fake keeps the
+pinned release's signatures. ``python tools/floors.py --te`` runs them per release; the
+oldest release they pass on is the floor of the ``te`` extra in pyproject.toml.
 """
 from __future__ import annotations
 
@@ -13,7 +18,8 @@ import subprocess
 import sys
 import zipfile
 
-TE_VERSION = "2.20.2"  # the version the fake is checked against (README, pyproject comment)
+PINNED_TE_VERSION = "2.20.2"  # the version the fake is checked against (README, pyproject)
+TE_VERSION = os.environ.get("TE_CONTRACT_VERSION") or PINNED_TE_VERSION
 WHEEL = f"transformer_engine-{TE_VERSION}-py3-none-any.whl"
 FAKE_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fake_te",
                          "transformer_engine", "pytorch", "__init__.py")
@@ -49,6 +55,39 @@ SIGNATURES = {
 EXPORTS = ("Linear", "LayerNormLinear", "LayerNormMLP", "LayerNorm", "RMSNorm",
            "DotProductAttention", "TransformerLayer", "autocast", "fp8_autocast",
            "quantized_model_init", "fp8_model_init", "checkpoint")
+# Renamed in TE 2.9: tpkit.te uses the new name when TE exports it, else the old one.
+RENAMED = {"autocast": "fp8_autocast", "quantized_model_init": "fp8_model_init"}
+# What tpkit passes (tpkit/te.py, tpkit/nn/_backend.py) per callable of SIGNATURES: a set of
+# keyword names, or a tuple of the leading positional parameters, in order.
+_TP = {"tp_group", "tp_size", "sequence_parallel", "get_rng_state_tracker", "device"}
+TPKIT_PASSES = {
+    "Linear.__init__": _TP | {"in_features", "out_features", "bias", "init_method",
+                              "return_bias", "params_dtype", "parallel_mode"},
+    "LayerNormLinear.__init__": _TP | {"in_features", "out_features", "parallel_mode"},
+    "LayerNormMLP.__init__": _TP | {"hidden_size", "ffn_hidden_size", "set_parallel_mode"},
+    "LayerNorm.__init__": {"normalized_shape", "eps", "sequence_parallel", "device", "dtype"},
+    "RMSNorm.__init__": {"normalized_shape", "eps", "sequence_parallel", "device", "dtype"},
+    "DotProductAttention.__init__": {
+        "num_attention_heads", "kv_channels", "num_gqa_groups", "attn_mask_type",
+        "attention_dropout", "qkv_format", "softmax_scale", "tp_group", "tp_size",
+        "sequence_parallel", "get_rng_state_tracker"},
+    "TransformerLayer.__init__": _TP | {
+        "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_gqa_groups",
+        "normalization", "layernorm_epsilon", "hidden_dropout", "attention_dropout", "bias",
+        "activation", "init_method", "output_layer_init_method", "self_attn_mask_type",
+        "params_dtype", "attn_input_format", "set_parallel_mode"},
+    "autocast.__init__": {"enabled", "calibrating", "recipe", "amax_reduction_group"},
+    "fp8_autocast": {"enabled", "calibrating", "fp8_recipe", "fp8_group"},
+    "quantized_model_init": {"enabled", "recipe", "preserve_high_precision_init_val"},
+    "fp8_model_init": {"enabled", "recipe", "preserve_high_precision_init_val"},
+    "checkpoint": {"distribute_saved_activations", "get_rng_state_tracker", "tp_group",
+                   "use_reentrant"},
+    "DotProductAttention.set_context_parallel_group": (
+        "cp_group", "cp_global_ranks", "cp_stream", "cp_comm_type"),
+    "TransformerLayer.set_context_parallel_group": (
+        "cp_group", "cp_global_ranks", "cp_stream", "cp_comm_type"),
+    "_TPModule.set_tensor_parallel_group": ("tp_group",),
+}
 # Classes whose constructor sets the ``tp_size`` attribute wire_parallel_groups checks.
 TP_SIZE_CLASSES = {
     PT + "module/linear.py": "Linear", PT + "module/layernorm_linear.py": "LayerNormLinear",
@@ -66,7 +105,7 @@ def cache_dir() -> str:
 
 
 def obtain_wheel() -> str:
-    """Path of the pinned wheel, downloading it if needed; RuntimeError saying why not."""
+    """Path of the ``TE_VERSION`` wheel, downloading it if needed; RuntimeError saying why not."""
     path = os.path.join(cache_dir(), WHEEL)
     if os.path.exists(path) and zipfile.is_zipfile(path):
         return path
@@ -83,9 +122,57 @@ def obtain_wheel() -> str:
     return path
 
 
-def read_sources(wheel: str, names) -> dict[str, str]:
+def read_sources(wheel: str, names=None) -> dict[str, str]:
+    """name -> text of ``names`` in the wheel (every ``.py`` file when None)."""
     with zipfile.ZipFile(wheel) as z:
+        if names is None:
+            names = [n for n in z.namelist() if n.endswith(".py")]
         return {n: z.read(n).decode() for n in names}
+
+
+def _module_file(sources: dict[str, str], importer: str, module: str | None,
+                 level: int) -> str | None:
+    parts = importer.split("/")[:-level] if level else []
+    stem = "/".join(parts + (module.split(".") if module else []))
+    return next((f for f in (stem + ".py", stem + "/__init__.py") if f in sources), None)
+
+
+def exporting_file(sources: dict[str, str], name: str, importer: str = PT + "__init__.py",
+                   depth: int = 0) -> str | None:
+    """The file defining what ``importer`` binds to ``name``, followed through
+    ``from X import name`` re-exports (None when it is not imported there)."""
+    if depth > 8 or importer not in sources:
+        return None
+    tree = ast.parse(sources[importer])
+    if any(isinstance(n, (ast.ClassDef, ast.FunctionDef)) and n.name == name for n in tree.body):
+        return importer
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            for alias in node.names:
+                if (alias.asname or alias.name) == name:
+                    target = _module_file(sources, importer, node.module, node.level)
+                    if target is not None:
+                        return exporting_file(sources, alias.name, target, depth + 1)
+    return None
+
+
+def locate(sources: dict[str, str], path: str, qualname: str) -> tuple[str, str]:
+    """(file, qualname) defining ``qualname``: ``path``, or where an older release keeps it
+    (the file transformer_engine.pytorch imports it from, else any file of that package);
+    ``name.__init__`` and ``name`` stand for each other (a class in one release, a function
+    in another). LookupError when no file does."""
+    names = [qualname, qualname.removesuffix(".__init__")] if qualname.endswith(".__init__") \
+        else [qualname, qualname + ".__init__"]
+    exported = exporting_file(sources, qualname.split(".")[0])
+    for p in [path, exported] + sorted(n for n in sources if n.startswith(PT)):
+        for q in names:
+            if p in sources and q.split(".")[0] in sources[p]:
+                try:
+                    signature(sources[p], q)
+                except (LookupError, AttributeError):  # absent, or a class without __init__
+                    continue
+                return p, q
+    raise LookupError(f"{qualname} is defined in no file of the wheel")
 
 
 def _find(tree: ast.AST, qualname: str):
@@ -115,6 +202,26 @@ def signature(source: str, qualname: str) -> list[tuple[str, str, str | None]]:
     if a.kwarg:
         out.append((a.kwarg.arg, "VAR_KEYWORD", None))
     return [p for p in out if p[0] != "self"]
+
+
+def kwargs_read(source: str, qualname: str) -> set[str]:
+    """Names a function takes out of its ``**kwargs`` (``kwargs.pop("x", ...)``,
+    ``kwargs.get("x")``, ``kwargs["x"]``), for options it accepts without naming them."""
+    fn = _find(ast.parse(source), qualname)
+    if fn.args.kwarg is None:
+        return set()
+    var = fn.args.kwarg.arg
+    out = set()
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                node.func.attr in ("pop", "get") and isinstance(node.func.value, ast.Name) and \
+                node.func.value.id == var and node.args and \
+                isinstance(node.args[0], ast.Constant):
+            out.add(node.args[0].value)
+        elif isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and \
+                node.value.id == var and isinstance(node.slice, ast.Constant):
+            out.add(node.slice.value)
+    return out
 
 
 def exported_names(init_source: str) -> set[str]:
