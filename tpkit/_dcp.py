@@ -9,8 +9,12 @@ checkpoint written at one layout loads at any other (tp, cp, dp change freely):
   shard with ``Shard(dim)`` on the 1-D TP mesh. It is replicated over dp/cp, and DCP's
   planner de-duplicates identical chunks, so exactly one replica writes each chunk;
 - a parameter with ``tp_partition_sizes`` (fused q/k/v, gate/up: each segment sharded on
-  its own) is stored as one entry per segment, ``<key>.seg<i>``;
+  its own) is stored as one entry per segment, ``<key>.seg<i>``, plus ``<key>.seg_dim``
+  (the dim they concatenate along, read back by ``read``);
 - replicated tensors (norms, the step counter) are plain tensors, written once;
+- every other entry (plain values, ``state_dict()`` of other objects) is stored whole, one
+  pickled object as written by one rank (``_Whole``), so it reads back exactly: nested
+  dicts, their key types, tuples, tensors;
 - optimizer state is keyed by parameter name (not by index) and every state tensor shaped
   like its parameter (Adam's exp_avg/exp_avg_sq) gets the parameter's sharding;
 - FSDP2 parameters (DTensors over the dp(x cp) mesh) are gathered to the TP-local tensor
@@ -42,6 +46,15 @@ from .param_tags import tp_spec
 from .topology import get_parallel_state
 
 EXTRA_STATE_SUFFIX = "_extra_state"
+SEG_DIM = "seg_dim"
+
+
+class _Whole:
+    """An entry stored as one pickled object (DCP would flatten a dict into one entry per
+    leaf, turning its keys into strings). The class's path is part of the format."""
+
+    def __init__(self, value):
+        self.value = value
 
 
 def unwrap_module(module: nn.Module) -> nn.Module:
@@ -75,6 +88,8 @@ class _Slot:
         self.view = {f"seg{i}": DTensor.from_local(p, state.tp_mesh, [Shard(dim)],
                                                    run_check=False)
                      for i, p in enumerate(parts)}
+        if not for_load:
+            self.view[SEG_DIM] = dim
 
     def write_back(self) -> None:
         views = self.view.values() if isinstance(self.view, dict) else [self.view]
@@ -92,13 +107,18 @@ class _Slot:
             elif full.data_ptr() != self.local.data_ptr():
                 self.local.copy_(full)
             if self.fsdp:
-                from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-                shape, offset = compute_local_shape_and_global_offset(
-                    self.live.shape, self.live.device_mesh, self.live.placements)
-                src = self.local
-                for d, (n, o) in enumerate(zip(shape, offset)):
-                    src = src.narrow(d, o, n)
-                self.live.to_local().copy_(src)
+                self.live.to_local().copy_(fsdp_local(self.live, self.local))
+
+
+def fsdp_local(live: DTensor, full: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of ``full`` (the whole tensor, over dp(x cp)) for the FSDP2
+    parameter or state tensor ``live``."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    shape, offset = compute_local_shape_and_global_offset(live.shape, live.device_mesh,
+                                                          live.placements)
+    for d, (n, o) in enumerate(zip(shape, offset)):
+        full = full.narrow(d, o, n)
+    return full
 
 
 def _gather_fsdp(t: DTensor, group) -> torch.Tensor:
@@ -121,11 +141,14 @@ def _gather_fsdp(t: DTensor, group) -> torch.Tensor:
         return torch.cat([out[i * rows: i * rows + c] for i, c in enumerate(sizes)], 0)
 
 
-def _module_views(module, state, slots, *, for_load):
+def _module_views(module, state, slots, *, for_load, keep=None):
     out = {}
     for key, value in unwrap_module(module).state_dict(keep_vars=True).items():
         if key.endswith(EXTRA_STATE_SUFFIX):
             continue  # TE fp8 meta: see the module docstring
+        if keep is not None and not keep(key, value.detach() if isinstance(value, torch.Tensor)
+                                         else value):
+            continue
         if isinstance(value, torch.Tensor):
             slot = _Slot(value, tp_spec(value), state, for_load=for_load)
             slots.append(slot)
@@ -198,22 +221,50 @@ def _optimizer_views(opt, names, state, slots, *, for_load):
     return {"state": per_param, "param_groups": groups}
 
 
-def _build(state_dict: dict, *, for_load: bool):
+def _build(state_dict: dict, *, for_load: bool, filter: dict | None = None):
+    """DCP views of the modules and optimizers in ``state_dict`` (tensors presented at their
+    global shapes, see _Slot); on save, every other entry wrapped whole (_Whole).
+    ``filter``: Fabric's ``save(filter=...)``, ``{key: fn(name, value) -> keep}`` applied to
+    the items of that entry's state dict; an entry with no item left is not saved."""
     state = get_parallel_state()
+    filter = filter or {}
     modules = [v for v in state_dict.values() if isinstance(v, nn.Module)]
     names = _param_names(modules)
     slots: list[_Slot] = []
     out: dict[str, Any] = {}
     for key, obj in state_dict.items():
+        keep = filter.get(key)
         if isinstance(obj, nn.Module):
-            out[key] = _module_views(obj, state, slots, for_load=for_load)
+            view = _module_views(obj, state, slots, for_load=for_load, keep=keep)
         elif isinstance(obj, torch.optim.Optimizer):
-            out[key] = _optimizer_views(obj, names, state, slots, for_load=for_load)
-        elif hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict"):
-            out[key] = obj.state_dict()
+            view = _optimizer_views(obj, names, state, slots, for_load=for_load)
         else:
-            out[key] = obj
+            assert not for_load, "plain entries are read whole (read)"
+            view = obj.state_dict() if _stateful(obj) else obj
+        if keep is not None and isinstance(view, dict):
+            view = {k: v for k, v in view.items() if keep(k, v)}
+            if not view:
+                continue  # as Fabric's own filter: nothing kept, no entry
+        out[key] = view if isinstance(obj, (nn.Module, torch.optim.Optimizer)) else _Whole(view)
     return out, slots
+
+
+def _stateful(obj) -> bool:
+    return hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")
+
+
+def _check_filter(filter, state_dict) -> None:
+    """Fabric.save's own checks (and exception types), for direct callers."""
+    if filter is None:
+        return
+    if not isinstance(filter, dict):
+        raise TypeError(f"filter should be a dict of {{key: callable}}, got {filter!r}")
+    if not set(filter) <= set(state_dict):
+        raise ValueError(f"the filter keys {sorted(set(filter) - set(state_dict))} are not "
+                         f"state keys {sorted(state_dict)}")
+    for k, fn in filter.items():
+        if not callable(fn):
+            raise TypeError(f"filter[{k!r}] must be a callable (name, value) -> bool, got {fn!r}")
 
 
 # --- save ------------------------------------------------------------------------------
@@ -226,15 +277,19 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def save(path: str | os.PathLike, state_dict: dict[str, Any]) -> None:
+def save(path: str | os.PathLike, state_dict: dict[str, Any], *,
+         filter: dict | None = None) -> None:
     """Write ``state_dict`` (modules, optimizers, objects with ``state_dict()``, plain
-    values) as a sharded checkpoint directory at ``path``, atomically. Collective."""
+    values) as a sharded checkpoint directory at ``path``, atomically. Collective.
+    ``filter``: as Fabric's ``save(filter=...)`` (see ``_build``); load a filtered
+    checkpoint with ``strict=False``."""
+    _check_filter(filter, state_dict)
     path = os.path.abspath(os.fspath(path))
     name = [f"{path}.tmp-{uuid.uuid4().hex[:8]}" if _rank() == 0 else None]
     if dist.is_initialized():
         dist.broadcast_object_list(name, src=0)
     tmp = name[0]
-    views, _ = _build(state_dict, for_load=False)
+    views, _ = _build(state_dict, for_load=False, filter=filter)
     try:
         dcp.save(views, storage_writer=dcp.FileSystemWriter(tmp))
     except BaseException:
@@ -255,10 +310,27 @@ def save(path: str | os.PathLike, state_dict: dict[str, Any]) -> None:
 
 
 # --- load ------------------------------------------------------------------------------
-def _check_against(path: str, flat: dict, strict: bool) -> list[str]:
+def _metadata(path: str):
+    if not os.path.isdir(path):
+        raise ValueError(f"no checkpoint directory at {path}")
+    return dcp.FileSystemReader(path).read_metadata()
+
+
+def _paths(md) -> dict[str, tuple]:
+    """Each DCP key's path in the saved nested dict (DCP's own record of its flattening)."""
+    data = md.planner_data if isinstance(md.planner_data, dict) else {}
+    return {k: tuple(data.get(k) or k.split(".")) for k in md.state_dict_metadata}
+
+
+def missing_key_error(key: str) -> KeyError:
+    """Fabric's strict-loading error (lightning.fabric.strategies.strategy), same wording."""
+    return KeyError(f"The requested state contains a key '{key}' that does not exist in the "
+                    "loaded checkpoint. To disable strict loading, set `strict=False`.")
+
+
+def _check_against(path: str, meta: dict, flat: dict, strict: bool) -> list[str]:
     """ValueError for tensors whose global shape differs from the checkpoint's; returns
-    the keys absent from the checkpoint (ValueError if ``strict``)."""
-    meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    the keys absent from the checkpoint (KeyError, as Fabric's, if ``strict``)."""
     missing = []
     for key, value in flat.items():
         if key not in meta:
@@ -276,42 +348,48 @@ def _check_against(path: str, flat: dict, strict: bool) -> list[str]:
                     "reshard (check the model config, e.g. hidden/vocab sizes or fused "
                     "partition_sizes)")
     if missing and strict:
-        raise ValueError(f"{len(missing)} keys are missing from checkpoint {path}: "
-                         f"{missing[:8]}{' ...' if len(missing) > 8 else ''}; pass "
-                         "strict=False to skip them")
+        raise KeyError(f"{len(missing)} keys are missing from checkpoint {path}: "
+                       f"{missing[:8]}{' ...' if len(missing) > 8 else ''}; pass "
+                       "strict=False to skip them")
     return missing
 
 
 def load(path: str | os.PathLike, state_dict: dict[str, Any], *,
          strict: bool = True) -> dict[str, Any]:
-    """Load the checkpoint at ``path`` into ``state_dict`` in place (modules, optimizers,
-    objects with ``load_state_dict``; plain values are replaced in the dict), resharding
-    to the current layout. Returns ``state_dict``. Collective."""
-    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    """Load the checkpoint at ``path`` into ``state_dict`` in place, resharding to the
+    current layout: modules and optimizers load into their tensors, objects with
+    ``load_state_dict`` get their saved state, plain values are replaced in the dict.
+    ``strict``: every key of ``state_dict`` (and every tensor of its modules and
+    optimizers) must be in the checkpoint, else KeyError. Returns ``state_dict``.
+    Collective."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflatten_state_dict
     path = os.path.abspath(os.fspath(path))
-    if not os.path.isdir(path):
-        raise ValueError(f"no checkpoint directory at {path}")
-    views, slots = _build(state_dict, for_load=True)
-    flat, mapping = flatten_state_dict(views)
-    missing = set(_check_against(path, flat, strict))
-    if missing:
+    md = _metadata(path)
+    saved = {p[0] for p in _paths(md).values()}
+    absent = [k for k in state_dict if k not in saved]
+    if absent and strict:
+        raise missing_key_error(absent[0])
+    live = {k: v for k, v in state_dict.items()
+            if k in saved and isinstance(v, (nn.Module, torch.optim.Optimizer))}
+    if live:
+        views, slots = _build(live, for_load=True)
+        flat, mapping = flatten_state_dict(views)
+        missing = set(_check_against(path, md.state_dict_metadata, flat, strict))
         flat = {k: v for k, v in flat.items() if k not in missing}
-    dcp.load(flat, storage_reader=dcp.FileSystemReader(path))
-    from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
-    loaded = unflatten_state_dict(flat, {k: v for k, v in mapping.items() if k in flat})
-    for slot in slots:
-        slot.write_back()
-    for key, obj in state_dict.items():
-        if key not in loaded:
-            continue
-        if isinstance(obj, torch.optim.Optimizer):
-            _restore_optimizer_scalars(obj, loaded[key])
-        elif isinstance(obj, nn.Module):
-            pass
-        elif hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict"):
-            obj.load_state_dict(loaded[key])
+        dcp.load(flat, storage_reader=dcp.FileSystemReader(path))
+        loaded = unflatten_state_dict(flat, {k: v for k, v in mapping.items() if k in flat})
+        for slot in slots:
+            slot.write_back()
+        for key, obj in live.items():
+            if isinstance(obj, torch.optim.Optimizer) and key in loaded:
+                _restore_optimizer_scalars(obj, loaded[key])
+    rest = [k for k in state_dict if k in saved and k not in live]
+    for key, value in read(path, keys=rest).items():
+        obj = state_dict[key]
+        if _stateful(obj):
+            obj.load_state_dict(value)
         else:
-            state_dict[key] = loaded[key]
+            state_dict[key] = value
     return state_dict
 
 
@@ -332,30 +410,53 @@ def _restore_optimizer_scalars(opt, loaded: dict) -> None:
                 opt.state[p][k] = v
 
 
-def read_extras(path: str | os.PathLike, exclude) -> dict[str, Any]:
-    """The checkpoint's top-level entries not named in ``exclude`` (e.g. Fabric's
-    remainder: step counters, user metadata). A nested entry comes back as a dict keyed by
-    the rest of its DCP key. Collective."""
+def read(path: str | os.PathLike, keys=None, *, exclude=()) -> dict[str, Any]:
+    """The checkpoint's top-level entries (those in ``keys``, default all, minus
+    ``exclude``) as nested Python objects, every tensor whole (its global shape, on CPU, on
+    every rank): a module as its full state dict, an optimizer as a full state dict keyed
+    by parameter name (``torch.optim.Optimizer.load_state_dict`` of the unsharded model
+    takes it), plain values as saved. Collective when it reads tensors."""
+    from torch.distributed.checkpoint._traverse import set_element
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
     path = os.path.abspath(os.fspath(path))
-    meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    md = _metadata(path)
+    paths = _paths(md)
     exclude = set(exclude)
+    keys = None if keys is None else set(keys)
     flat: dict[str, Any] = {}
-    for key, md in sorted(meta.items()):
-        if key.split(".", 1)[0] in exclude:
+    for key, meta in md.state_dict_metadata.items():
+        top = paths[key][0]
+        if top in exclude or (keys is not None and top not in keys):
             continue
-        if isinstance(md, BytesStorageMetadata):
-            flat[key] = None
-        else:
-            flat[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+        flat[key] = (None if isinstance(meta, BytesStorageMetadata)
+                     else torch.empty(tuple(meta.size), dtype=meta.properties.dtype))
     if not flat:
         return {}
     dcp.load(flat, storage_reader=dcp.FileSystemReader(path))
     out: dict[str, Any] = {}
     for key, value in flat.items():
-        top, _, rest = key.partition(".")
-        if rest:
-            out.setdefault(top, {})[rest] = value
-        else:
-            out[top] = value
-    return out
+        set_element(out, paths[key], value)
+    return {k: v.value if isinstance(v, _Whole) else _merge_segments(v) for k, v in out.items()}
+
+
+def _merge_segments(obj):
+    """``{"seg0": t0, "seg1": t1, ..., "seg_dim": d}`` (a fused parameter) -> ``cat(t, d)``.
+    Checkpoints written before ``seg_dim`` existed concatenate along dim 0 (tpkit's fused
+    layers are all column-parallel)."""
+    if isinstance(obj, list):
+        return [_merge_segments(v) for v in obj]
+    if not isinstance(obj, dict):
+        return obj
+    obj = {k: _merge_segments(v) for k, v in obj.items()}
+    n = sum(1 for k in obj if k != SEG_DIM)
+    segs = [obj.get(f"seg{i}") for i in range(n)]
+    if n and all(isinstance(t, torch.Tensor) for t in segs) and set(obj) <= {
+            *(f"seg{i}" for i in range(n)), SEG_DIM}:
+        return torch.cat(segs, obj.get(SEG_DIM, 0))
+    return obj
+
+
+def read_extras(path: str | os.PathLike, exclude) -> dict[str, Any]:
+    """The checkpoint's top-level entries not named in ``exclude`` (Fabric's remainder:
+    step counters, user metadata, an optimizer not loaded), as ``read`` returns them."""
+    return read(path, exclude=exclude)
