@@ -172,7 +172,12 @@ class Run:
         f = self.fabric
         net = Net()
         self.sync(net)
-        model, opt = f.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+        model, opt, sched_back = f.setup(net, opt, scheduler=sched)
+        assert sched_back is sched
+        assert (f.world_size, f.global_rank, f.is_global_zero) == (
+            dist.get_world_size(), self.state.rank, self.state.rank == 0)
         wrapped = model._forward_module
         assert isinstance(wrapped, nn.parallel.DistributedDataParallel), type(wrapped)
         assert wrapped.process_group is self.state.dp_cp_group
@@ -191,6 +196,7 @@ class Run:
         """One optimizer step from the reference's weights (a stateless SGD, so that every
         check starts equal): loss, gradients where the user can read them, weights."""
         net, model, opt = self.model
+        opt.zero_grad()   # a failed check before this one must not leave gradients behind
         self.sync(net)
         ref = copy.deepcopy(self.ref)
         ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
@@ -208,6 +214,10 @@ class Run:
             reported = self.fabric.all_reduce(loss.detach(), group=self.state.dp_cp_group)
             torch.testing.assert_close(reported, ref_loss.detach(), **TOL)
         if kind == "clip_gradients_norm":
+            big = 1e9   # no clipping: the inf norm (Fabric: norm_type may be 'inf')
+            norm_inf = self.fabric.clip_gradients(model, opt, max_norm=big, norm_type="inf")
+            ref_inf = torch.nn.utils.clip_grad_norm_(ref.parameters(), big, norm_type="inf")
+            torch.testing.assert_close(norm_inf, ref_inf, **TOL)
             norm = self.fabric.clip_gradients(model, opt, max_norm=0.5)
             ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
             assert ref_norm > 0.5, "the norm clip must bite"
@@ -221,6 +231,25 @@ class Run:
         ref_opt.step()
         opt.zero_grad()
         self.expect(net, ref)
+
+    def clip_nonfinite(self):
+        """error_if_nonfinite (default True) raises as torch's clip_grad_norm_ does."""
+        net, model, opt = self.model
+        opt.zero_grad()
+        self.sync(net)
+        (tok, tgt), _ = self.batch(0)
+        self.fabric.backward(loss_fn(model(tok), tgt))
+        with torch.no_grad():
+            net.head.bias.grad[0] = float("nan")
+        try:
+            self.fabric.clip_gradients(model, opt, max_norm=1.0)
+        except RuntimeError as e:
+            assert "nan" in str(e).lower(), e
+        else:
+            raise AssertionError("a NaN gradient norm did not raise")
+        norm = self.fabric.clip_gradients(model, opt, max_norm=1.0, error_if_nonfinite=False)
+        assert torch.isnan(norm), norm
+        opt.zero_grad()
 
     def collectives(self):
         f, s = self.fabric, self.state
@@ -236,6 +265,9 @@ class Run:
         tp = f.all_gather(torch.tensor(r), group=s.tp_group)
         assert tp.tolist() == [float(x) for x in tp_ranks]
         assert f.all_gather({"x": torch.tensor(r)})["x"].tolist() == [float(i) for i in range(w)]
+        x = torch.tensor([r], requires_grad=True)
+        f.all_gather(x, sync_grads=True).sum().backward()   # every rank's output uses x once
+        assert x.grad.tolist() == [float(w)], x.grad
         assert f.broadcast({"from": s.rank}, src=1) == {"from": 1}
         assert torch.equal(f.broadcast(torch.tensor([r]), src=3), torch.tensor([3.0]))
         f.barrier()
@@ -399,7 +431,7 @@ class Run:
         net, model, _ = self.new_model()
         path = os.path.join(DIR, f"{self.layout}-filtered")
         self.fabric.save(path, {"model": model, "step": 1},
-                         filter={"model": lambda k, v: not k.startswith("head.")})
+                         filter={"model": lambda k, v: v.dim() > 0 and not k.startswith("head.")})
         full = self.fabric.load(path)
         assert sorted(full["model"]) == sorted(k for k in self.ref.state_dict()
                                                if not k.startswith("head.")), sorted(full)
@@ -512,6 +544,7 @@ def conformance(layout, strategy):
     run.check("setup", run.setup_and_dataloaders)
     for kind in STEP_OF:
         run.check(kind, run.step_check, kind)
+    run.check("clip_gradients_nonfinite", run.clip_nonfinite)
     run.check("collectives", run.collectives)
     run.check("init_module", run.init_module)
     run.check("init_module_empty_init", run.init_module_empty)

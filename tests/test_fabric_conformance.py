@@ -21,9 +21,10 @@ CHECKS = [
     "backward",                     # .grad complete (SP sums included) after fabric.backward
     "clip_gradients_norm",
     "clip_gradients_value",
+    "clip_gradients_nonfinite",     # error_if_nonfinite, as torch's clip_grad_norm_
     "no_backward_sync",             # gradient accumulation, the sync skipped then done
     "accumulate_without_no_backward_sync",
-    "collectives",                  # all_reduce/all_gather/broadcast/barrier/print/...
+    "collectives",                  # all_reduce/all_gather(sync_grads)/broadcast/barrier/...
     "init_module",
     "init_module_empty_init",       # tpkit layers + a plain module; real weights kept
     "load_raw_model",               # a torch.save'd full state dict into the shards; strict

@@ -241,10 +241,10 @@ def _build(state_dict: dict, *, for_load: bool, filter: dict | None = None):
         else:
             assert not for_load, "plain entries are read whole (read)"
             view = obj.state_dict() if _stateful(obj) else obj
-        if keep is not None and isinstance(view, dict):
-            view = {k: v for k, v in view.items() if keep(k, v)}
-            if not view:
-                continue  # as Fabric's own filter: nothing kept, no entry
+        if keep is not None and isinstance(view, dict) and not isinstance(obj, nn.Module):
+            view = {k: v for k, v in view.items() if keep(k, v)}   # modules: _module_views
+        if keep is not None and isinstance(view, dict) and not view:
+            continue  # as Fabric's own filter: nothing kept, no entry
         out[key] = view if isinstance(obj, (nn.Module, torch.optim.Optimizer)) else _Whole(view)
     return out, slots
 
