@@ -322,15 +322,25 @@ def _paths(md) -> dict[str, tuple]:
     return {k: tuple(data.get(k) or k.split(".")) for k in md.state_dict_metadata}
 
 
-def missing_key_error(key: str) -> KeyError:
+class MissingKeyError(KeyError, ValueError):
+    """A key that strict loading needs is absent: a KeyError, as Lightning Fabric's
+    strategies raise for strict loading, and a ValueError, as tpkit's other user errors.
+    ``str()`` is the message itself (not KeyError's quoted repr)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+def missing_key_error(key: str) -> MissingKeyError:
     """Fabric's strict-loading error (lightning.fabric.strategies.strategy), same wording."""
-    return KeyError(f"The requested state contains a key '{key}' that does not exist in the "
-                    "loaded checkpoint. To disable strict loading, set `strict=False`.")
+    return MissingKeyError(f"The requested state contains a key '{key}' that does not exist in "
+                           "the loaded checkpoint. To disable strict loading, set `strict=False`.")
 
 
 def _check_against(path: str, meta: dict, flat: dict, strict: bool) -> list[str]:
     """ValueError for tensors whose global shape differs from the checkpoint's; returns
-    the keys absent from the checkpoint (KeyError, as Fabric's, if ``strict``)."""
+    the keys absent from the checkpoint (MissingKeyError, a KeyError as Fabric's, if
+    ``strict``)."""
     missing = []
     for key, value in flat.items():
         if key not in meta:
@@ -348,9 +358,9 @@ def _check_against(path: str, meta: dict, flat: dict, strict: bool) -> list[str]
                     "reshard (check the model config, e.g. hidden/vocab sizes or fused "
                     "partition_sizes)")
     if missing and strict:
-        raise KeyError(f"{len(missing)} keys are missing from checkpoint {path}: "
-                       f"{missing[:8]}{' ...' if len(missing) > 8 else ''}; pass "
-                       "strict=False to skip them")
+        raise MissingKeyError(f"{len(missing)} keys are missing from checkpoint {path}: "
+                              f"{missing[:8]}{' ...' if len(missing) > 8 else ''}; pass "
+                              "strict=False to skip them")
     return missing
 
 
@@ -360,7 +370,8 @@ def load(path: str | os.PathLike, state_dict: dict[str, Any], *,
     current layout: modules and optimizers load into their tensors, objects with
     ``load_state_dict`` get their saved state, plain values are replaced in the dict.
     ``strict``: every key of ``state_dict`` (and every tensor of its modules and
-    optimizers) must be in the checkpoint, else KeyError. Returns ``state_dict``.
+    optimizers) must be in the checkpoint, else MissingKeyError (a KeyError, as
+    Fabric's strategies raise, and a ValueError). Returns ``state_dict``.
     Collective."""
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflatten_state_dict
     path = os.path.abspath(os.fspath(path))

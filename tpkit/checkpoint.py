@@ -14,7 +14,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ._dcp import _param_names, fsdp_local, missing_key_error, unwrap_module
+from ._dcp import (MissingKeyError, _param_names, fsdp_local, missing_key_error,
+                   unwrap_module)
 from .collectives import all_gather, group_size
 from .param_tags import partition_dim, tp_spec
 from .topology import resolve_state
@@ -97,8 +98,9 @@ def load_full_state_dict(model: nn.Module, sd: dict[str, torch.Tensor], state=No
                          strict: bool = True) -> None:
     """Copy the full (unsharded) state dict ``sd`` into ``model``, taking this rank's shard
     of every TP-sharded tensor (tpkit's or TE's tags; FSDP2 parameters too). ``strict``:
-    the keys must match exactly, else KeyError (as Fabric); shapes are always checked
-    (ValueError). TE's ``_extra_state`` is left alone."""
+    the keys must match exactly, else MissingKeyError (a KeyError, as Fabric's, and a
+    ValueError); shapes are always checked (ValueError). TE's ``_extra_state`` is left
+    alone."""
     state = resolve_state(state)
     n = state.tp_size
     own = {k: v for k, v in model.state_dict(keep_vars=True).items()
@@ -106,8 +108,8 @@ def load_full_state_dict(model: nn.Module, sd: dict[str, torch.Tensor], state=No
     missing, unexpected = sorted(set(own) - set(sd)), sorted(
         k for k in set(sd) - set(own) if not k.endswith("_extra_state"))
     if strict and (missing or unexpected):
-        raise KeyError(f"state dict keys do not match the model: missing {missing}, "
-                       f"unexpected {unexpected}; pass strict=False to load the common keys")
+        raise MissingKeyError(f"state dict keys do not match the model: missing {missing}, "
+                              f"unexpected {unexpected}; pass strict=False to load the common keys")
     with torch.no_grad():
         for name, t in own.items():
             if name not in sd:
@@ -167,7 +169,7 @@ def load_full(full: dict, state_dict: dict, state=None, *, strict: bool = True) 
     (modules, optimizers, objects with ``load_state_dict``, plain values) at the current
     layout, as ``load`` does for checkpoint directories. Returns the entries of ``full``
     not in ``state_dict``; ``strict``: a key of ``state_dict`` not in ``full`` (or a
-    module key mismatch) is a KeyError."""
+    module key mismatch) is a MissingKeyError (KeyError and ValueError)."""
     absent = [k for k in state_dict if k not in full]
     if absent and strict:
         raise missing_key_error(absent[0])
@@ -205,4 +207,4 @@ def _optimizer_value(v, p, spec, state, what: str):
 # Sharded, reshardable checkpoints with torch.distributed.checkpoint (tpkit/_dcp.py).
 from ._dcp import load, read, read_extras, save  # noqa: E402
 
-__all__ += ["save", "load", "read", "read_extras", "unwrap_module", "missing_key_error"]
+__all__ += ["save", "load", "read", "read_extras", "unwrap_module", "MissingKeyError"]
