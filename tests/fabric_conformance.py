@@ -81,6 +81,19 @@ class Net(nn.Module):
         return self.head(x)
 
 
+class Counter:
+    """A user object Fabric saves through its state_dict()/load_state_dict()."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def state_dict(self):
+        return {"n": self.n}
+
+    def load_state_dict(self, sd):
+        self.n = sd["n"]
+
+
 def shard(name, full, r, tp=2):
     """Rank ``r``'s shard of the full tensor ``name``, written out (not tpkit's helper)."""
     if name.startswith("emb."):
@@ -334,7 +347,7 @@ class Run:
         self.expect(net, ref)
         ckpt = os.path.join(DIR, f"{self.layout}-ckpt")
         f.save(ckpt, {"model": model, "optimizer": opt, "step": 4, "cfg": CFG,
-                      "rng": torch.arange(3)})
+                      "rng": torch.arange(3), "counter": Counter(7)})
         self.saved = (ckpt, copy.deepcopy(ref), copy.deepcopy(ref_opt.state_dict()))
         (tok, tgt), (gtok, gtgt) = self.batch(1)
         loss_fn(ref(gtok), gtgt).backward()
@@ -366,7 +379,8 @@ class Run:
     def load_whole(self):
         ckpt, ref_at_save, ref_osd = self.saved
         full = self.fabric.load(ckpt)
-        assert sorted(full) == ["cfg", "model", "optimizer", "rng", "step"], sorted(full)
+        assert sorted(full) == ["cfg", "counter", "model", "optimizer", "rng", "step"], sorted(full)
+        assert full["counter"] == {"n": 7}   # an object with state_dict(): its state
         assert full["step"] == 4 and full["cfg"] == CFG, (full["step"], full["cfg"])
         assert torch.equal(full["rng"], torch.arange(3))
         want = ref_at_save.state_dict()
@@ -381,7 +395,7 @@ class Run:
         model = self.fabric.setup_module(net)
         rest = self.fabric.load(ckpt, {"model": model})
         self.expect(net, ref_at_save)
-        assert sorted(rest) == ["cfg", "optimizer", "rng", "step"], sorted(rest)
+        assert sorted(rest) == ["cfg", "counter", "optimizer", "rng", "step"], sorted(rest)
         assert rest["cfg"] == CFG and rest["step"] == 4, rest["cfg"]
         self.saved_optimizer_loads(rest["optimizer"])
 
@@ -391,9 +405,11 @@ class Run:
         with torch.no_grad():
             for p in net.parameters():
                 p.mul_(0.5)   # not the saved weights
-        state = {"model": model, "optimizer": opt, "step": 0, "cfg": None}
+        counter = Counter(0)
+        state = {"model": model, "optimizer": opt, "step": 0, "cfg": None, "counter": counter}
         rest = self.fabric.load(ckpt, state)
         assert state["step"] == 4 and state["cfg"] == CFG and sorted(rest) == ["rng"], rest
+        assert state["counter"] is counter and counter.n == 7   # loaded in place
         self.expect(net, ref_at_save)
         self.resume_step(net, model, opt)
 
@@ -410,6 +426,30 @@ class Run:
             raise AssertionError("strict load of a key the checkpoint lacks did not raise")
         rest = self.fabric.load(ckpt, state, strict=False)
         assert state["absent"] == 1 and "optimizer" in rest
+
+    def refused(self):
+        """What README lists as refused, each with its error."""
+        ckpt, _, _ = self.saved
+        model = self.fabric.setup_module(Net())
+        try:
+            self.fabric.load_raw(ckpt, model)
+        except ValueError as e:
+            assert "is not a file" in str(e) and "fabric.load(path" in str(e), e
+        else:
+            raise AssertionError("load_raw of a checkpoint directory was accepted")
+        try:
+            self.fabric.strategy.save_checkpoint(ckpt + "-x", {"model": model},
+                                                 storage_options={})
+        except TypeError as e:
+            assert "storage_options" in str(e), e
+        else:
+            raise AssertionError("storage_options was accepted")
+        try:
+            TPKitStrategy(pp=2)
+        except ValueError as e:
+            assert "no pipeline schedule" in str(e), e
+        else:
+            raise AssertionError("pp=2 was accepted")
 
     def load_raw_optimizer(self):
         _, ref_at_save, ref_osd = self.saved
@@ -556,6 +596,7 @@ def conformance(layout, strategy):
         run.check("load_into_state", run.load_state)
         run.check("load_strict", run.strict)
         run.check("load_raw_optimizer", run.load_raw_optimizer)
+        run.check("refused", run.refused)
         run.check("load_full_file", run.load_full_file)
         fsdp_checks(run, layout == "sp")
     run.check("save_filter", run.save_filter)
