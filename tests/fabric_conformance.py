@@ -105,6 +105,16 @@ def shard(name, full, r, tp=2):
     return full
 
 
+def expect_error(exc_type, text, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` must raise ``exc_type`` with ``text`` in its message."""
+    try:
+        fn(*args, **kwargs)
+    except exc_type as e:
+        assert text in str(e), e
+    else:
+        raise AssertionError(f"{getattr(fn, '__name__', fn)} did not raise {exc_type.__name__}")
+
+
 def loss_fn(logits, targets):
     return F.cross_entropy(logits.reshape(-1, V), targets.reshape(-1))
 
@@ -431,25 +441,10 @@ class Run:
         """What README lists as refused, each with its error."""
         ckpt, _, _ = self.saved
         model = self.fabric.setup_module(Net())
-        try:
-            self.fabric.load_raw(ckpt, model)
-        except ValueError as e:
-            assert "is not a file" in str(e) and "fabric.load(path" in str(e), e
-        else:
-            raise AssertionError("load_raw of a checkpoint directory was accepted")
-        try:
-            self.fabric.strategy.save_checkpoint(ckpt + "-x", {"model": model},
-                                                 storage_options={})
-        except TypeError as e:
-            assert "storage_options" in str(e), e
-        else:
-            raise AssertionError("storage_options was accepted")
-        try:
-            TPKitStrategy(pp=2)
-        except ValueError as e:
-            assert "no pipeline schedule" in str(e), e
-        else:
-            raise AssertionError("pp=2 was accepted")
+        expect_error(ValueError, "is not a file", self.fabric.load_raw, ckpt, model)
+        expect_error(TypeError, "storage_options", self.fabric.strategy.save_checkpoint,
+                     ckpt + "-x", {"model": model}, storage_options={})
+        expect_error(ValueError, "no pipeline schedule", TPKitStrategy, pp=2)
 
     def load_raw_optimizer(self):
         _, ref_at_save, ref_osd = self.saved
@@ -534,20 +529,10 @@ def fsdp_checks(run, sp):
         net = Net()
         early = torch.optim.Adam(net.parameters())
         fabric.setup_module(net)
-        try:
-            fabric.setup_optimizers(early)
-        except ValueError as e:
-            assert "after the module is sharded" in str(e), e
-        else:
-            raise AssertionError("an optimizer built before FSDP sharding was accepted")
+        expect_error(ValueError, "after the module is sharded", fabric.setup_optimizers, early)
         net2 = Net()
         held = fabric.setup_optimizers(torch.optim.Adam(net2.parameters()))  # noqa: F841
-        try:
-            fabric.setup_module(net2)
-        except ValueError as e:
-            assert "after the module is sharded" in str(e), e
-        else:
-            raise AssertionError("sharding a module an optimizer already holds was accepted")
+        expect_error(ValueError, "after the module is sharded", fabric.setup_module, net2)
 
     def load_raw_and_resume():
         _, ref_at_save, ref_osd = run.saved
@@ -584,20 +569,18 @@ def conformance(layout, strategy):
     run.check("setup", run.setup_and_dataloaders)
     for kind in STEP_OF:
         run.check(kind, run.step_check, kind)
-    run.check("clip_gradients_nonfinite", run.clip_nonfinite)
-    run.check("collectives", run.collectives)
-    run.check("init_module", run.init_module)
-    run.check("init_module_empty_init", run.init_module_empty)
-    run.check("load_raw_model", run.load_raw)
-    run.check("save", run.checkpoints)
+    for name, fn in (("clip_gradients_nonfinite", run.clip_nonfinite),
+                     ("collectives", run.collectives), ("init_module", run.init_module),
+                     ("init_module_empty_init", run.init_module_empty),
+                     ("load_raw_model", run.load_raw), ("save", run.checkpoints)):
+        run.check(name, fn)
     if f"{layout}/save" in run.errors and run.errors[f"{layout}/save"] is None:
-        run.check("load_without_state", run.load_whole)
-        run.check("load_remainder", run.load_remainder)
-        run.check("load_into_state", run.load_state)
-        run.check("load_strict", run.strict)
-        run.check("load_raw_optimizer", run.load_raw_optimizer)
-        run.check("refused", run.refused)
-        run.check("load_full_file", run.load_full_file)
+        for name, fn in (("load_without_state", run.load_whole),
+                         ("load_remainder", run.load_remainder),
+                         ("load_into_state", run.load_state), ("load_strict", run.strict),
+                         ("load_raw_optimizer", run.load_raw_optimizer),
+                         ("refused", run.refused), ("load_full_file", run.load_full_file)):
+            run.check(name, fn)
         fsdp_checks(run, layout == "sp")
     run.check("save_filter", run.save_filter)
     precision_checks(run, layout == "sp")
