@@ -71,7 +71,8 @@ class GPT(nn.Module):
         freqs = self.rope(seq if self._te_blocks else
                           shard_position_ids(seq, s, device=x.device))
         if self.cfg.recompute and self.training:
-            return checkpoint(layer, x, rotary_pos_emb=freqs)
+            # Non-reentrant: pipeline schedules take gradients with torch.autograd.grad.
+            return checkpoint(layer, x, rotary_pos_emb=freqs, use_reentrant=False)
         return layer(x, rotary_pos_emb=freqs)
 
     def pp_head(self, x: torch.Tensor) -> torch.Tensor:

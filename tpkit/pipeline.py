@@ -28,12 +28,10 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Callable
-
 import torch
 from torch import nn
 
-from .collectives import broadcast
+from .collectives import all_reduce_flat, broadcast
 from .topology import resolve_state
 
 __all__ = ["SCHEDULES", "PipelinePlan", "plan_pipeline", "Pipeline", "PipelineStageModule",
@@ -51,6 +49,7 @@ SCHEDULES = {
     "DualPipeV": ("ScheduleDualPipeV", "v"),
 }
 ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+DATA_PARALLEL = ("ddp", "allreduce", None)
 
 
 @dataclass(frozen=True)
@@ -237,9 +236,10 @@ def _drop_unused(model: nn.Module, keep: list[PipelineStageModule]) -> None:
 class Pipeline:
     """This rank's stages and the schedule that runs them; see :func:`build_pipeline`."""
 
-    def __init__(self, plan: PipelinePlan, stage_modules, schedule, state):
+    def __init__(self, plan: PipelinePlan, stage_modules, schedule, state, *, average: bool):
         self.plan, self.stage_modules, self.schedule, self.state = \
             plan, stage_modules, schedule, state
+        self._average = average
         self.module = PipelineModule([_unwrap(m) for m in stage_modules])
         self.has_last_stage = any(_unwrap(m).is_last for m in stage_modules)
 
@@ -250,6 +250,10 @@ class Pipeline:
         reads ``inputs``, the last ``target``)."""
         losses: list[torch.Tensor] = []
         self.schedule.step(*inputs, target=target, losses=losses, return_outputs=False)
+        if self._average:
+            grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+            all_reduce_flat(grads, self.state.dp_cp_group)
+            torch._foreach_div_(grads, float(self.state.dp_cp_size))
         device = next(iter(self.module.parameters())).device
         loss = torch.stack([x.detach().float() for x in losses]).sum() if losses \
             else torch.zeros((), dtype=torch.float32, device=device)
@@ -262,25 +266,38 @@ def _unwrap(m: nn.Module) -> nn.Module:
 
 
 def build_pipeline(model: nn.Module, *, microbatches: int, schedule: str = "1F1B",
-                   virtual_stages: int | None = None, state=None,
-                   wrap: Callable[[nn.Module], nn.Module] | None = None,
-                   device: torch.device | None = None) -> Pipeline:
+                   virtual_stages: int | None = None, data_parallel: str | None = "ddp",
+                   state=None, device: torch.device | None = None) -> Pipeline:
     """Split ``model`` (the pp protocol above) into ``pp x virtual_stages`` stages, keep
     this rank's (``state.pp_rank``), and build the schedule ``schedule`` (a name of
-    ``SCHEDULES``) over ``state.pp_group``. ``wrap(stage_module)`` may wrap each stage
-    module (e.g. DDP over ``dp_cp``). The model's other stages' blocks are freed."""
+    ``SCHEDULES``) over ``state.pp_group``. The model object is consumed: the modules of
+    other ranks' stages are removed from it (use ``Pipeline.module``).
+
+    ``data_parallel`` averages the gradients over ``state.dp_cp_group``: ``"ddp"`` wraps
+    each stage module in DistributedDataParallel (reductions overlap the last
+    micro-batch's backward; not with the zero-bubble schedules, whose split backward DDP
+    does not follow), ``"allreduce"`` issues one flattened all-reduce per dtype after each
+    step (any schedule), ``None`` leaves it to the caller."""
     from torch.distributed import pipelining
     state = resolve_state(state)
     _protocol(model)
     plan = plan_pipeline(pp=state.pp_size, num_blocks=len(getattr(model, model.pp_blocks)),
                          microbatches=microbatches, schedule=schedule,
                          virtual_stages=virtual_stages)
+    if data_parallel not in DATA_PARALLEL:
+        raise ValueError(f"data_parallel={data_parallel!r} is unknown; use one of "
+                         f"{DATA_PARALLEL}")
+    if data_parallel == "ddp" and plan.schedule in ZERO_BUBBLE and state.dp_cp_size > 1:
+        raise ValueError(f"data_parallel='ddp' does not follow the split backward of the "
+                         f"zero-bubble schedule {plan.schedule!r} (wrong gradients); use "
+                         "data_parallel='allreduce' with it")
     if device is None:
         device = next(iter(model.parameters())).device
     mine = [PipelineStageModule(model, s, plan.num_stages, plan.blocks_of(s))
             for s in plan.stages_of(state.pp_rank)]
     _drop_unused(model, mine)
-    wrapped = [wrap(m) if wrap is not None else m for m in mine]
+    ddp = data_parallel == "ddp" and state.dp_cp_size > 1
+    wrapped = [_ddp(m, state, device) if ddp else m for m in mine]
     stages = [pipelining.PipelineStage(w, m.stage_index, plan.num_stages, device,
                                        group=state.pp_group)
               for w, m in zip(wrapped, mine)]
@@ -288,7 +305,14 @@ def build_pipeline(model: nn.Module, *, microbatches: int, schedule: str = "1F1B
     cls = getattr(pipelining.schedules, SCHEDULES[plan.schedule][0])
     sched = cls(stages[0] if plan.style == "single" else stages, plan.microbatches,
                 loss_fn=loss_fn, scale_grads=False)
-    return Pipeline(plan, wrapped, sched, state)
+    return Pipeline(plan, wrapped, sched, state,
+                    average=data_parallel == "allreduce" and state.dp_cp_size > 1)
+
+
+def _ddp(module: nn.Module, state, device: torch.device) -> nn.Module:
+    ids = None if device.type == "cpu" else [device.index]
+    return nn.parallel.DistributedDataParallel(module, device_ids=ids,
+                                               process_group=state.dp_cp_group)
 
 
 def _mean_over_microbatches(loss_fn, m: int):
