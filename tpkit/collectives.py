@@ -24,7 +24,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from . import shm
 
 __all__ = ["group_size", "group_rank", "all_reduce_sum", "all_reduce_max", "all_reduce_flat",
-           "all_gather", "reduce_scatter", "split", "all_to_all", "exchange"]
+           "all_gather", "reduce_scatter", "split", "all_to_all", "exchange", "broadcast"]
 
 
 def group_size(group) -> int:
@@ -50,6 +50,14 @@ def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
 def all_reduce_max(x: torch.Tensor, group) -> torch.Tensor:
     """MAX over ``group``, in place (``x`` must be contiguous); returns ``x``."""
     dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group)
+    return x
+
+
+def broadcast(x: torch.Tensor, group, src: int) -> torch.Tensor:
+    """``x`` of group rank ``src`` on every rank of ``group``, in place (``x`` must be
+    contiguous); returns ``x``."""
+    if group_size(group) > 1:
+        dist.broadcast(x, group=group, group_src=src)
     return x
 
 
