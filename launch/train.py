@@ -95,26 +95,28 @@ def add_hf_args(ap: argparse.ArgumentParser) -> None:
 
 
 def check_hf_args(ap: argparse.ArgumentParser, args) -> None:
-    """Refuse what cannot work before any process group exists (exit 2, one line)."""
+    """Refuse option combinations that cannot work (exit 2, one line). The directory itself
+    is read by hf_model's caller before any process group exists (a dry run need not
+    have it)."""
     if args.export_hf and not args.init_from_hf:
         ap.error("--export-hf needs --init-from-hf (the reference GPT has no Hugging Face "
                  "architecture)")
-    if not args.init_from_hf:
-        return
     given = [f"--{a.replace('_', '-')}" for a in _MODEL_ARGS
-             if getattr(args, a) != ap.get_default(a)]
+             if args.init_from_hf and getattr(args, a) != ap.get_default(a)]
     if given:
         ap.error(f"{', '.join(given)} cannot be combined with --init-from-hf (the sizes come "
                  f"from {args.init_from_hf}/config.json); drop them")
+
+
+def check_hf_dir(path: str) -> None:
+    """ValueError unless ``path`` holds a model tpkit reads whose vocabulary holds the
+    corpus' byte ids."""
     from tpkit.models.hf import read_config
-    try:
-        cfg, _ = read_config(args.init_from_hf)
-    except ValueError as e:
-        ap.error(f"--init-from-hf={args.init_from_hf}: {e}")
+    cfg, _ = read_config(path)
     if cfg.vocab_size < corpus.VOCAB_SIZE:
-        ap.error(f"--init-from-hf={args.init_from_hf}: vocab_size={cfg.vocab_size} cannot "
-                 f"hold the corpus' {corpus.VOCAB_SIZE} byte ids; use a model with a larger "
-                 "vocabulary")
+        raise ValueError(f"--init-from-hf={path}: vocab_size={cfg.vocab_size} cannot hold "
+                         f"the corpus' {corpus.VOCAB_SIZE} byte ids; use a model with a "
+                         "larger vocabulary")
 
 
 def hf_model(args, state) -> torch.nn.Module:
@@ -187,6 +189,8 @@ def make_fabric(args):
 
 def train(args) -> list[float]:
     """Run the training loop; returns the global mean loss of every step run here."""
+    if args.init_from_hf:
+        check_hf_dir(args.init_from_hf)
     fabric = make_fabric(args)
     fabric.launch()
     state = fabric.strategy.parallel_state

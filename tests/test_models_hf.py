@@ -284,19 +284,23 @@ def test_train_init_from_hf_and_export(ckpts, tmp_path):
 
 
 def test_train_refuses_bad_hf_arguments(ckpts, tmp_path, capsys):
-    """Refused by the script's parser (exit 2, one line) before any process group."""
+    """Option clashes: the script's parser (exit 2, one line); a directory tpkit cannot use:
+    a ValueError before any process group exists."""
     sys.path.insert(0, os.path.join(ROOT, "launch"))
+    import torch.distributed as dist
     import train
-    small = _copy(ckpts["models"]["qwen2"]["dir"], tmp_path / "small", {"vocab_size": 128})
-    cases = [
-        (["--export-hf", str(tmp_path / "o")], "--export-hf needs --init-from-hf"),
-        (["--init-from-hf", str(tmp_path)], "has no config.json"),
-        (["--init-from-hf", ckpts["models"]["qwen2"]["dir"], "--hidden", "32"],
-         "--hidden cannot be combined with --init-from-hf"),
-        (["--init-from-hf", str(small)], "vocab_size=128 cannot hold the corpus' 256"),
-    ]
-    for argv, message in cases:
+    for argv, message in [
+            (["--export-hf", str(tmp_path / "o")], "--export-hf needs --init-from-hf"),
+            (["--init-from-hf", ckpts["models"]["qwen2"]["dir"], "--hidden", "32"],
+             "--hidden cannot be combined with --init-from-hf")]:
         with pytest.raises(SystemExit) as e:
             train.parse_args(argv)
         err = capsys.readouterr().err
         assert e.value.code == 2 and message in err, (argv, err)
+    small = _copy(ckpts["models"]["qwen2"]["dir"], tmp_path / "small", {"vocab_size": 128})
+    for argv, message in [(["--init-from-hf", str(tmp_path)], "has no config.json"),
+                          (["--init-from-hf", str(small)],
+                           "vocab_size=128 cannot hold the corpus' 256")]:
+        with pytest.raises(ValueError, match=message):
+            train.main(argv)
+        assert not dist.is_initialized()
