@@ -12,11 +12,13 @@ mean cross entropy computed from them.
   loss within 1e-5 relative and gathered logits within 1e-5 of transformers'; save_hf at
   (2,2,1) loaded by ``AutoModelForCausalLM.from_pretrained``: identical tensors and
   logits; read back at (4,1,1)+SP and written again: the same bytes.
-- Pool: every rank reads exactly the elements of its own shard (an analytical count).
+- Pool: every rank reads exactly the elements of its own shard (an analytical count);
+  save_hf of an FSDP2-sharded model (tp=2 x dp=2) writes transformers' tensors back.
 - launch/train.py --init-from-hf / --export-hf under tpkit-launch: the first step's loss
   is transformers' on that batch, and transformers loads the trained export.
 - Bad input: each a ValueError naming the value, before any weight is read.
 """
+import importlib.util
 import json
 import os
 import re
@@ -26,9 +28,13 @@ import pytest
 import torch
 
 from dist import run
-from test_userpath import ROOT, SCRIPTS, launched
+from test_userpath import IN_CI, ROOT, SCRIPTS, launched
 
-transformers = pytest.importorskip("transformers", reason="pip install 'tpkit[test]'")
+if importlib.util.find_spec("transformers") is None:   # the reference: tpkit[test]'s extra
+    if IN_CI:
+        pytest.fail("CI=true and transformers is missing: pip install -e '.[test]'",
+                    pytrace=False)
+    pytest.skip("needs transformers (pip install 'tpkit[test]')", allow_module_level=True)
 
 pytestmark = pytest.mark.slow
 B, S, V = 4, 32, 256
@@ -180,6 +186,27 @@ def test_each_rank_reads_only_its_shard(ckpts, name):
         assert read == own, (read, own)
     total = sum(p.numel() for p in ckpts["models"][name]["model"].parameters())
     assert own < total / 2
+
+
+def _fsdp_export(dirs: dict, out: str) -> None:
+    from fabric_helpers import launch_fabric
+    from tpkit.models import Llama
+    fabric, state = launch_fabric(tp=2, data_parallel="fsdp")   # FSDP2 over dp=2
+    for name, path in dirs.items():
+        model = fabric.setup_module(Llama.from_hf(path, state))
+        assert all(hasattr(p, "to_local") for p in model.parameters())   # DTensors
+        model.module.save_hf(os.path.join(out, name))
+
+
+def test_fsdp_sharded_export_is_the_original_checkpoint(ckpts, tmp_path):
+    """save_hf of a model sharded by FSDP2 (over dp) on top of TP: the tensors
+    transformers wrote, bit for bit (untied with biases, and tied)."""
+    names = ("llama", "qwen2")
+    run(_fsdp_export, 4, {n: ckpts["models"][n]["dir"] for n in names}, str(tmp_path))
+    for name in names:
+        want, got = _tensors(ckpts["models"][name]["dir"]), _tensors(tmp_path / name)
+        assert got.keys() == want.keys(), name
+        assert all(torch.equal(got[k], want[k]) for k in want), name
 
 
 # --- bad input --------------------------------------------------------------------------------
