@@ -68,13 +68,62 @@ def parse_args(argv=None) -> argparse.Namespace:
     c.add_argument("--resume", default=None,
                    help="a checkpoint (SAVE/stepNNNNNN) or a --save directory (its latest); "
                         "it may have been written at any layout")
+    add_hf_args(ap)
     args = ap.parse_args(argv)
     for name in ("steps", "global_batch", "seq_len", "hidden", "layers", "heads", "ffn"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
     if not 0.0 <= args.dropout < 1.0:
         ap.error(f"--dropout={args.dropout} must be in [0, 1)")
+    check_hf_args(ap, args)
     return args
+
+
+# --- Hugging Face checkpoints (tpkit.models.llama) -----------------------------------------
+_MODEL_ARGS = ("hidden", "layers", "heads", "gqa_groups", "ffn")
+
+
+def add_hf_args(ap: argparse.ArgumentParser) -> None:
+    h = ap.add_argument_group("Hugging Face checkpoints (Llama, Qwen2, Mistral)")
+    h.add_argument("--init-from-hf", default=None, metavar="DIR",
+                   help="fine-tune the model of this Hugging Face directory (config.json + "
+                        "*.safetensors) instead of the reference GPT; corpus bytes are its "
+                        "token ids, so its vocabulary must hold 256")
+    h.add_argument("--export-hf", default=None, metavar="DIR",
+                   help="write the trained model there as a Hugging Face checkpoint "
+                        "(needs --init-from-hf)")
+
+
+def check_hf_args(ap: argparse.ArgumentParser, args) -> None:
+    """Refuse option combinations that cannot work (exit 2, one line). The directory itself
+    is read by hf_model's caller before any process group exists (a dry run need not
+    have it)."""
+    if args.export_hf and not args.init_from_hf:
+        ap.error("--export-hf needs --init-from-hf (the reference GPT has no Hugging Face "
+                 "architecture)")
+    given = [f"--{a.replace('_', '-')}" for a in _MODEL_ARGS
+             if args.init_from_hf and getattr(args, a) != ap.get_default(a)]
+    if given:
+        ap.error(f"{', '.join(given)} cannot be combined with --init-from-hf (the sizes come "
+                 f"from {args.init_from_hf}/config.json); drop them")
+
+
+def check_hf_dir(path: str) -> None:
+    """ValueError unless ``path`` holds a model tpkit reads whose vocabulary holds the
+    corpus' byte ids."""
+    from tpkit.models.hf import read_config
+    cfg, _ = read_config(path)
+    if cfg.vocab_size < corpus.VOCAB_SIZE:
+        raise ValueError(f"--init-from-hf={path}: vocab_size={cfg.vocab_size} cannot hold "
+                         f"the corpus' {corpus.VOCAB_SIZE} byte ids; use a model with a "
+                         "larger vocabulary")
+
+
+def hf_model(args, state) -> torch.nn.Module:
+    from tpkit.models import Llama
+    return Llama.from_hf(args.init_from_hf, state, backend=args.backend,
+                         recompute=args.recompute, hidden_dropout=args.dropout,
+                         attention_dropout=args.dropout)
 
 
 def full_init(model: torch.nn.Module, seed: int) -> None:
@@ -140,6 +189,8 @@ def make_fabric(args):
 
 def train(args) -> list[float]:
     """Run the training loop; returns the global mean loss of every step run here."""
+    if args.init_from_hf:
+        check_hf_dir(args.init_from_hf)
     fabric = make_fabric(args)
     fabric.launch()
     state = fabric.strategy.parallel_state
@@ -150,8 +201,12 @@ def train(args) -> list[float]:
     if args.global_batch % state.dp_size:
         raise ValueError(f"--global-batch={args.global_batch} is not divisible by dp="
                          f"{state.dp_size}; use a multiple of {state.dp_size}")
-    model = GPT(cfg, state)
-    full_init(model, args.seed)
+    if args.init_from_hf:
+        model = hf_model(args, state)
+    else:
+        model = GPT(cfg, state)
+        full_init(model, args.seed)
+    raw_model = model
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
                                   weight_decay=0.0)
     model, optimizer = fabric.setup(model, optimizer)
@@ -187,6 +242,8 @@ def train(args) -> list[float]:
         if args.save and ((args.save_every and (step + 1) % args.save_every == 0) or last):
             fabric.save(checkpoint_path(args.save, step + 1),
                         {"model": model, "optimizer": optimizer, "step": step})
+    if args.export_hf:
+        raw_model.save_hf(args.export_hf)
     return losses
 
 
