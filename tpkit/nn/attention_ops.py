@@ -34,7 +34,7 @@ import dataclasses
 
 import torch
 
-from ..config import env_flag
+from ..config import fused_attn_enabled
 from ..random import get_rng_tracker
 
 aten = torch.ops.aten
@@ -75,6 +75,7 @@ class CpuFlashOp(BlockOp):
     one call per batch element on ``[g, r, s, d]`` with K/V expanded over ``r`` (a stride-0
     view, never copied); the backward kernel returns per-head dK/dV, summed over ``r``."""
     name = "cpu_flash"
+    min_piece_rows = 256  # one thread: fewer, larger calls beat finer overlap (bench/)
 
     def compute_dtype(self, dtype):
         return torch.promote_types(dtype, torch.float32)
@@ -186,17 +187,10 @@ class CudaEfficientOp(BlockOp):
 _CPU, _FLASH, _EFFICIENT = CpuFlashOp(), CudaFlashOp(), CudaEfficientOp()
 
 
-def fused_enabled() -> bool:
-    """``TPKIT_FUSED_ATTN`` (default 1); 0 runs the reference kernels everywhere, like TE's
-    ``NVTE_FUSED_ATTN=0``."""
-    return env_flag("TPKIT_FUSED_ATTN", default=True,
-                    fix="use 1 (fused kernels where available) or 0 (reference kernels)")
-
-
 def select(device: torch.device, dtype: torch.dtype, dropout_p: float = 0.0):
     """The block op for a call (device, dtype, dropout), or None for the reference kernels.
     The comm type does not matter: every CP driver runs the same block op."""
-    if not fused_enabled():
+    if not fused_attn_enabled():
         return None
     if device.type == "cpu":
         return _CPU if dropout_p == 0.0 and dtype in (
