@@ -98,11 +98,12 @@ SLURM_BAD = [
 ]
 
 
-def test_bad_shm_switch_is_refused_before_workers(monkeypatch, capsys, no_workers):
-    monkeypatch.setenv("TPKIT_SHM_ALLREDUCE", "sometimes")
+@pytest.mark.parametrize("var", ["TPKIT_SHM_ALLREDUCE", "TPKIT_FUSED_ATTN"])
+def test_bad_switch_is_refused_before_workers(monkeypatch, capsys, no_workers, var):
+    monkeypatch.setenv(var, "sometimes")
     assert launch.main(["--tp", "2", SCRIPT]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "TPKIT_SHM_ALLREDUCE='sometimes' is not a boolean" in err
+    assert err.count("\n") == 1 and f"{var}='sometimes' is not a boolean" in err
 
 
 @pytest.mark.parametrize("env,argv,message", SLURM_BAD, ids=[m[:30] for *_, m in SLURM_BAD])

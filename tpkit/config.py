@@ -191,6 +191,14 @@ def env_flag(name: str, env: Mapping[str, str] | None = None, *, default: bool,
     raise ValueError(f"{name}={raw!r} is not a boolean; {fix}")
 
 
+def fused_attn_enabled(env: Mapping[str, str] | None = None) -> bool:
+    """``TPKIT_FUSED_ATTN`` (default on): may context-parallel attention run on fused
+    per-device kernels (``tpkit.nn.attention_ops``)? 0 runs the plain-torch reference
+    kernels everywhere, like TE's ``NVTE_FUSED_ATTN=0``."""
+    return env_flag("TPKIT_FUSED_ATTN", env, default=True,
+                    fix="use 1 (fused kernels where available) or 0 (reference kernels)")
+
+
 def __getattr__(name):
     # shm_allreduce_enabled moved to tpkit.shm (issue 23); this path works for one release.
     if name == "shm_allreduce_enabled":

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from . import topology
-from .config import ParallelConfig
+from .config import ParallelConfig, fused_attn_enabled
 from .random import get_rng_tracker, model_parallel_seed
 from .shm import shm_allreduce_enabled
 from .topology import (ParallelState, build_state, get_parallel_state,  # noqa: F401
@@ -122,6 +122,7 @@ def init_parallel(tp: int | None = None, cp: int | None = None, pp: int | None =
     else:
         config.validate(1)
     shm_allreduce_enabled()   # a bad TPKIT_SHM_ALLREDUCE fails before any group exists
+    fused_attn_enabled()      # and so does a bad TPKIT_FUSED_ATTN
     if backend == "nccl" and not torch.cuda.is_available():
         raise ValueError("backend='nccl' needs CUDA GPUs and none are visible; use backend='gloo'")
     _init_default_group(backend)

@@ -175,11 +175,12 @@ def _visible_gpus() -> int:
 
 def resolve(args, env: Mapping[str, str]) -> Plan:
     """Check the invocation against the layout, the machine and Slurm; raise LaunchError."""
-    from tpkit.config import ParallelConfig
+    from tpkit.config import ParallelConfig, fused_attn_enabled
     from tpkit.shm import shm_allreduce_enabled
     from .slurm import slurm_info
     try:
         shm_allreduce_enabled(env)
+        fused_attn_enabled(env)
         config = ParallelConfig.from_env(
             env, tp=args.tp, cp=args.cp, pp=args.pp, dp=args.dp,
             sequence_parallel=args.sequence_parallel, cp_comm_type=args.cp_comm_type,
