@@ -11,7 +11,8 @@ nearest by torch's float8 dtypes (TE's saturating cast). Scales:
 - *MX* (``mx_exponent``): the E8M0 exponent of ``amax * (1/fp8_max)`` (float32 product)
   rounded *up* to a power of two, so the block's largest element never saturates; the
   cast multiplies by ``2**(127 - e)`` (1 for an all-zero block) and the scale stored for
-  the GEMM is ``2**(e - 127)``.
+  the GEMM is ``2**(e - 127)``; a block holding inf or nan comes out as zeros and nans,
+  as from TE's kernels.
 A block covers ``(rows, cols)`` elements of the tensor seen as 2-D ``[prod(shape[:-1]),
 shape[-1]]``; a last partial block (a tail) is a block of what is there.
 """
