@@ -265,6 +265,25 @@ def test_backward_override(name):
     assert torch.equal(grads["dequantized"][2], grads["high_precision"][2])  # same forward
 
 
+@pytest.mark.parametrize("name", ["delayed", "current", "block", "mxfp8"])
+def test_bias_free_output_takes_in_place_ops(name):
+    """A bias-free layer's output is a tensor of its own (not a view of the GEMM's):
+    ``y.mul_(2)`` (as residual adds and activations do) doubles the gradients."""
+    x = torch.randn(2, 40, 64, generator=torch.Generator().manual_seed(1))
+    grads = []
+    for inplace in (False, True):
+        layer = Lin(64, 48)
+        layer.bias = None
+        xi = x.clone().requires_grad_()
+        fp8.reset()
+        with fp8_autocast(recipe=name):
+            y = layer(xi)
+            y = y.mul_(2.0) if inplace else y * 2.0
+        y.sum().backward()
+        grads.append((xi.grad, layer.weight.grad))
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
 # --- recompute: bitwise, every recipe --------------------------------------------------------------
 @pytest.mark.parametrize("recipe", ["delayed", "current", "block", "mxfp8"])
 def test_recompute_is_bitwise_for_every_recipe(recipe):

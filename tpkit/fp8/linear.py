@@ -80,7 +80,9 @@ class _FP8Linear(torch.autograd.Function):
             ctx.save_for_backward(x if keep_x else xq, weight if keep_w else wq, ix, iw)
         else:
             xr, wr = _blocks(r, INPUT, x2, True), _blocks(r, WEIGHT, weight, True)
-            out = gemm(xr.dequantize(), wr.dequantize().t()).reshape(*x.shape[:-1], -1)
+            # the product of the dequantized x seen as x.shape: a fresh tensor, not a view
+            # (autograd forbids in-place ops on a view a custom Function returns)
+            out = gemm(xr.dequantize().view(*x.shape[:-1], -1), wr.dequantize().t())
             if bo == "high_precision":
                 ctx.save_for_backward(x2, weight)
             else:
