@@ -446,3 +446,54 @@ def test_sp_scales_and_reductions_at_tp2():
                               (got["dw1"], l1.weight.grad[cols]),
                               (got["dw2"], l2.weight.grad[:, cols])):
                 torch.testing.assert_close(mine, ref.detach(), rtol=1e-5, atol=1e-5)
+
+
+# --- the user's road: tpkit-launch, train.py and the public API, every recipe ------------------
+FP8_REL = 0.03   # the issue's bound: each recipe's loss within 3 % of float32's, every step
+
+
+@pytest.mark.slow
+def test_every_recipe_launched(tmp_path):
+    """tests/launch_scripts/fp8_recipes.py under ``tpkit-launch --nproc-per-node 4 --tp 2
+    --cp 2 --sequence-parallel``: launch/train.py trains with each recipe on the float32
+    curve (3 %); the column -> row pair's current-scaling scales are the full (gathered)
+    tensors' and the same on both TP ranks of a CP rank, its own on each CP rank; delayed
+    scaling's are one over all four ranks (tp x cp amax group)."""
+    import json
+    import os
+
+    from test_userpath import SCRIPTS, launched
+    out_file = tmp_path / "fp8.json"
+    out, _ = launched("--nproc-per-node", "4", "--tp", "2", "--cp", "2", "--sequence-parallel",
+                      os.path.join(SCRIPTS, "fp8_recipes.py"), str(out_file))
+    assert out.count("FP8 RECIPES OK") == 4, out[-2000:]
+    res = json.loads(out_file.read_text())
+    ref = res["curves"]["fp32"]
+    assert ref[-1] < ref[0] - 0.5, ref   # it learns
+    for name in ("delayed", "current", "block", "mxfp8"):
+        got = res["curves"][name]
+        assert len(got) == len(ref) and got != ref, name   # fp8 really applied
+        for step, (a, b) in enumerate(zip(got, ref)):
+            assert abs(a - b) <= FP8_REL * b, (name, step, a, b)
+    assert res["curves"]["current"] != res["curves"]["delayed"]
+    ranks = res["scales"]
+    for r in ranks:
+        c = r["current"]
+        assert c["fc1"][0] == c["full_x"]
+        assert c["fc2"][2] == c["full_dy"]
+        assert c["fc1"][1] == c["fc1_w"]                     # the rank's own weight shard
+        assert all(r[n]["grads_finite"] for n in ("delayed", "current", "block", "mxfp8"))
+        assert r["block"]["fc1"] is None and r["mxfp8"]["fc1"] is None   # no per-tensor scale
+    by_cp = {}
+    for r in ranks:
+        by_cp.setdefault(r["layout"]["cp"], []).append(r)
+    for pair in by_cp.values():                              # the TP pair of a CP rank
+        assert len(pair) == 2 and pair[0]["current"]["fc1"][0] == pair[1]["current"]["fc1"][0]
+        assert pair[0]["current"]["local_x"] != pair[1]["current"]["local_x"]
+        assert pair[0]["current"]["fc2"][2] == pair[1]["current"]["fc2"][2]
+        assert pair[0]["current"]["fc1"][1] != pair[1]["current"]["fc1"][1]
+    assert by_cp[0][0]["current"]["fc1"][0] != by_cp[1][0]["current"]["fc1"][0]
+    d = [r["delayed"] for r in ranks]                        # one amax over tp x cp
+    assert all(x["fc1"] == d[0]["fc1"] and x["fc2"] == d[0]["fc2"] for x in d)
+    assert d[0]["fc1"][0] == min(x["full_x"] for x in d)
+    assert d[0]["fc2"][2] == min(x["full_dy"] for x in d)
