@@ -497,3 +497,19 @@ def test_every_recipe_launched(tmp_path):
     assert all(x["fc1"] == d[0]["fc1"] and x["fc2"] == d[0]["fc2"] for x in d)
     assert d[0]["fc1"][0] == min(x["full_x"] for x in d)
     assert d[0]["fc2"][2] == min(x["full_dy"] for x in d)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--fp8-recipe", "current"], "--fp8-recipe=current needs --precision fp8"),
+    (["--precision", "fp8", "--fp8-recipe", "nvfp4"], "invalid choice: 'nvfp4'"),
+])
+def test_train_py_fp8_recipe_option_errors(argv, message, capsys):
+    """launch/train.py refuses a recipe without fp8, or an unknown one, before any process
+    group exists (argparse's exit 2 with the message)."""
+    import os
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "launch"))
+    import train
+    with pytest.raises(SystemExit) as exc:
+        train.parse_args(argv)
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+    assert train.parse_args(["--precision", "fp8", "--fp8-recipe", "mxfp8"]).fp8_recipe == "mxfp8"
