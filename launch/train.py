@@ -2,6 +2,7 @@
 
     tpkit-launch --tp 2 --cp 2 launch/train.py                 # CPU, 4 gloo ranks
     tpkit-launch --nproc-per-node auto --tp 2 launch/train.py --precision bf16-mixed
+    tpkit-launch --tp 2 --cp 2 launch/train.py --precision fp8 --fp8-recipe current
 
 The layout comes from tpkit-launch (TPKIT_* variables) or from --tp/--cp here. Weights are
 initialised at full size from --seed and sharded onto the layout, and the global batch of
@@ -23,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import corpus  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
-from tpkit.config import CP_COMM_TYPES  # noqa: E402
+from tpkit.config import CP_COMM_TYPES, FP8_RECIPES  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -59,6 +60,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     t.add_argument("--fp8-compute-dtype", default="float32", choices=["float32", "bfloat16"],
                    help="with --precision fp8: the dtype of what fp8 does not cover "
                         "(TPKitPrecision's fallback_compute_dtype)")
+    t.add_argument("--fp8-recipe", default=None, choices=sorted(FP8_RECIPES),
+                   help="with --precision fp8: TE's recipe (default: delayed on the torch "
+                        "backend, TE's own default on backend te)")
     t.add_argument("--recompute", action="store_true")
     t.add_argument("--log-every", type=int, default=10)
     c = ap.add_argument_group("checkpoints")
@@ -76,6 +80,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     if not 0.0 <= args.dropout < 1.0:
         ap.error(f"--dropout={args.dropout} must be in [0, 1)")
     check_hf_args(ap, args)
+    if args.fp8_recipe is not None and args.precision != "fp8":
+        ap.error(f"--fp8-recipe={args.fp8_recipe} needs --precision fp8 (got --precision "
+                 f"{args.precision}); add --precision fp8 or drop --fp8-recipe")
     return args
 
 
@@ -167,9 +174,17 @@ def lr_at(step: int, args) -> float:
     return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
 
 
+def _precision(args, fallback):
+    """TPKitPrecision from --precision, --fp8-compute-dtype and --fp8-recipe."""
+    from tpkit.fabric import TPKitPrecision
+    if args.precision != "fp8":
+        return TPKitPrecision(args.precision)
+    return TPKitPrecision("fp8", fallback_compute_dtype=fallback, recipe=args.fp8_recipe)
+
+
 def make_fabric(args):
     from lightning.fabric import Fabric
-    from tpkit.fabric import TPKitPrecision, TPKitStrategy
+    from tpkit.fabric import TPKitStrategy
     accelerator = "cuda" if torch.cuda.is_available() else "cpu"
     local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     nodes = max(1, int(os.environ.get("WORLD_SIZE", local)) // local)
@@ -181,8 +196,7 @@ def make_fabric(args):
     if args.precision != "fp8" and fallback is not None:
         raise ValueError(f"--fp8-compute-dtype={args.fp8_compute_dtype} needs --precision fp8 "
                          f"(got --precision {args.precision}); drop it")
-    precision = TPKitPrecision(args.precision, fallback_compute_dtype=fallback) \
-        if args.precision == "fp8" else TPKitPrecision(args.precision)
+    precision = _precision(args, fallback)
     return Fabric(accelerator=accelerator, devices=local, num_nodes=nodes, strategy=strategy,
                   plugins=[precision])
 

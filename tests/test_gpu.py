@@ -525,3 +525,45 @@ def test_llama_te_backend_matches_transformers(state, tmp_path):
     a, b = load_file(tmp_path / "in" / "model.safetensors"), \
         load_file(tmp_path / "out" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("name", ["current", "block", "mxfp8"])
+def test_fp8_recipe_emulation_matches_te(state, name):
+    """tpkit's emulated current / block / MXFP8 recipes against TE's on the same weights
+    and inputs (bf16 layer): the same fp8 values times the same scales, so what remains is
+    the GEMM's accumulation and the bf16 output rounding, as in the DelayedScaling check
+    above (5e-3 relative). A recipe this GPU cannot run is refused by te_autocast with
+    TE's reason (MXFP8 before Blackwell), never run as another recipe."""
+    import transformer_engine.pytorch as te
+    from tpkit import fp8
+    from tpkit.nn import ColumnParallelLinear
+    from tpkit.te import check_recipe_support, te_autocast, te_recipe
+    te_r = te_recipe(name)
+    try:
+        check_recipe_support(te_r)
+    except ValueError as exc:
+        with pytest.raises(ValueError, match="cannot run here"):
+            with te_autocast(recipe=name):
+                pass
+        pytest.skip(f"{name} refused on this GPU, as it must be: {exc}")
+    fp8.reset()
+    torch.manual_seed(5)
+    t = ColumnParallelLinear(1024, 2048, bias=True, device="cuda", dtype=torch.bfloat16)
+    e = te.Linear(1024, 2048, bias=True, params_dtype=torch.bfloat16)
+    _copy(e, t, {"weight": "weight", "bias": "bias"})
+    e_bf16 = te.Linear(1024, 2048, bias=True, params_dtype=torch.bfloat16)
+    _copy(e_bf16, t, {"weight": "weight", "bias": "bias"})
+    rows = []
+    for step in range(3):
+        x = (torch.randn(512, 2, 1024, device="cuda") * (1 + step)).bfloat16()
+        with fp8.fp8_autocast(recipe=name):
+            ot, gt, pt = _run(t, x)
+        with te_autocast(recipe=name):
+            oe, ge, pe = _run(e, x)
+        ob, _, _ = _run(e_bf16, x)
+        rows.append({"step": step, "out": rel(ot, oe), "dx": rel(gt[0], ge[0]),
+                     "dw": rel(pt["weight"], pe["weight"]), "fp8_vs_bf16_out": rel(oe, ob)})
+    report(f"fp8_{name}_emulation_vs_te", rows=rows)
+    for r in rows:
+        assert max(r["out"], r["dx"], r["dw"]) < 5e-3, r
+        assert r["fp8_vs_bf16_out"] > 5 * r["out"], r   # the check sees fp8, not bf16

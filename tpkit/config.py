@@ -11,6 +11,11 @@ import os
 from typing import Mapping
 
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
+# fp8 recipes by name -> the class name they share in tpkit.fp8 and Transformer Engine
+# (transformer_engine.common.recipe); no torch here, so launch/train.py's --help and
+# tpkit.te read it without importing tpkit.fp8.
+FP8_RECIPES = {"delayed": "DelayedScaling", "current": "Float8CurrentScaling",
+               "block": "Float8BlockScaling", "mxfp8": "MXFP8BlockScaling"}
 
 ENV_VARS = {
     "tp": "TPKIT_TP",
