@@ -293,6 +293,8 @@ def test_wire_parallel_groups_multirank(tp, cp, comm, a2a):
             "", ".layernorm_qkv", ".core_attention", ".proj", ".layernorm_mlp")}
         methods = {(n, m) for n, m in out["wired"]}
         assert len(methods) == len(out["wired"])  # each (module, method) once per call
+        # the fake recorded a setter call on every wired module (the loop below is not empty)
+        assert {n for n, _ in seen} == names, (sorted(names), sorted(seen))
         for (name, cls), calls in seen.items():
             assert cls in te_kinds | {"TransformerLayer"}
             tp_calls = [r for m, r in calls if m == "set_tensor_parallel_group"]
