@@ -1,7 +1,6 @@
 """tpkit.pipeline: losses and gradients of a pipelined GPT (every schedule that runs on
 CPU/gloo, composed with TP, SP, CP and DP) against the same GPT in one process, and the
-ValueErrors of bad layouts. The launched road (train.py --pp under tpkit-launch) is
-tests/test_train.py / tests/launch_scripts/pipeline_train.py."""
+ValueErrors of bad layouts. docs/pipeline.md says what has landed."""
 import os
 import sys
 
