@@ -358,6 +358,20 @@ def test_fabric_fp8_runs_te_in_fp8():
 
 
 # --- 2. fp8 numerics: emulation vs TE --------------------------------------------------------------
+def _linear_trio():
+    """A bf16 tpkit ColumnParallelLinear(1024 -> 2048) and two TE Linears with its weights:
+    one to run under TE's fp8 autocast, one to run in plain bf16."""
+    import transformer_engine.pytorch as te
+    from tpkit.nn import ColumnParallelLinear
+    t = ColumnParallelLinear(1024, 2048, bias=True, device="cuda", dtype=torch.bfloat16)
+    pair = []
+    for _ in range(2):
+        e = te.Linear(1024, 2048, bias=True, params_dtype=torch.bfloat16)
+        _copy(e, t, {"weight": "weight", "bias": "bias"})
+        pair.append(e)
+    return t, *pair
+
+
 def _recipes(history: int = 4):
     from transformer_engine.common.recipe import DelayedScaling as TEDelayed
     from transformer_engine.common.recipe import Format
@@ -372,18 +386,12 @@ def test_fp8_linear_emulation_matches_te(state):
     and then computes the same products of the same fp8 values; what remains is the GEMM's
     accumulation (TE's fprop uses cuBLAS fast accumulation) and the bf16 output rounding
     (2**-9 relative per element), so 5e-3 relative is the bound asserted."""
-    import transformer_engine.pytorch as te
     from tpkit import fp8
-    from tpkit.nn import ColumnParallelLinear
     from tpkit.te import te_autocast
     fp8.reset()
     torch.manual_seed(3)
     te_r, tp_r = _recipes()
-    t = ColumnParallelLinear(1024, 2048, bias=True, device="cuda", dtype=torch.bfloat16)
-    e = te.Linear(1024, 2048, bias=True, params_dtype=torch.bfloat16)
-    _copy(e, t, {"weight": "weight", "bias": "bias"})
-    e_bf16 = te.Linear(1024, 2048, bias=True, params_dtype=torch.bfloat16)
-    _copy(e_bf16, t, {"weight": "weight", "bias": "bias"})
+    t, e, e_bf16 = _linear_trio()
     rows = []
     for step in range(6):
         x = (torch.randn(512, 2, 1024, device="cuda") * (1 + step)).bfloat16()
@@ -534,9 +542,7 @@ def test_fp8_recipe_emulation_matches_te(state, name):
     the GEMM's accumulation and the bf16 output rounding, as in the DelayedScaling check
     above (5e-3 relative). A recipe this GPU cannot run is refused by te_autocast with
     TE's reason (MXFP8 before Blackwell), never run as another recipe."""
-    import transformer_engine.pytorch as te
     from tpkit import fp8
-    from tpkit.nn import ColumnParallelLinear
     from tpkit.te import check_recipe_support, te_autocast, te_recipe
     te_r = te_recipe(name)
     try:
@@ -548,11 +554,7 @@ def test_fp8_recipe_emulation_matches_te(state, name):
         pytest.skip(f"{name} refused on this GPU, as it must be: {exc}")
     fp8.reset()
     torch.manual_seed(5)
-    t = ColumnParallelLinear(1024, 2048, bias=True, device="cuda", dtype=torch.bfloat16)
-    e = te.Linear(1024, 2048, bias=True, params_dtype=torch.bfloat16)
-    _copy(e, t, {"weight": "weight", "bias": "bias"})
-    e_bf16 = te.Linear(1024, 2048, bias=True, params_dtype=torch.bfloat16)
-    _copy(e_bf16, t, {"weight": "weight", "bias": "bias"})
+    t, e, e_bf16 = _linear_trio()
     rows = []
     for step in range(3):
         x = (torch.randn(512, 2, 1024, device="cuda") * (1 + step)).bfloat16()
