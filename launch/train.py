@@ -221,9 +221,11 @@ def train(args) -> list[float]:
         model = GPT(cfg, state)
         full_init(model, args.seed)
     raw_model = model
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
-                                  weight_decay=0.0)
-    model, optimizer = fabric.setup(model, optimizer)
+    # FSDP2 replaces the parameters: set the module up first, then build the optimizer
+    # from the sharded ones (the order is right for DDP too).
+    model = fabric.setup_module(model)
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(
+        model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0))
     start = 0
     if args.resume:
         extra = fabric.load(resolve_resume(args.resume), {"model": model, "optimizer": optimizer})

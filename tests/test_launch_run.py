@@ -90,15 +90,31 @@ def test_failing_rank_is_named_with_its_error():
     assert 1 in ok_lines(out)  # rank 0 may be stopped before it prints
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_signal_reaches_workers(sig, tmp_path):
-    proc = launch("--nproc-per-node", "2", SCRIPT, "1", "1", "--wait-signal", str(tmp_path))
+# SIGHUP and SIGQUIT (a closed terminal, a Slurm or ssh hang-up) with the two ways of
+# starting workers without tpkit's wrapper: --no-python runs the command as given,
+# --run-path runs the script in torchrun's own worker processes (runpy).
+_WRAPPERLESS = {"--no-python": ["--no-python", sys.executable, "-u", SCRIPT],
+                "--run-path": ["--run-path", SCRIPT]}
+
+
+@pytest.mark.parametrize("sig,mode", [(signal.SIGTERM, None), (signal.SIGINT, None),
+                                      (signal.SIGHUP, "--no-python"),
+                                      (signal.SIGQUIT, "--run-path")],
+                         ids=["TERM", "INT", "HUP-no-python", "QUIT-run-path"])
+def test_signal_reaches_workers(sig, mode, tmp_path):
+    cmd = _WRAPPERLESS[mode] if mode else [SCRIPT]
+    proc = launch("--nproc-per-node", "2", "--tp", "2", *cmd, "2", "1", "--wait-signal",
+                  str(tmp_path))
     deadline = time.monotonic() + TIMEOUT
     while not all((tmp_path / f"ready.{r}").exists() for r in (0, 1)):
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
             pytest.fail(f"workers did not start: {proc.communicate()}")
         time.sleep(0.05)
+    for r in (0, 1):   # the rank variables and the layout reached the script, its args too
+        assert (tmp_path / f"ready.{r}").read_text() == (
+            f"RANK={r} WORLD_SIZE=2 TPKIT_TP=2 TPKIT_CP=1 TPKIT_BACKEND=gloo "
+            f"argv=['2', '1', '--wait-signal', '{tmp_path}']")
     proc.send_signal(sig)
     rc, out, err = finish(proc)
     assert rc == 128 + sig, err[-3000:]
