@@ -95,3 +95,16 @@ def test_fused_attn_switch():
     assert fused_attn_enabled({"TPKIT_FUSED_ATTN": "0"}) is False
     with pytest.raises(ValueError, match="TPKIT_FUSED_ATTN='fast' is not a boolean; use 1"):
         fused_attn_enabled({"TPKIT_FUSED_ATTN": "fast"})
+
+
+def test_env_details_mutation_testing_found_untested():
+    """Survivors of tools/mutation.py config (docs/testing.md)."""
+    # the p2p level of a2a+p2p: cp / a2a size (8 / 2 = 4; a shift would give 2)
+    assert ParallelConfig(cp=8, cp_comm_type="a2a+p2p", cp_a2a_size=2).cp_p2p_size == 4
+    assert ParallelConfig(cp=8).cp_p2p_size is None
+    # env_is_set is asked on the class, with an environment of the caller's
+    assert ParallelConfig.env_is_set({"TPKIT_CP_COMM_TYPE": "p2p"}) is True
+    assert ParallelConfig.env_is_set({"OMP_NUM_THREADS": "1"}) is False
+    # an unset TPKIT_TP means tp=1: overriding it with 1 keeps the exported dp, 2 drops it
+    assert ParallelConfig.from_env({"TPKIT_DP": "4"}, tp=1, cp=1, pp=1).dp == 4
+    assert ParallelConfig.from_env({"TPKIT_DP": "4"}, tp=2).dp is None
