@@ -108,3 +108,6 @@ def test_env_details_mutation_testing_found_untested():
     # an unset TPKIT_TP means tp=1: overriding it with 1 keeps the exported dp, 2 drops it
     assert ParallelConfig.from_env({"TPKIT_DP": "4"}, tp=1, cp=1, pp=1).dp == 4
     assert ParallelConfig.from_env({"TPKIT_DP": "4"}, tp=2).dp is None
+    # every comm type but a2a+p2p takes no cp_a2a_size ("a2a" sorts before "a2a+p2p")
+    for comm in ("p2p", "all_gather", "a2a"):
+        assert ParallelConfig(cp=4, cp_comm_type=comm).validate(8).cp_p2p_size is None
