@@ -69,12 +69,80 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="a checkpoint (SAVE/stepNNNNNN) or a --save directory (its latest); "
                         "it may have been written at any layout")
     args = ap.parse_args(argv)
-    for name in ("steps", "global_batch", "seq_len", "hidden", "layers", "heads", "ffn"):
+    for name in ("steps", "global_batch", "seq_len", "hidden", "layers", "heads", "gqa_groups",
+                 "ffn", "log_every"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+    for name in ("warmup", "save_every", "clip"):
+        if getattr(args, name) < 0:
+            ap.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 0 (0: off)")
+    if not args.lr > 0:
+        ap.error(f"--lr={args.lr} must be > 0, e.g. 3e-3")
     if not 0.0 <= args.dropout < 1.0:
         ap.error(f"--dropout={args.dropout} must be in [0, 1)")
+    if args.save_every and not args.save:
+        ap.error(f"--save-every={args.save_every} needs --save DIR (where to write them)")
+    if args.precision != "fp8" and args.fp8_compute_dtype != "float32":
+        ap.error(f"--fp8-compute-dtype={args.fp8_compute_dtype} needs --precision fp8 (got "
+                 f"--precision {args.precision}); drop it")
     return args
+
+
+# --- checks before the workers start (tpkit-launch runs tpkit_preflight) ----------------
+def check_job(args, state) -> None:
+    """The argument checks that need the layout ``state`` (a ParallelState): ValueError
+    naming the flag and the fix. The workers run them too (under plain torchrun)."""
+    from tpkit.data import check_sequence_length
+    if args.global_batch % state.dp_size:
+        raise ValueError(f"--global-batch={args.global_batch} is not divisible by dp="
+                         f"{state.dp_size}; use a multiple of {state.dp_size}")
+    try:
+        check_sequence_length(args.seq_len, state)
+    except ValueError as e:
+        raise ValueError(f"--seq-len={args.seq_len}: {e}") from None
+
+
+def model_config(args, backend=None) -> GPTConfig:
+    return GPTConfig(vocab_size=corpus.VOCAB_SIZE, hidden_size=args.hidden,
+                     num_layers=args.layers, num_heads=args.heads,
+                     num_gqa_groups=args.gqa_groups, ffn_hidden_size=args.ffn,
+                     dropout=args.dropout, recompute=args.recompute,
+                     backend=backend or args.backend)
+
+
+def tpkit_preflight(argv, launch) -> None:
+    """Run by tpkit-launch before any worker starts (docs/launch.md, "Pre-flight checks"):
+    the arguments, the layout they give under this launch, the model at that layout (on
+    the meta device of a planned state: the layers' own checks) and --resume's checkpoint
+    against that model. A ValueError or argparse error stops the launch (exit 2)."""
+    from tpkit.checkpoint import verify
+    from tpkit.config import ParallelConfig
+    from tpkit.planning import fake_state
+    from tpkit.random import get_rng_tracker, model_parallel_seed
+    args = parse_args(argv)
+    config = ParallelConfig.from_env(
+        launch.env, tp=args.tp, cp=args.cp, sequence_parallel=args.sequence_parallel,
+        cp_comm_type=args.cp_comm_type, given_as="train.py --{flag}")
+    try:
+        config = config.validate(launch.world_size)
+    except ValueError as e:
+        raise ValueError(f"{e} [world size {launch.world_size} = {launch.nnodes} node(s) x "
+                         f"{launch.nproc_per_node} processes: this launch]") from None
+    with fake_state(config, launch.world_size) as state:
+        check_job(args, state)
+        cfg = model_config(args, backend="torch")   # shapes are backend-independent
+        try:
+            with torch.random.fork_rng(devices=[]), torch.device("meta"):
+                model_parallel_seed(args.seed, state)   # the layers draw TP shards from it
+                model = GPT(cfg, state)
+        except ValueError as e:
+            raise ValueError(f"the model (--hidden {args.hidden} --heads {args.heads} "
+                             f"--gqa-groups {args.gqa_groups} --ffn {args.ffn}) does not fit "
+                             f"tp={config.tp}: {e}") from None
+        finally:
+            get_rng_tracker().reset()
+        if args.resume and not launch.dry_run:   # a dry run may plan a resume of a future save
+            verify(resolve_resume(args.resume), {"model": model}, state=state)
 
 
 def full_init(model: torch.nn.Module, seed: int) -> None:
@@ -105,8 +173,8 @@ def checkpoint_path(save_dir: str, steps_done: int) -> str:
 def resolve_resume(path: str) -> str:
     """``path`` itself if it is a checkpoint, else the latest SAVE/stepNNNNNN inside it."""
     if not os.path.isdir(path):
-        raise ValueError(f"--resume={path!r} does not exist; pass a checkpoint directory "
-                         "written by --save")
+        raise ValueError(f"--resume={path!r} is not a directory; pass a checkpoint written by "
+                         "--save (SAVE/stepNNNNNN) or the --save directory (its latest)")
     steps = sorted(d for d in os.listdir(path) if d.startswith("step") and d[4:].isdigit())
     return os.path.join(path, steps[-1]) if steps else path
 
@@ -129,9 +197,6 @@ def make_fabric(args):
                              seed=args.seed)
     # Lightning takes precision plugin objects through plugins=, not precision=.
     fallback = {"float32": None, "bfloat16": torch.bfloat16}[args.fp8_compute_dtype]
-    if args.precision != "fp8" and fallback is not None:
-        raise ValueError(f"--fp8-compute-dtype={args.fp8_compute_dtype} needs --precision fp8 "
-                         f"(got --precision {args.precision}); drop it")
     precision = TPKitPrecision(args.precision, fallback_compute_dtype=fallback) \
         if args.precision == "fp8" else TPKitPrecision(args.precision)
     return Fabric(accelerator=accelerator, devices=local, num_nodes=nodes, strategy=strategy,
@@ -143,14 +208,8 @@ def train(args) -> list[float]:
     fabric = make_fabric(args)
     fabric.launch()
     state = fabric.strategy.parallel_state
-    cfg = GPTConfig(vocab_size=corpus.VOCAB_SIZE, hidden_size=args.hidden,
-                    num_layers=args.layers, num_heads=args.heads,
-                    num_gqa_groups=args.gqa_groups, ffn_hidden_size=args.ffn,
-                    dropout=args.dropout, recompute=args.recompute, backend=args.backend)
-    if args.global_batch % state.dp_size:
-        raise ValueError(f"--global-batch={args.global_batch} is not divisible by dp="
-                         f"{state.dp_size}; use a multiple of {state.dp_size}")
-    model = GPT(cfg, state)
+    check_job(args, state)
+    model = GPT(model_config(args), state)
     full_init(model, args.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
                                   weight_decay=0.0)

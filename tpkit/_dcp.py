@@ -37,9 +37,10 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor, Shard
 
+from ._dcp_verify import agree, checkpoint_dir, verify_files
 from .collectives import all_gather, group_size
 from .param_tags import tp_spec
-from .topology import get_parallel_state
+from .topology import resolve_state
 
 EXTRA_STATE_SUFFIX = "_extra_state"
 
@@ -148,6 +149,10 @@ def _init_optimizer_state(opt: torch.optim.Optimizer) -> None:
     with zero gradients and lr=0, which leaves the parameters unchanged."""
     if opt.state:
         return
+    for g in opt.param_groups:
+        if any(p.grad is not None for p in g["params"]):
+            raise ValueError("load the optimizer state before the first backward (a "
+                             "parameter already has a gradient)")
     saved = []
     for g in opt.param_groups:
         lr = g.get("lr")
@@ -157,9 +162,6 @@ def _init_optimizer_state(opt: torch.optim.Optimizer) -> None:
         elif lr is not None:
             g["lr"] = 0.0
         for p in g["params"]:
-            if p.grad is not None:
-                raise ValueError("load the optimizer state before the first backward (a "
-                                 "parameter already has a gradient)")
             p.grad = torch.zeros_like(p)
     opt.step()
     for g, lr in zip(opt.param_groups, saved):
@@ -171,8 +173,8 @@ def _init_optimizer_state(opt: torch.optim.Optimizer) -> None:
             p.grad = None
 
 
-def _optimizer_views(opt, names, state, slots, *, for_load):
-    if for_load:
+def _optimizer_views(opt, names, state, slots, *, for_load, init=True):
+    if for_load and init:
         _init_optimizer_state(opt)
     groups, per_param = [], {}
     for gi, g in enumerate(opt.param_groups):
@@ -198,8 +200,8 @@ def _optimizer_views(opt, names, state, slots, *, for_load):
     return {"state": per_param, "param_groups": groups}
 
 
-def _build(state_dict: dict, *, for_load: bool):
-    state = get_parallel_state()
+def _build(state_dict: dict, *, for_load: bool, init_optimizers: bool = True, state=None):
+    state = resolve_state(state)
     modules = [v for v in state_dict.values() if isinstance(v, nn.Module)]
     names = _param_names(modules)
     slots: list[_Slot] = []
@@ -208,7 +210,8 @@ def _build(state_dict: dict, *, for_load: bool):
         if isinstance(obj, nn.Module):
             out[key] = _module_views(obj, state, slots, for_load=for_load)
         elif isinstance(obj, torch.optim.Optimizer):
-            out[key] = _optimizer_views(obj, names, state, slots, for_load=for_load)
+            out[key] = _optimizer_views(obj, names, state, slots, for_load=for_load,
+                                        init=init_optimizers)
         elif hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict"):
             out[key] = obj.state_dict()
         else:
@@ -255,10 +258,12 @@ def save(path: str | os.PathLike, state_dict: dict[str, Any]) -> None:
 
 
 # --- load ------------------------------------------------------------------------------
-def _check_against(path: str, flat: dict, strict: bool) -> list[str]:
+def _check_against(path: str, meta, flat: dict, strict: bool) -> list[str]:
     """ValueError for tensors whose global shape differs from the checkpoint's; returns
     the keys absent from the checkpoint (ValueError if ``strict``)."""
-    meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    meta = meta.state_dict_metadata
+    other = ("this checkpoint was written by another model (or another configuration of it); "
+             "load a checkpoint of this model, or build the model the checkpoint was saved from")
     missing = []
     for key, value in flat.items():
         if key not in meta:
@@ -267,19 +272,35 @@ def _check_against(path: str, flat: dict, strict: bool) -> list[str]:
         md = meta[key]
         if isinstance(value, torch.Tensor):
             if not isinstance(md, TensorStorageMetadata):
-                raise ValueError(f"checkpoint entry {key!r} is not a tensor but the target is "
-                                 f"a tensor of shape {tuple(value.shape)}")
+                raise ValueError(f"checkpoint {path}: entry {key!r} is not a tensor but the "
+                                 f"target is a tensor of shape {tuple(value.shape)}; {other}")
             if tuple(md.size) != tuple(value.shape):
                 raise ValueError(
-                    f"checkpoint tensor {key!r} has global shape {tuple(md.size)} but the "
-                    f"target expects {tuple(value.shape)}; shapes must match globally to "
-                    "reshard (check the model config, e.g. hidden/vocab sizes or fused "
-                    "partition_sizes)")
+                    f"checkpoint {path}: tensor {key!r} has global shape {tuple(md.size)} but "
+                    f"the target expects {tuple(value.shape)}; shapes must match globally to "
+                    f"reshard (check the model config, e.g. hidden/vocab sizes or fused "
+                    f"partition_sizes): {other}")
     if missing and strict:
         raise ValueError(f"{len(missing)} keys are missing from checkpoint {path}: "
-                         f"{missing[:8]}{' ...' if len(missing) > 8 else ''}; pass "
-                         "strict=False to skip them")
+                         f"{missing[:8]}{' ...' if len(missing) > 8 else ''}; {other}, or "
+                         "pass strict=False to load only the keys it has")
     return missing
+
+
+def verify(path: str | os.PathLike, state_dict: dict[str, Any] | None = None, *,
+           strict: bool = True, state=None) -> None:
+    """Check the checkpoint at ``path`` without restoring anything: its ``.metadata`` and
+    every shard file (present, and as long as the metadata says), and, given
+    ``state_dict``, that every module tensor (and the state of optimizers that have
+    state) is in it with the same global shape (missing keys only with ``strict``).
+    ValueError naming the file or key and what to do, e.g. the previous complete
+    checkpoint next to it. Not collective; reads no tensor data; ``state`` (default: the
+    current one) is the layout the modules are sharded over. ``load`` runs it first."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    meta = verify_files(path)
+    if state_dict is not None:
+        views, _ = _build(state_dict, for_load=True, init_optimizers=False, state=state)
+        _check_against(checkpoint_dir(path), meta, flatten_state_dict(views)[0], strict)
 
 
 def load(path: str | os.PathLike, state_dict: dict[str, Any], *,
@@ -288,12 +309,23 @@ def load(path: str | os.PathLike, state_dict: dict[str, Any], *,
     objects with ``load_state_dict``; plain values are replaced in the dict), resharding
     to the current layout. Returns ``state_dict``. Collective."""
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-    path = os.path.abspath(os.fspath(path))
-    if not os.path.isdir(path):
-        raise ValueError(f"no checkpoint directory at {path}")
-    views, slots = _build(state_dict, for_load=True)
-    flat, mapping = flatten_state_dict(views)
-    missing = set(_check_against(path, flat, strict))
+    fresh = [o for o in state_dict.values() if isinstance(o, torch.optim.Optimizer)
+             and not o.state]  # load creates their state first; undone if it fails
+    error = None
+    try:
+        try:
+            meta = verify_files(path)
+            path = checkpoint_dir(path)
+            views, slots = _build(state_dict, for_load=True)
+            flat, mapping = flatten_state_dict(views)
+            missing = set(_check_against(path, meta, flat, strict))
+        except ValueError as e:
+            error = e
+        agree(error)  # every rank stops here if any rank found a problem
+    except BaseException:
+        for opt in fresh:
+            opt.state.clear()
+        raise
     if missing:
         flat = {k: v for k, v in flat.items() if k not in missing}
     dcp.load(flat, storage_reader=dcp.FileSystemReader(path))
