@@ -7,6 +7,8 @@ The layout comes from tpkit-launch (TPKIT_* variables) or from --tp/--cp here. W
 initialised at full size from --seed and sharded onto the layout, and the global batch of
 step k is the same at every layout, so runs at different layouts follow the same loss
 curve (tests/test_train.py proves it). Rank 0 prints one progress line per --log-every.
+Under tpkit-launch, ``tpkit_preflight`` checks the arguments, the layout, the model's
+sizes and --resume's checkpoint once, before any worker starts (docs/launch.md).
 """
 from __future__ import annotations
 
