@@ -82,6 +82,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(f"--lr={args.lr} must be > 0, e.g. 3e-3")
     if not 0.0 <= args.dropout < 1.0:
         ap.error(f"--dropout={args.dropout} must be in [0, 1)")
+    if args.save and os.path.exists(args.save) and not os.path.isdir(args.save):
+        ap.error(f"--save={args.save!r} is a file; pass a directory (checkpoints go in "
+                 "SAVE/stepNNNNNN)")
     if args.save_every and not args.save:
         ap.error(f"--save-every={args.save_every} needs --save DIR (where to write them)")
     if args.precision != "fp8" and args.fp8_compute_dtype != "float32":
@@ -130,6 +133,12 @@ def tpkit_preflight(argv, launch) -> None:
     except ValueError as e:
         raise ValueError(f"{e} [world size {launch.world_size} = {launch.nnodes} node(s) x "
                          f"{launch.nproc_per_node} processes: this launch]") from None
+    if args.backend == "te":   # the workers run on this machine: TE and CUDA as here
+        from tpkit.te import require_te
+        try:
+            require_te()
+        except (ImportError, RuntimeError) as e:
+            raise ValueError(f"--backend te: {e}") from None
     with fake_state(config, launch.world_size) as state:
         check_job(args, state)
         cfg = model_config(args, backend="torch")   # shapes are backend-independent

@@ -56,6 +56,7 @@ class Row:
     hosts: list | None = None           # ... and what the fake scontrol prints (None: fails)
     setup: Callable | None = None       # setup(tmp_path) before the command
     absent: str | None = None           # a text the message must not contain
+    skip: str | None = None             # "te": only where TE cannot run (no TE or no CUDA)
 
 
 def T(*args):   # a launch/train.py command line on 2 ranks
@@ -186,6 +187,10 @@ LAUNCH = [
     Row("train-save-every", "--save-every=5", "needs --save DIR", T("--save-every", "5")),
     Row("train-fp8-dtype", "--fp8-compute-dtype=bfloat16", "needs --precision fp8",
         T("--fp8-compute-dtype", "bfloat16")),
+    Row("train-save-file", "--save='{tmp}/file'", "pass a directory", T("--save", "{tmp}/file"),
+        setup=_write("file", "")),
+    Row("train-backend-te", "--backend te", "use backend='torch'", T("--backend", "te"),
+        skip="te"),
     Row("train-resume-damaged", "{train_ckpt}/step000002/__1_0.distcp",
         "resume from the previous checkpoint: {train_ckpt}/step000001",
         ["--tp", "2", TRAIN, *SMALL, "--resume", "{train_ckpt}"]),
@@ -198,6 +203,10 @@ LAUNCH = [
 @pytest.mark.parametrize("row", LAUNCH, ids=lambda r: r.id)
 def test_launch_mistake_is_one_line_exit_2(row, capsys, no_workers, monkeypatch,  # noqa: F811
                                            tmp_path, request):
+    if row.skip == "te":
+        from tpkit.te import te_available
+        if te_available():
+            pytest.skip("TE runs here: --backend te is valid")
     paths = {"tmp": str(tmp_path)}
     if any("{train_ckpt}" in a for a in row.argv):
         paths["train_ckpt"] = request.getfixturevalue("damaged")["train_ckpt"]
@@ -310,6 +319,10 @@ API = [
         call=_load(lambda tmp: tmp / "nope")),
     Row("load-file", "{tmp}/x.pt is a file", "pass the directory tpkit.checkpoint.save",
         call=_load(lambda tmp: _touch(tmp / "x.pt"))),
+    Row("save-under-file", "{tmp}/x.pt is a file, not a directory",
+        "pass a path in a writable directory",
+        call=lambda tmp: __import__("tpkit.checkpoint").checkpoint.save(
+            _touch(tmp / "x.pt") / "ck", {"model": torch.nn.Linear(2, 2)})),
     Row("load-empty-dir", "{tmp}/.metadata is missing", "load another checkpoint",
         call=_load(lambda tmp: tmp)),
 ]
@@ -355,6 +368,20 @@ def test_failed_worker_line(tmp_path):
     assert line.endswith("failed: ValueError: x=3 is odd; use x=4") and launch.user_error(line)
     line = _failure(tmp_path, 1, RuntimeError("boom"), "runtime.json")
     assert "failed: RuntimeError: boom" in line and not launch.user_error(line)
+    # torch's CheckpointException (a BaseException) carries every rank's traceback: one
+    # line, naming each rank's error once
+    import traceback
+
+    from torch.distributed.checkpoint.api import CheckpointException
+    try:
+        raise NotADirectoryError(20, "Not a directory", "/x/s.py/step2.tmp")
+    except OSError as e:
+        trace = traceback.extract_tb(e.__traceback__)
+        error = CheckpointException("save", {0: (e, trace), 1: (e, trace)})
+    line = _failure(tmp_path, 1, error, "checkpoint.json")
+    assert "\n" not in line and line.endswith(
+        "failed: CheckpointException: CheckpointException ranks:dict_keys([0, 1]); "
+        "NotADirectoryError: [Errno 20] Not a directory: '/x/s.py/step2.tmp'"), line
 
 
 # --- damaged checkpoints, on 2 ranks ----------------------------------------------------------
@@ -523,9 +550,35 @@ def test_worker_side_value_error_is_one_line():
     assert rc == 1, err[-3000:]
     assert out.count("TP2 OK") == 2, out
     assert "Traceback" not in err, err[-3000:]
+    assert len([ln for ln in err.splitlines() if ln.strip()]) == 1, err[-3000:]
     msg = "world size 2 is not divisible by tp*cp*pp = 4*1*1 = 4"
     assert err.count(msg) == 1, err[-3000:]
     last = err.strip().splitlines()[-1]
     assert last.startswith("tpkit-launch: rank ") and msg in last, err[-3000:]
     assert "tp=4 from init_parallel's tp argument" in last and "smaller tp/cp/pp" in last
     assert "TPKIT_TRACEBACK=1" in last
+
+
+def test_worker_wrapper_records_every_exception(tmp_path, monkeypatch):
+    """tpkit-launch's worker wrapper writes torchrun's error file for what the script
+    raises: a ValueError (exit 1, no traceback printed) and torch's CheckpointException,
+    which is a BaseException (else the launcher's line reads "exited without a Python
+    exception")."""
+    import json
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from tpkit.cli import _worker
+    script = tmp_path / "s.py"
+    for raise_, expect in (("ValueError('x=3 is odd; use x=4')", SystemExit),
+                           ("CheckpointException('save', {})", CheckpointException)):
+        script.write_text("from torch.distributed.checkpoint.api import CheckpointException\n"
+                          f"raise {raise_}\n")
+        error_file = tmp_path / f"{expect.__name__}.json"
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+        monkeypatch.delenv("TPKIT_TRACEBACK", raising=False)
+        monkeypatch.setattr(sys, "argv", [_worker.__file__, str(script)])
+        with pytest.raises(expect):
+            _worker.main()
+        message = json.loads(error_file.read_text())["message"]["message"]
+        assert message.startswith(raise_.split("(")[0] + ": "), message

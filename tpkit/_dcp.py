@@ -37,7 +37,7 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor, Shard
 
-from ._dcp_verify import agree, checkpoint_dir, verify_files
+from ._dcp_verify import agree, checkpoint_dir, dir_problem, verify_files
 from .collectives import all_gather, group_size
 from .param_tags import tp_spec
 from .topology import resolve_state
@@ -233,6 +233,9 @@ def save(path: str | os.PathLike, state_dict: dict[str, Any]) -> None:
     """Write ``state_dict`` (modules, optimizers, objects with ``state_dict()``, plain
     values) as a sharded checkpoint directory at ``path``, atomically. Collective."""
     path = os.path.abspath(os.fspath(path))
+    problem = dir_problem(os.path.dirname(path))   # before any rank writes a byte
+    agree(None if problem is None else ValueError(
+        f"cannot save checkpoint {path}: {problem}; pass a path in a writable directory"))
     name = [f"{path}.tmp-{uuid.uuid4().hex[:8]}" if _rank() == 0 else None]
     if dist.is_initialized():
         dist.broadcast_object_list(name, src=0)

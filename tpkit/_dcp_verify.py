@@ -20,7 +20,7 @@ import re
 
 METADATA = ".metadata"
 
-__all__ = ["verify_files", "checkpoint_dir", "previous_checkpoint", "agree"]
+__all__ = ["verify_files", "checkpoint_dir", "previous_checkpoint", "agree", "dir_problem"]
 
 
 def _name_key(name: str):
@@ -127,6 +127,21 @@ def verify_files(path) -> object:
     except ValueError as e:
         raise ValueError(f"checkpoint {path} is incomplete or damaged: {e}; "
                          f"{_what_to_do(path)}") from None
+
+
+def dir_problem(path) -> str | None:
+    """Why files cannot be written in a directory at ``path`` (created if missing): the
+    path or its nearest existing ancestor is a file, or is not writable. None when they
+    can. Used before a save starts, and by tpkit-launch for ``--log-dir``."""
+    path = os.path.abspath(os.fspath(path))
+    near = path
+    while not os.path.exists(near):
+        near = os.path.dirname(near)
+    if not os.path.isdir(near):
+        return f"{near} is a file, not a directory"
+    if not os.access(near, os.W_OK | os.X_OK):
+        return f"{near} is not writable"
+    return None
 
 
 def agree(error: ValueError | None) -> None:

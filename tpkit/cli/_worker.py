@@ -26,7 +26,9 @@ def main() -> None:
         else:
             sys.argv = list(argv)
             runpy.run_path(argv[0], run_name="__main__")
-    except Exception as e:
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except BaseException as e:   # torch's CheckpointException is a BaseException
         from torch.distributed.elastic.multiprocessing.errors import get_error_handler
         get_error_handler().record_exception(e)
         if type(e) is ValueError and os.environ.get("TPKIT_TRACEBACK", "0").strip().lower() \

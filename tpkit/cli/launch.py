@@ -9,6 +9,7 @@ from Slurm when inside an allocation, and then runs torchrun's own launcher
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import sys
 from typing import Mapping
@@ -316,14 +317,11 @@ def _check_torchrun_flags(args, rdzv_backend: str, endpoint: str | None) -> None
     if args.master_port is not None and not 0 <= args.master_port <= 65535:
         raise LaunchError(f"--master-port={args.master_port} is not a port; pass 0..65535")
     if args.log_dir:
-        log_dir = os.path.abspath(args.log_dir)
-        parent = log_dir
-        while not os.path.exists(parent):
-            parent = os.path.dirname(parent)
-        if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
-            raise LaunchError(f"--log-dir={args.log_dir!r} cannot be created ({parent} is "
-                              f"{'not a directory' if not os.path.isdir(parent) else 'not writable'}"
-                              "); pass a writable directory")
+        from tpkit._dcp_verify import dir_problem
+        problem = dir_problem(args.log_dir)
+        if problem:
+            raise LaunchError(f"--log-dir={args.log_dir!r} cannot be used ({problem}); pass "
+                              "a writable directory")
     if args.local_ranks_filter:
         try:
             [int(r) for r in args.local_ranks_filter.split(",")]
@@ -349,13 +347,17 @@ def _launch(args, plan: Plan) -> int:
         args.module = False
         args.training_script = WORKER
         args.training_script_args = plan.command[3:]
+    quiet = _DropFailureLog()
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(quiet)
     try:
         run(args)
     except ChildFailedError as e:
         e.name = script  # torchrun would name the wrapper module
         line = describe_failure(e)
         if user_error(line):  # a user's ValueError: the one line says it all
-            line += " [TPKIT_TRACEBACK=1 shows the traceback]"
+            from tpkit.config import env_flag
+            if not env_flag("TPKIT_TRACEBACK", default=False):   # checked by resolve()
+                line += " [TPKIT_TRACEBACK=1 shows the traceback]"
         else:
             print(e.format_msg(), file=sys.stderr)
         print(f"{PROG}: {line}", file=sys.stderr, flush=True)
@@ -364,7 +366,19 @@ def _launch(args, plan: Plan) -> int:
         print(f"{PROG}: stopped by {e.sigval.name}; the workers were sent it too",
               file=sys.stderr, flush=True)
         return 128 + int(e.sigval)
+    finally:
+        logging.getLogger("torch.distributed.elastic.multiprocessing.api").removeFilter(quiet)
     return 0
+
+
+class _DropFailureLog(logging.Filter):
+    """Drops torch's routine failure records ("failed (exitcode: N) local_rank: ...",
+    "Sending process P closing signal SIGTERM"): the line tpkit-launch prints after them
+    names the failing rank, its exit code, its error and how many others were stopped."""
+    ROUTINE = ("failed (exitcode:", "Sending process ", "Closing process ")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.ROUTINE)
 
 
 def describe_failure(e) -> str:
@@ -376,11 +390,17 @@ def describe_failure(e) -> str:
     msg = f.message
     if isinstance(msg, dict):
         msg = msg.get("message", msg)
+    # One line: a message with tracebacks in it (torch's CheckpointException gathers every
+    # rank's) keeps its unindented lines but the "Traceback" headers, each once.
+    lines = [ln.strip() for ln in str(msg).splitlines()
+             if ln.strip() and not ln.startswith((" ", "\t", "Traceback (most recent call"))]
+    msg = "; ".join(dict.fromkeys(lines))
     if f.exitcode > 0 and f.error_file_data.get("message") in (None, "", "<NONE>"):
         # no error file: torch's placeholder record is {"message": "<NONE>"}
         msg = "exited without a Python exception (sys.exit or a crash); see its output above"
     others = len(e.failures) - 1
-    more = f" ({others} other rank{'s' * (others > 1)} failed or were stopped)" if others else ""
+    more = (f" ({others} other rank{'s' * (others > 1)} failed or "
+            f"{'were' if others > 1 else 'was'} stopped)" if others else "")
     return (f"rank {rank} (local rank {f.local_rank}, exit code {f.exitcode}) failed: "
             f"{str(msg).strip()}{more}")
 
