@@ -133,7 +133,7 @@ def tpkit_preflight(argv, launch) -> None:
     except ValueError as e:
         raise ValueError(f"{e} [world size {launch.world_size} = {launch.nnodes} node(s) x "
                          f"{launch.nproc_per_node} processes: this launch]") from None
-    if args.backend == "te":   # the workers run on this machine: TE and CUDA as here
+    if args.backend == "te" and not launch.dry_run:   # the workers run here: TE, CUDA as here
         from tpkit.te import require_te
         try:
             require_te()
