@@ -13,6 +13,7 @@ BAD = [
     (dict(tp=3), 8, "world size 8"),
     (dict(tp=2, cp=2, pp=3), 8, "2*2*3"),
     (dict(tp=2, dp=3), 8, "dp=3"),
+    (dict(tp=2, dp=8), 8, "dp=8"),
     (dict(tp=1, sequence_parallel=True), None, "sequence_parallel=True"),
     (dict(tp=2, sequence_parallel="yes"), None, "sequence_parallel='yes'"),
     (dict(cp=2, cp_comm_type="ring"), None, "cp_comm_type='ring'"),
@@ -111,3 +112,9 @@ def test_env_details_mutation_testing_found_untested():
     # every comm type but a2a+p2p takes no cp_a2a_size ("a2a" sorts before "a2a+p2p")
     for comm in ("p2p", "all_gather", "a2a"):
         assert ParallelConfig(cp=4, cp_comm_type=comm).validate(8).cp_p2p_size is None
+    # the moved shm switch still resolves here; any other missing name is an AttributeError
+    import tpkit.config
+    import tpkit.shm
+    assert tpkit.config.shm_allreduce_enabled is tpkit.shm.shm_allreduce_enabled
+    with pytest.raises(AttributeError, match="world_default"):
+        tpkit.config.world_default  # noqa: B018
