@@ -118,3 +118,5 @@ def test_env_details_mutation_testing_found_untested():
     assert tpkit.config.shm_allreduce_enabled is tpkit.shm.shm_allreduce_enabled
     with pytest.raises(AttributeError, match="world_default"):
         tpkit.config.world_default  # noqa: B018
+    # tp * cp * pp with no two sizes equal (2 ** 3 * 2 or 2 * 3 ** 2 would pass with 2, 2, 3)
+    assert ParallelConfig(tp=2, cp=3, pp=2).validate(24).dp == 2
