@@ -18,7 +18,9 @@ BAD = [
     (dict(tp=2, sequence_parallel="yes"), None, "sequence_parallel='yes'"),
     (dict(cp=2, cp_comm_type="ring"), None, "cp_comm_type='ring'"),
     (dict(cp=4, cp_comm_type="a2a+p2p"), None, "cp_a2a_size"),
-    (dict(cp=6, cp_comm_type="a2a+p2p", cp_a2a_size=4), None, "cp_a2a_size=4"),
+    (dict(cp=6, cp_comm_type="a2a+p2p", cp_a2a_size=4), None, "cp_a2a_size=4 does not divide"),
+    (dict(tp=None), None, "tp=None"),
+    (dict(tp=2), None, "world_size=None"),
     (dict(cp=4, cp_comm_type="a2a+p2p", cp_a2a_size=4), None, "cp_a2a_size=4"),
     (dict(cp=4, cp_comm_type="a2a+p2p", cp_a2a_size=1), None, "cp_a2a_size=1"),
     (dict(cp=4, cp_comm_type="p2p", cp_a2a_size=2), None, "cp_a2a_size=2"),
@@ -120,3 +122,7 @@ def test_env_details_mutation_testing_found_untested():
         tpkit.config.world_default  # noqa: B018
     # tp * cp * pp with no two sizes equal (2 ** 3 * 2 or 2 * 3 ** 2 would pass with 2, 2, 3)
     assert ParallelConfig(tp=2, cp=3, pp=2).validate(24).dp == 2
+    # a layout is a value: frozen (it keys the state and travels in TPKIT_*)
+    import dataclasses
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ParallelConfig().tp = 2
