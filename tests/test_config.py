@@ -126,3 +126,5 @@ def test_env_details_mutation_testing_found_untested():
     import dataclasses
     with pytest.raises(dataclasses.FrozenInstanceError):
         ParallelConfig().tp = 2
+    # a divisor that shares no bit pattern with cp (6 = 2 * 3; 6 & 3 != 0 is no divisibility)
+    assert ParallelConfig(cp=6, cp_comm_type="a2a+p2p", cp_a2a_size=3).cp_p2p_size == 2
