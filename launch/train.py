@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import signal
 import sys
 import time
 
@@ -68,13 +69,54 @@ def parse_args(argv=None) -> argparse.Namespace:
     c.add_argument("--resume", default=None,
                    help="a checkpoint (SAVE/stepNNNNNN) or a --save directory (its latest); "
                         "it may have been written at any layout")
+    add_recovery_args(ap)
     args = ap.parse_args(argv)
+    check_recovery_args(ap, args)
     for name in ("steps", "global_batch", "seq_len", "hidden", "layers", "heads", "ffn"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
     if not 0.0 <= args.dropout < 1.0:
         ap.error(f"--dropout={args.dropout} must be in [0, 1)")
     return args
+
+
+# --- recovery (tpkit.recovery; docs/launch.md#recovery) -----------------------------------
+def add_recovery_args(ap: argparse.ArgumentParser) -> None:
+    r = ap.add_argument_group("recovery (with --save: SIGTERM/SIGUSR1 save a checkpoint after "
+                              "the current step and exit with 128 + the signal)")
+    r.add_argument("--auto-resume", action="store_true",
+                   help="resume from the newest complete checkpoint in --save (written at any "
+                        "layout), else start fresh and say so")
+    r.add_argument("--keep", type=int, default=None, metavar="N",
+                   help="keep the newest N checkpoints in --save (never the one resumed from)")
+    r.add_argument("--hang-timeout", type=float, metavar="S",
+                   default=float(os.environ.get("TPKIT_HANG_TIMEOUT") or 0) or None,
+                   help="no progress for S seconds: dump stacks, name the stuck ranks, exit "
+                        "124 (default $TPKIT_HANG_TIMEOUT, else off)")
+    r.add_argument("--async-save", action="store_true",
+                   help="write checkpoints in the background (the next save waits for it)")
+
+
+def check_recovery_args(ap: argparse.ArgumentParser, args) -> None:
+    for flag, on in (("--auto-resume", args.auto_resume), ("--keep", args.keep is not None),
+                     ("--async-save", args.async_save)):
+        if on and not args.save:
+            ap.error(f"{flag} needs --save DIR (the checkpoint directory)")
+    if args.auto_resume and args.resume:
+        ap.error(f"--auto-resume and --resume={args.resume} both choose the checkpoint to "
+                 "start from; pass one")
+    if args.keep is not None and args.keep < 1:
+        ap.error(f"--keep={args.keep} must be >= 1")
+    if args.hang_timeout is not None and not args.hang_timeout > 0:
+        ap.error(f"--hang-timeout={args.hang_timeout} must be > 0 seconds")
+
+
+def make_recovery(args, world: int):
+    from tpkit.recovery import Recovery
+    return Recovery(args.save, save_every=args.save_every, keep=args.keep,
+                    hang_timeout=args.hang_timeout, async_save=args.async_save,
+                    signals=() if not args.save else (signal.SIGTERM, signal.SIGUSR1),
+                    straggler_every=args.log_every if world > 1 else None)
 
 
 def full_init(model: torch.nn.Module, seed: int) -> None:
@@ -98,17 +140,13 @@ def full_init(model: torch.nn.Module, seed: int) -> None:
     load_full_state_dict(model, new)
 
 
-def checkpoint_path(save_dir: str, steps_done: int) -> str:
-    return os.path.join(save_dir, f"step{steps_done:06d}")
-
-
 def resolve_resume(path: str) -> str:
     """``path`` itself if it is a checkpoint, else the latest SAVE/stepNNNNNN inside it."""
+    from tpkit.recovery import latest_checkpoint
     if not os.path.isdir(path):
         raise ValueError(f"--resume={path!r} does not exist; pass a checkpoint directory "
                          "written by --save")
-    steps = sorted(d for d in os.listdir(path) if d.startswith("step") and d[4:].isdigit())
-    return os.path.join(path, steps[-1]) if steps else path
+    return latest_checkpoint(path) or path
 
 
 def lr_at(step: int, args) -> float:
@@ -159,10 +197,14 @@ def train(args) -> list[float]:
     if args.resume:
         extra = fabric.load(resolve_resume(args.resume), {"model": model, "optimizer": optimizer})
         start = int(extra["step"]) + 1
+    rec, saved = make_recovery(args, state.world_size), {"model": model, "optimizer": optimizer}
+    if args.auto_resume:
+        start = rec.resume(saved)
     data, _ = corpus.split(corpus.tokens())
     local_batch = args.global_batch // state.dp_size
     losses, t_last, tokens_since = [], time.perf_counter(), 0
     for step in range(start, args.steps):
+        t_step = time.perf_counter()
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, args)
         x, y = corpus.batch(data, step, args.global_batch, args.seq_len, seed=args.seed)
@@ -174,6 +216,7 @@ def train(args) -> list[float]:
             fabric.clip_gradients(model, optimizer, max_norm=args.clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        own_time = time.perf_counter() - t_step  # before the step's last wait (stragglers)
         report = loss.detach().float().clone()
         dist.all_reduce(report, group=state.dp_cp_group)
         losses.append(report.item() / state.dp_cp_size)
@@ -181,12 +224,14 @@ def train(args) -> list[float]:
         last = step == args.steps - 1
         if state.rank == 0 and (step % args.log_every == 0 or last):
             dt = time.perf_counter() - t_last
-            print(f"step {step:5d}  loss {losses[-1]:.4f}  lr {lr_at(step, args):.2e}  "
+            print(f"step {step:5d}  loss {losses[-1]:.6f}  lr {lr_at(step, args):.2e}  "
                   f"{tokens_since / dt:,.0f} tokens/s", flush=True)
             t_last, tokens_since = time.perf_counter(), 0
-        if args.save and ((args.save_every and (step + 1) % args.save_every == 0) or last):
-            fabric.save(checkpoint_path(args.save, step + 1),
-                        {"model": model, "optimizer": optimizer, "step": step})
+        if rec.step_end(step, saved, last=last, seconds=own_time):
+            break
+    rec.close()
+    if rec.stopped_by:
+        raise SystemExit(rec.exit_code)
     return losses
 
 

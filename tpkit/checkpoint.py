@@ -110,6 +110,6 @@ def load_full_state_dict(model: nn.Module, sd: dict[str, torch.Tensor], state=No
             t.copy_(src)
 
 # Sharded, reshardable checkpoints with torch.distributed.checkpoint (tpkit/_dcp.py).
-from ._dcp import load, read_extras, save, unwrap_module  # noqa: E402
+from ._dcp import PendingSave, async_save, load, read_extras, save, unwrap_module  # noqa: E402
 
-__all__ += ["save", "load", "read_extras", "unwrap_module"]
+__all__ += ["save", "load", "async_save", "PendingSave", "read_extras", "unwrap_module"]

@@ -16,6 +16,10 @@ from typing import Mapping
 PROG = "tpkit-launch"
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_worker.py")
 DRY_RUN_ROWS = 64
+# nccl's flight recorder, on unless the user set these (tpkit.recovery's hang watchdog
+# dumps it; NCCL dumps it itself on a collective timeout).
+NCCL_FLIGHT_RECORDER = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # torchrun's default; tpkit adds SIGUSR1
 
 
 class LaunchError(ValueError):
@@ -243,6 +247,11 @@ def resolve(args, env: Mapping[str, str]) -> Plan:
                           "--backend gloo")
     command = _command(args, env)
     exports = dict(config.to_env(), TPKIT_BACKEND=backend)
+    if backend == "nccl":
+        exports.update({k: v for k, v in NCCL_FLIGHT_RECORDER.items() if k not in env})
+        if args.log_dir and "TORCH_NCCL_DEBUG_INFO_TEMP_FILE" not in env:
+            exports["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] = os.path.join(
+                os.path.abspath(args.log_dir), "nccl_trace_rank_")
     if "OMP_NUM_THREADS" not in env:
         cpus = (slurm.cpus_per_task if slurm and slurm.cpus_per_task
                 else len(os.sched_getaffinity(0)))
@@ -283,6 +292,9 @@ def _launch(args, plan: Plan) -> int:
         args.module = False
         args.training_script = WORKER
         args.training_script_args = plan.command[3:]
+    if getattr(args, "signals_to_handle", None) == TORCHRUN_SIGNALS:
+        args.signals_to_handle += ",SIGUSR1"  # Slurm's --signal; the workers may save on it
+    _signal_once()
     try:
         run(args)
     except ChildFailedError as e:
@@ -297,21 +309,52 @@ def _launch(args, plan: Plan) -> int:
     return 0
 
 
+def _signal_once() -> None:
+    """torchrun's agent turns a handled signal into SignalException, then sends it to the
+    workers and waits for them (SIGKILL after its shutdown timeout). A repeated signal
+    would abort that wait and leave workers that are still saving behind: after the
+    first, report and ignore them."""
+    import signal
+    from torch.distributed.elastic.multiprocessing import api
+    first, seen = api._terminate_process_handler, []
+
+    def handler(signum, frame):
+        if seen:
+            os.write(2, f"{PROG}: {signal.Signals(signum).name} again: still waiting for "
+                        "the workers to stop\n".encode())
+            return
+        seen.append(signum)
+        first(signum, frame)
+
+    api._terminate_process_handler = handler
+
+
+HANG_PREFIX = "HangError: "  # tpkit.recovery.hang.HangError, as torchrun records it
+
+
+def _message(failure) -> str:
+    msg = failure.message
+    return str(msg.get("message", msg) if isinstance(msg, dict) else msg).strip()
+
+
 def describe_failure(e) -> str:
     """One line naming the rank that failed first and its error (from torchrun's per-rank
-    error file); ranks the agent then stopped with a signal are only counted."""
+    error file); ranks the agent then stopped with a signal are only counted. After a
+    hang, the verdict of tpkit.recovery's watchdog: the stuck ranks and where."""
+    hangs = [m for m in map(_message, e.failures.values()) if m.startswith(HANG_PREFIX)]
+    if hangs:  # every rank recorded rank 0's verdict, unless it never reached them
+        return "hang: " + min(hangs, key=lambda m: "verdict did not reach" in m)[
+            len(HANG_PREFIX):]
     own = [(f.timestamp, r) for r, f in e.failures.items() if f.exitcode > 0]
     rank = min(own)[1] if own else e.get_first_failure()[0]
     f = e.failures[rank]
-    msg = f.message
-    if isinstance(msg, dict):
-        msg = msg.get("message", msg)
+    msg = _message(f)
     if f.exitcode > 0 and not f.error_file_data.get("message"):
         msg = "exited without a Python exception (sys.exit or a crash); see its output above"
     others = len(e.failures) - 1
     more = f" ({others} other rank{'s' * (others > 1)} failed or were stopped)" if others else ""
     return (f"rank {rank} (local rank {f.local_rank}, exit code {f.exitcode}) failed: "
-            f"{str(msg).strip()}{more}")
+            f"{msg}{more}")
 
 
 def main(argv: list[str] | None = None) -> int:
