@@ -89,10 +89,10 @@ def add_recovery_args(ap: argparse.ArgumentParser) -> None:
                         "layout), else start fresh and say so")
     r.add_argument("--keep", type=int, default=None, metavar="N",
                    help="keep the newest N checkpoints in --save (never the one resumed from)")
-    r.add_argument("--hang-timeout", type=float, metavar="S",
-                   default=float(os.environ.get("TPKIT_HANG_TIMEOUT") or 0) or None,
+    r.add_argument("--hang-timeout", type=float, metavar="S", default=None,
                    help="no progress for S seconds: dump stacks, name the stuck ranks, exit "
-                        "124 (default $TPKIT_HANG_TIMEOUT, else off)")
+                        "124 (default $TPKIT_HANG_TIMEOUT, which the Slurm templates set; "
+                        "else off)")
     r.add_argument("--async-save", action="store_true",
                    help="write checkpoints in the background (the next save waits for it)")
 
@@ -109,6 +109,15 @@ def check_recovery_args(ap: argparse.ArgumentParser, args) -> None:
         ap.error(f"--keep={args.keep} must be >= 1")
     if args.hang_timeout is not None and not args.hang_timeout > 0:
         ap.error(f"--hang-timeout={args.hang_timeout} must be > 0 seconds")
+    env = os.environ.get("TPKIT_HANG_TIMEOUT", "").strip()
+    if args.hang_timeout is None and env:
+        try:
+            args.hang_timeout = float(env)
+        except ValueError:
+            args.hang_timeout = -1.0
+        if not args.hang_timeout > 0:
+            ap.error(f"TPKIT_HANG_TIMEOUT={env!r} must be a number of seconds > 0 (e.g. "
+                     "900); unset it to turn the hang watchdog off")
 
 
 def make_recovery(args, world: int):

@@ -425,3 +425,31 @@ def test_train_recovery_flags_bad_input(capsys):
         with pytest.raises(SystemExit):
             train.parse_args(argv)
         assert message in capsys.readouterr().err, argv
+
+
+def test_launcher_environment_for_recovery(monkeypatch):
+    """tpkit-launch gives each rendezvous round its own store when workers may restart
+    (torch shares the agent's store across rounds, and the restarted ranks then read
+    their peers' old addresses: the kill test above fails without it), and turns nccl's
+    flight recorder on, leaving the user's own settings alone."""
+    from tpkit.cli import launch
+    for var in [v for v in os.environ if v.startswith(("TORCH_", "SLURM_", "TPKIT_"))]:
+        monkeypatch.delenv(var)
+
+    def exports(*argv):
+        return launch.resolve(launch.build_parser().parse_args([*argv, FAULTS]),
+                              os.environ).exports
+    key = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+    assert key not in exports("--nproc-per-node", "2")
+    assert exports("--nproc-per-node", "2", "--max-restarts", "1")[key] == "1"
+    assert exports("--nnodes", "1:2", "--nproc-per-node", "2", "--rdzv-endpoint", "h:1")[key] \
+        == "1"                                                    # elastic: new rounds too
+    monkeypatch.setenv(key, "0")
+    assert key not in exports("--nproc-per-node", "2", "--max-restarts", "1")
+    monkeypatch.setattr(launch, "_visible_gpus", lambda: 2)
+    env = exports("--nproc-per-node", "2", "--backend", "nccl", "--log-dir", "logs")
+    assert (env["TORCH_NCCL_TRACE_BUFFER_SIZE"], env["TORCH_NCCL_DUMP_ON_TIMEOUT"]) == ("2000", "1")
+    assert env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == os.path.abspath("logs/nccl_trace_rank_")
+    monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "0")
+    assert "TORCH_NCCL_TRACE_BUFFER_SIZE" not in exports("--nproc-per-node", "2", "--backend",
+                                                         "nccl")

@@ -19,6 +19,7 @@ DRY_RUN_ROWS = 64
 # nccl's flight recorder, on unless the user set these (tpkit.recovery's hang watchdog
 # dumps it; NCCL dumps it itself on a collective timeout).
 NCCL_FLIGHT_RECORDER = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+SHARED_STORE_OFF = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # torchrun's default; tpkit adds SIGUSR1
 
 
@@ -252,6 +253,13 @@ def resolve(args, env: Mapping[str, str]) -> Plan:
         if args.log_dir and "TORCH_NCCL_DEBUG_INFO_TEMP_FILE" not in env:
             exports["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] = os.path.join(
                 os.path.abspath(args.log_dir), "nccl_trace_rank_")
+    if (int(getattr(args, "max_restarts", 0) or 0) > 0 or lo != hi) \
+            and rdzv_backend == "c10d" and SHARED_STORE_OFF not in env:
+        # Restarts (and elastic membership changes) start a new rendezvous round. Workers
+        # that share the agent's store see the previous round's keys (torch issue 135712:
+        # the new gloo/nccl group reads its peers' old addresses and fails to connect, or
+        # hangs): give every round a store of its own.
+        exports[SHARED_STORE_OFF] = "1"
     if "OMP_NUM_THREADS" not in env:
         cpus = (slurm.cpus_per_task if slurm and slurm.cpus_per_task
                 else len(os.sched_getaffinity(0)))
