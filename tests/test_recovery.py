@@ -258,7 +258,9 @@ def _model():
 
 def _async_save_copies_the_step(path):
     """async_save, then training changes every tensor in place at once: the checkpoint
-    holds the values of the save, reaches ``path`` only in wait(), and loads back."""
+    holds the values of the save, reaches ``path`` only in wait(), and loads back; a
+    second save reusing the first one's CPU buffers holds its own values, the first
+    checkpoint still the first's."""
     import torch
     import torch.distributed as dist
     import tpkit
@@ -268,26 +270,34 @@ def _async_save_copies_the_step(path):
     model(torch.ones(3, 1, 8)).pow(2).sum().backward()
     opt.step()
     live = [*model.parameters(), *(t for st in opt.state.values() for t in st.values())]
-    saved = [t.detach().clone() for t in live]            # this rank's shards and moments
-    group = dist.new_group(backend="gloo")
-    pending = async_save(path, {"model": model, "optimizer": opt, "n": 7}, process_group=group)
-    with torch.no_grad():
-        for t in live:
-            t.add_(1.0)                                  # the next step, in place
-    early = os.path.exists(path)
-    pending.wait()
+    group, buffers, saved, early = dist.new_group(backend="gloo"), {}, [], []
+    for k, where in enumerate((path, path + "-2")):
+        saved.append([t.detach().clone() for t in live])  # this rank's shards and moments
+        pending = async_save(where, {"model": model, "optimizer": opt, "n": 7 + k},
+                             process_group=group, buffers=buffers)
+        with torch.no_grad():
+            for t in live:
+                t.add_(1.0)                                  # the next step, in place
+        early.append(os.path.exists(where))
+        pending.wait()
     dist.barrier()
-    model2, opt2 = _model()
-    extra = load(path, {"model": model2, "optimizer": opt2, "n": None})
-    back = [*model2.parameters(), *(t for st in opt2.state.values() for t in st.values())]
+    same, ns = [], []
+    for k, where in enumerate((path, path + "-2")):
+        model2, opt2 = _model()
+        ns.append(load(where, {"model": model2, "optimizer": opt2, "n": None})["n"])
+        back = [*model2.parameters(), *(t for st in opt2.state.values() for t in st.values())]
+        same.append(len(back) == len(live) and
+                    all(torch.equal(a, b) for a, b in zip(saved[k], back)))
     dist.destroy_process_group(group)
-    return early, extra["n"], all(torch.equal(a, b) for a, b in zip(saved, back)), len(back)
+    return early, ns, same, len(live), len(buffers)
 
 
 def test_async_save_holds_the_step_it_was_called_at(tmp_path):
-    for early, n, same, count in run(_async_save_copies_the_step, 2, str(tmp_path / "ck")):
-        assert (early, n, same, count) == (False, 7, True, 4 + 4 * 3)  # weights and biases,
-        # and per parameter Adam's step, exp_avg, exp_avg_sq
+    for early, ns, same, count, buffers in run(_async_save_copies_the_step, 2,
+                                               str(tmp_path / "ck")):
+        assert (early, ns, same) == ([False] * 2, [7, 8], [True] * 2)
+        assert count == 4 + 4 * 3   # weights and biases, and per parameter Adam's step,
+        assert buffers >= count     # exp_avg, exp_avg_sq; each copied into a kept buffer
 
 
 def _resume_and_keep(save_dir):

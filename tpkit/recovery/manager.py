@@ -80,6 +80,7 @@ class Recovery:
         self.stopped_by = None
         self._pending: checkpoint.PendingSave | None = None
         self._saved_step: int | None = None
+        self._buffers: dict = {}           # async_save's CPU copies, reused save to save
         self._group = dist.new_group(backend="gloo") \
             if async_save and dist.is_initialized() else None
         if self.watchdog is not None:
@@ -144,7 +145,8 @@ class Recovery:
         self._wait_pending()
         self._beat(step)
         if self.async_save and not wait:
-            self._pending = checkpoint.async_save(path, sd, process_group=self._group)
+            self._pending = checkpoint.async_save(path, sd, process_group=self._group,
+                                                  buffers=self._buffers)
         else:
             checkpoint.save(path, sd)
             self._committed(path)
