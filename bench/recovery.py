@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import statistics
 import tempfile
 import time
@@ -27,12 +26,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIZES = dict(hidden_size=512, num_layers=4, num_heads=8, num_gqa_groups=4,
              ffn_hidden_size=2048)
 SEQ, BATCH, ROUNDS, AFTER = 64, 2, 4, 3
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _measure(save_dir: str, rounds: int) -> dict:
@@ -100,31 +93,11 @@ def _measure(save_dir: str, rounds: int) -> dict:
                 .tp_size)
 
 
-def _worker(rank: int, port: int, save_dir: str, queue, rounds: int) -> None:
-    import sys
-    sys.path.insert(0, ROOT)
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
-    import tpkit
-    tpkit.init_parallel(tp=2, backend="gloo", seed=1234)
-    try:
-        res = _measure(save_dir, rounds)
-    finally:
-        tpkit.destroy_parallel()
-    if rank == 0:
-        queue.put(res)
-
-
 def measure(rounds: int = ROUNDS) -> dict:
-    import torch.multiprocessing as mp
-    queue = mp.get_context("spawn").SimpleQueue()
+    from bench.common import run_tp2
     save_dir = tempfile.mkdtemp(prefix="tpkit-bench-recovery-")
     try:
-        mp.start_processes(_worker, args=(_free_port(), save_dir, queue, rounds), nprocs=2,
-                           start_method="spawn")
-        return queue.get()
+        return run_tp2(_measure, save_dir, rounds)
     finally:
         shutil.rmtree(save_dir, ignore_errors=True)
 
