@@ -55,20 +55,37 @@ class GPT(nn.Module):
         self.output = ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size, bias=False,
                                            gather_output=False, **kw)
 
+    # --- pipeline protocol (tpkit.pipeline): stem, blocks, head and loss -------------
+    pp_blocks = "layers"
+    pp_stem_modules = ("embedding",)
+    pp_head_modules = ("final_norm", "output")
+
+    def pp_stem(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``[b, s]`` tokens of the full sequence -> ``[s_cp(/tp under SP), b, h]``."""
+        tokens = shard_sequence(tokens, 1, self.state).t().contiguous()   # [s_cp, b]
+        return self.embedding(tokens)
+
+    def pp_block(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        s = self.state
+        seq = x.shape[0] * s.cp_size * (s.tp_size if s.sequence_parallel else 1)
+        freqs = self.rope(seq if self._te_blocks else
+                          shard_position_ids(seq, s, device=x.device))
+        if self.cfg.recompute and self.training:
+            # Non-reentrant: pipeline schedules take gradients with torch.autograd.grad.
+            return checkpoint(layer, x, rotary_pos_emb=freqs, use_reentrant=False)
+        return layer(x, rotary_pos_emb=freqs)
+
+    def pp_head(self, x: torch.Tensor) -> torch.Tensor:
+        return self.output(self.final_norm(x))                      # [s_cp, b, V/tp]
+
+    def pp_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        targets = shard_sequence(targets, 1, self.state).t().contiguous()
+        return vocab_parallel_cross_entropy(logits, targets).mean()
+
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """``tokens``/``targets``: ``[b, s]`` over the full sequence of this DP slice; the
         CP shard is taken here. Returns the mean loss over this rank's tokens."""
-        s = self.state
-        seq = tokens.shape[1]
-        tokens = shard_sequence(tokens, 1, s).t().contiguous()     # [s_cp, b]
-        targets = shard_sequence(targets, 1, s).t().contiguous()
-        freqs = self.rope(seq if self._te_blocks else
-                          shard_position_ids(seq, s, device=tokens.device))
-        x = self.embedding(tokens)                                 # [s_cp(/tp under SP), b, h]
+        x = self.pp_stem(tokens)
         for layer in self.layers:
-            if self.cfg.recompute and self.training:
-                x = checkpoint(layer, x, rotary_pos_emb=freqs)
-            else:
-                x = layer(x, rotary_pos_emb=freqs)
-        logits = self.output(self.final_norm(x))                   # [s_cp, b, V/tp]
-        return vocab_parallel_cross_entropy(logits, targets).mean()
+            x = self.pp_block(layer, x)
+        return self.pp_loss(self.pp_head(x), targets)

@@ -2,11 +2,14 @@
 
     tpkit-launch --tp 2 --cp 2 launch/train.py                 # CPU, 4 gloo ranks
     tpkit-launch --nproc-per-node auto --tp 2 launch/train.py --precision bf16-mixed
+    tpkit-launch --tp 2 --cp 2 launch/train.py --precision fp8 --fp8-recipe current
 
 The layout comes from tpkit-launch (TPKIT_* variables) or from --tp/--cp here. Weights are
 initialised at full size from --seed and sharded onto the layout, and the global batch of
 step k is the same at every layout, so runs at different layouts follow the same loss
 curve (tests/test_train.py proves it). Rank 0 prints one progress line per --log-every.
+Under tpkit-launch, ``tpkit_preflight`` checks the arguments, the layout, the model's
+sizes and --resume's checkpoint once, before any worker starts (docs/launch.md).
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import corpus  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
-from tpkit.config import CP_COMM_TYPES  # noqa: E402
+from tpkit.config import CP_COMM_TYPES, FP8_RECIPES  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -60,6 +63,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     t.add_argument("--fp8-compute-dtype", default="float32", choices=["float32", "bfloat16"],
                    help="with --precision fp8: the dtype of what fp8 does not cover "
                         "(TPKitPrecision's fallback_compute_dtype)")
+    t.add_argument("--fp8-recipe", default=None, choices=sorted(FP8_RECIPES),
+                   help="with --precision fp8: TE's recipe (default: delayed on the torch "
+                        "backend, TE's own default on backend te)")
     t.add_argument("--recompute", action="store_true")
     t.add_argument("--log-every", type=int, default=10)
     c = ap.add_argument_group("checkpoints")
@@ -69,14 +75,33 @@ def parse_args(argv=None) -> argparse.Namespace:
     c.add_argument("--resume", default=None,
                    help="a checkpoint (SAVE/stepNNNNNN) or a --save directory (its latest); "
                         "it may have been written at any layout")
+    add_hf_args(ap)
     add_recovery_args(ap)
     args = ap.parse_args(argv)
-    check_recovery_args(ap, args)
-    for name in ("steps", "global_batch", "seq_len", "hidden", "layers", "heads", "ffn"):
+    for name in ("steps", "global_batch", "seq_len", "hidden", "layers", "heads", "gqa_groups",
+                 "ffn", "log_every"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+    for name in ("warmup", "save_every", "clip"):
+        if getattr(args, name) < 0:
+            ap.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 0 (0: off)")
+    if not args.lr > 0:
+        ap.error(f"--lr={args.lr} must be > 0, e.g. 3e-3")
     if not 0.0 <= args.dropout < 1.0:
         ap.error(f"--dropout={args.dropout} must be in [0, 1)")
+    check_hf_args(ap, args)
+    check_recovery_args(ap, args)
+    if args.fp8_recipe is not None and args.precision != "fp8":
+        ap.error(f"--fp8-recipe={args.fp8_recipe} needs --precision fp8 (got --precision "
+                 f"{args.precision}); add --precision fp8 or drop --fp8-recipe")
+    if args.save and os.path.exists(args.save) and not os.path.isdir(args.save):
+        ap.error(f"--save={args.save!r} is a file; pass a directory (checkpoints go in "
+                 "SAVE/stepNNNNNN)")
+    if args.save_every and not args.save:
+        ap.error(f"--save-every={args.save_every} needs --save DIR (where to write them)")
+    if args.precision != "fp8" and args.fp8_compute_dtype != "float32":
+        ap.error(f"--fp8-compute-dtype={args.fp8_compute_dtype} needs --precision fp8 (got "
+                 f"--precision {args.precision}); drop it")
     return args
 
 
@@ -128,6 +153,130 @@ def make_recovery(args, world: int):
                     straggler_every=args.log_every if world > 1 else None)
 
 
+# --- Hugging Face checkpoints (tpkit.models.llama) -----------------------------------------
+_MODEL_ARGS = ("hidden", "layers", "heads", "gqa_groups", "ffn")
+
+
+def add_hf_args(ap: argparse.ArgumentParser) -> None:
+    h = ap.add_argument_group("Hugging Face checkpoints (Llama, Qwen2, Mistral)")
+    h.add_argument("--init-from-hf", default=None, metavar="DIR",
+                   help="fine-tune the model of this Hugging Face directory (config.json + "
+                        "*.safetensors) instead of the reference GPT; corpus bytes are its "
+                        "token ids, so its vocabulary must hold 256")
+    h.add_argument("--export-hf", default=None, metavar="DIR",
+                   help="write the trained model there as a Hugging Face checkpoint "
+                        "(needs --init-from-hf)")
+
+
+def check_hf_args(ap: argparse.ArgumentParser, args) -> None:
+    """Refuse option combinations that cannot work (exit 2, one line). The directory itself
+    is read by hf_model's caller before any process group exists (a dry run need not
+    have it)."""
+    if args.export_hf and not args.init_from_hf:
+        ap.error("--export-hf needs --init-from-hf (the reference GPT has no Hugging Face "
+                 "architecture)")
+    given = [f"--{a.replace('_', '-')}" for a in _MODEL_ARGS
+             if args.init_from_hf and getattr(args, a) != ap.get_default(a)]
+    if given:
+        ap.error(f"{', '.join(given)} cannot be combined with --init-from-hf (the sizes come "
+                 f"from {args.init_from_hf}/config.json); drop them")
+
+
+def check_hf_dir(path: str) -> None:
+    """ValueError unless ``path`` holds a model tpkit reads whose vocabulary holds the
+    corpus' byte ids."""
+    from tpkit.models.hf import read_config
+    cfg, _ = read_config(path)
+    if cfg.vocab_size < corpus.VOCAB_SIZE:
+        raise ValueError(f"--init-from-hf={path}: vocab_size={cfg.vocab_size} cannot hold "
+                         f"the corpus' {corpus.VOCAB_SIZE} byte ids; use a model with a "
+                         "larger vocabulary")
+
+
+def hf_model(args, state) -> torch.nn.Module:
+    from tpkit.models import Llama
+    return Llama.from_hf(args.init_from_hf, state, backend=args.backend,
+                         recompute=args.recompute, hidden_dropout=args.dropout,
+                         attention_dropout=args.dropout)
+
+
+
+# --- checks before the workers start (tpkit-launch runs tpkit_preflight) ----------------
+def check_job(args, state) -> None:
+    """The argument checks that need the layout ``state`` (a ParallelState): ValueError
+    naming the flag and the fix. The workers run them too (under plain torchrun)."""
+    from tpkit.data import check_sequence_length
+    if args.global_batch % state.dp_size:
+        raise ValueError(f"--global-batch={args.global_batch} is not divisible by dp="
+                         f"{state.dp_size}; use a multiple of {state.dp_size}")
+    try:
+        check_sequence_length(args.seq_len, state)
+    except ValueError as e:
+        raise ValueError(f"--seq-len={args.seq_len}: {e}") from None
+
+
+def model_config(args, backend=None) -> GPTConfig:
+    return GPTConfig(vocab_size=corpus.VOCAB_SIZE, hidden_size=args.hidden,
+                     num_layers=args.layers, num_heads=args.heads,
+                     num_gqa_groups=args.gqa_groups, ffn_hidden_size=args.ffn,
+                     dropout=args.dropout, recompute=args.recompute,
+                     backend=backend or args.backend)
+
+
+def tpkit_preflight(argv, launch) -> None:
+    """Run by tpkit-launch before any worker starts (docs/launch.md, "Pre-flight checks"):
+    the arguments, the layout they give under this launch, the model at that layout (on
+    the meta device of a planned state: the layers' own checks) and --resume's checkpoint
+    against that model. A ValueError or argparse error stops the launch (exit 2)."""
+    from tpkit.checkpoint import verify
+    from tpkit.config import ParallelConfig
+    from tpkit.planning import fake_state
+    from tpkit.random import get_rng_tracker, model_parallel_seed
+    args = parse_args(argv)
+    config = ParallelConfig.from_env(
+        launch.env, tp=args.tp, cp=args.cp, sequence_parallel=args.sequence_parallel,
+        cp_comm_type=args.cp_comm_type, given_as="train.py --{flag}")
+    try:
+        config = config.validate(launch.world_size)
+    except ValueError as e:
+        raise ValueError(f"{e} [world size {launch.world_size} = {launch.nnodes} node(s) x "
+                         f"{launch.nproc_per_node} processes: this launch]") from None
+    if args.backend == "te" and not launch.dry_run:   # the workers run here: TE, CUDA as here
+        from tpkit.te import require_te
+        try:
+            require_te()
+        except (ImportError, RuntimeError) as e:
+            raise ValueError(f"--backend te: {e}") from None
+    if args.init_from_hf:
+        check_hf_dir(args.init_from_hf)
+    with fake_state(config, launch.world_size) as state:
+        check_job(args, state)
+        cfg = model_config(args, backend="torch")   # shapes are backend-independent
+        try:
+            with torch.random.fork_rng(devices=[]), torch.device("meta"):
+                model_parallel_seed(args.seed, state)   # the layers draw TP shards from it
+                if args.init_from_hf:
+                    _hf_fits(args.init_from_hf, state)
+                model = None if args.init_from_hf else GPT(cfg, state)
+        except ValueError as e:
+            what = (f"--init-from-hf {args.init_from_hf}" if args.init_from_hf else
+                    f"--hidden {args.hidden} --heads {args.heads} --gqa-groups "
+                    f"{args.gqa_groups} --ffn {args.ffn}")
+            raise ValueError(f"the model ({what}) does not fit tp={config.tp}: {e}") from None
+        finally:
+            get_rng_tracker().reset()
+        if args.resume and not launch.dry_run:   # a dry run may plan a resume of a future save
+            verify(resolve_resume(args.resume), None if model is None else {"model": model},
+                   state=state)
+
+
+def _hf_fits(path: str, state) -> None:
+    """ValueError unless the Hugging Face model's config fits ``state``'s layout (no
+    weights read, no model built)."""
+    from tpkit.models.hf import read_config
+    read_config(path)[0].validate().check_tp(state.tp_size)
+
+
 def full_init(model: torch.nn.Module, seed: int) -> None:
     """Layout-independent initialisation: draw every parameter at its full (unsharded)
     shape from a generator seeded by (seed, parameter index), then shard it in."""
@@ -151,11 +300,11 @@ def full_init(model: torch.nn.Module, seed: int) -> None:
 
 def resolve_resume(path: str) -> str:
     """``path`` itself if it is a checkpoint, else the latest SAVE/stepNNNNNN inside it."""
-    from tpkit.recovery import latest_checkpoint
     if not os.path.isdir(path):
-        raise ValueError(f"--resume={path!r} does not exist; pass a checkpoint directory "
-                         "written by --save")
-    return latest_checkpoint(path) or path
+        raise ValueError(f"--resume={path!r} is not a directory; pass a checkpoint written by "
+                         "--save (SAVE/stepNNNNNN) or the --save directory (its latest)")
+    steps = sorted(d for d in os.listdir(path) if d.startswith("step") and d[4:].isdigit())
+    return os.path.join(path, steps[-1]) if steps else path
 
 
 def lr_at(step: int, args) -> float:
@@ -165,9 +314,17 @@ def lr_at(step: int, args) -> float:
     return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
 
 
+def _precision(args, fallback):
+    """TPKitPrecision from --precision, --fp8-compute-dtype and --fp8-recipe."""
+    from tpkit.fabric import TPKitPrecision
+    if args.precision != "fp8":
+        return TPKitPrecision(args.precision)
+    return TPKitPrecision("fp8", fallback_compute_dtype=fallback, recipe=args.fp8_recipe)
+
+
 def make_fabric(args):
     from lightning.fabric import Fabric
-    from tpkit.fabric import TPKitPrecision, TPKitStrategy
+    from tpkit.fabric import TPKitStrategy
     accelerator = "cuda" if torch.cuda.is_available() else "cpu"
     local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     nodes = max(1, int(os.environ.get("WORLD_SIZE", local)) // local)
@@ -176,29 +333,25 @@ def make_fabric(args):
                              seed=args.seed)
     # Lightning takes precision plugin objects through plugins=, not precision=.
     fallback = {"float32": None, "bfloat16": torch.bfloat16}[args.fp8_compute_dtype]
-    if args.precision != "fp8" and fallback is not None:
-        raise ValueError(f"--fp8-compute-dtype={args.fp8_compute_dtype} needs --precision fp8 "
-                         f"(got --precision {args.precision}); drop it")
-    precision = TPKitPrecision(args.precision, fallback_compute_dtype=fallback) \
-        if args.precision == "fp8" else TPKitPrecision(args.precision)
+    precision = _precision(args, fallback)
     return Fabric(accelerator=accelerator, devices=local, num_nodes=nodes, strategy=strategy,
                   plugins=[precision])
 
 
 def train(args) -> list[float]:
     """Run the training loop; returns the global mean loss of every step run here."""
+    if args.init_from_hf:
+        check_hf_dir(args.init_from_hf)
     fabric = make_fabric(args)
     fabric.launch()
     state = fabric.strategy.parallel_state
-    cfg = GPTConfig(vocab_size=corpus.VOCAB_SIZE, hidden_size=args.hidden,
-                    num_layers=args.layers, num_heads=args.heads,
-                    num_gqa_groups=args.gqa_groups, ffn_hidden_size=args.ffn,
-                    dropout=args.dropout, recompute=args.recompute, backend=args.backend)
-    if args.global_batch % state.dp_size:
-        raise ValueError(f"--global-batch={args.global_batch} is not divisible by dp="
-                         f"{state.dp_size}; use a multiple of {state.dp_size}")
-    model = GPT(cfg, state)
-    full_init(model, args.seed)
+    check_job(args, state)
+    if args.init_from_hf:
+        model = hf_model(args, state)
+    else:
+        model = GPT(model_config(args), state)
+        full_init(model, args.seed)
+    raw_model = model
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
                                   weight_decay=0.0)
     model, optimizer = fabric.setup(model, optimizer)
@@ -241,6 +394,8 @@ def train(args) -> list[float]:
     rec.close()
     if rec.stopped_by:
         raise SystemExit(rec.exit_code)
+    if args.export_hf:
+        raw_model.save_hf(args.export_hf)
     return losses
 
 

@@ -19,7 +19,7 @@ Where the pool is easier than a user's job, and what covers the real road (issue
     and test_slurm (srun + tpkit-launch).
 (b) No TPKIT_* (conftest removes them) and no TORCHELASTIC_* variables: layouts are passed
     explicitly. TPKIT_* as defaults under explicit overrides, and TPKIT_BACKEND, are used
-    by the launched scripts (tests/launch_scripts/*, test_fabric_launch, test_launch_run).
+    by the launched scripts (tests/launch_scripts/*, test_fabric_conformance, test_launch_run).
 (c) Processes are reused and never exit between calls: exit-time teardown (the default
     group destroyed at exit) and a checkpoint read by fresh processes after the writers
     were killed are checked launched (reinit.py's at-exit hook; train.py save -> SIGKILL ->

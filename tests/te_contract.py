@@ -23,7 +23,13 @@ TE_VERSION = os.environ.get("TE_CONTRACT_VERSION") or PINNED_TE_VERSION
 WHEEL = f"transformer_engine-{TE_VERSION}-py3-none-any.whl"
 FAKE_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fake_te",
                          "transformer_engine", "pytorch", "__init__.py")
+FAKE_RECIPE_FILE = os.path.join(os.path.dirname(FAKE_FILE), os.pardir, "common", "recipe",
+                                "__init__.py")
 PT = "transformer_engine/pytorch/"
+RECIPE_FILE = "transformer_engine/common/recipe/__init__.py"
+# The recipe classes tpkit.te builds (and the parameter types of their fields).
+RECIPE_CLASSES = ("DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling",
+                  "MXFP8BlockScaling", "QParams", "MMParams")
 
 # fake callable (qualname in the fake module) -> (real file in the wheel, real qualname)
 SIGNATURES = {
@@ -50,7 +56,15 @@ SIGNATURES = {
     "quantized_model_init": (PT + "quantization.py", "quantized_model_init"),
     "fp8_model_init": (PT + "quantization.py", "fp8_model_init"),
     "checkpoint": (PT + "distributed.py", "checkpoint"),
+    "is_fp8_available": (PT + "quantization.py", "is_fp8_available"),
+    "is_mxfp8_available": (PT + "quantization.py", "is_mxfp8_available"),
+    "is_fp8_block_scaling_available": (PT + "quantization.py", "is_fp8_block_scaling_available"),
+    "is_nvfp4_available": (PT + "quantization.py", "is_nvfp4_available"),
 }
+# Availability checks tpkit.te.check_recipe_support calls when the release has them (an
+# older TE without one is left to check the recipe in its own autocast).
+OPTIONAL = ("is_fp8_available", "is_mxfp8_available", "is_fp8_block_scaling_available",
+            "is_nvfp4_available")
 # Names tpkit.te reads from ``transformer_engine.pytorch``.
 EXPORTS = ("Linear", "LayerNormLinear", "LayerNormMLP", "LayerNorm", "RMSNorm",
            "DotProductAttention", "TransformerLayer", "autocast", "fp8_autocast",
@@ -87,6 +101,7 @@ TPKIT_PASSES = {
     "TransformerLayer.set_context_parallel_group": (
         "cp_group", "cp_global_ranks", "cp_stream", "cp_comm_type"),
     "_TPModule.set_tensor_parallel_group": ("tp_group",),
+    **{name: {"return_reason"} for name in OPTIONAL},
 }
 # Classes whose constructor sets the ``tp_size`` attribute wire_parallel_groups checks.
 TP_SIZE_CLASSES = {
@@ -264,3 +279,20 @@ def self_assignments(source: str, qualname: str) -> dict[str, str]:
 # fake must set exactly those the real constructor sets, the same way (an H100 run found
 # the fake's TransformerLayer keeping a tp_group that TE's does not have).
 CONTAINER_ATTRS = ("tp_group", "tp_size", "sequence_parallel")
+
+
+def class_fields(source: str, qualname: str) -> tuple[list, dict]:
+    """A dataclass's fields ``[(name, annotation, default source)]`` (annotated
+    class-body assignments, in order) and its other class attributes ``{name: value
+    source}`` (TE 2.20.2 keeps some recipe options there)."""
+    cls = _find(ast.parse(source), qualname)
+    fields, attrs = [], {}
+    for node in cls.body:
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            fields.append((node.target.id, ast.unparse(node.annotation),
+                           None if node.value is None else ast.unparse(node.value)))
+        elif isinstance(node, ast.Assign):
+            for t in node.targets:
+                if isinstance(t, ast.Name):
+                    attrs[t.id] = ast.unparse(node.value)
+    return fields, attrs

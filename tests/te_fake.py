@@ -17,7 +17,8 @@ import pytest
 import tpkit.te
 
 FAKE_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fake_te")
-NAMES = ("transformer_engine", "transformer_engine.pytorch")
+NAMES = ("transformer_engine", "transformer_engine.pytorch", "transformer_engine.common",
+         "transformer_engine.common.recipe")
 
 
 def _load(name: str, path: str, parent=None):
@@ -34,9 +35,11 @@ def _load(name: str, path: str, parent=None):
 def install():
     """Put the fake package in sys.modules; returns its ``transformer_engine.pytorch``."""
     assert not any(n in sys.modules for n in NAMES), "transformer_engine already imported"
-    top = _load("transformer_engine", os.path.join(FAKE_ROOT, "transformer_engine"))
-    return _load("transformer_engine.pytorch",
-                 os.path.join(FAKE_ROOT, "transformer_engine", "pytorch"), top)
+    root = os.path.join(FAKE_ROOT, "transformer_engine")
+    top = _load("transformer_engine", root)
+    common = _load("transformer_engine.common", os.path.join(root, "common"), top)
+    _load("transformer_engine.common.recipe", os.path.join(root, "common", "recipe"), common)
+    return _load("transformer_engine.pytorch", os.path.join(root, "pytorch"), top)
 
 
 def uninstall() -> None:

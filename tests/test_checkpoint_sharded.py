@@ -93,6 +93,7 @@ class _TELike(torch.nn.Module):
 def _te_like(path, tp, mode):
     import tpkit
     from tpkit import _dcp
+    from tpkit.checkpoint import load_full_state_dict
     state = tpkit.init_parallel(tp=tp)
     m = _TELike(tp)
     if mode == "save":
@@ -101,6 +102,9 @@ def _te_like(path, tp, mode):
         _dcp.save(path, {"model": m})
         return None
     _dcp.load(path, {"model": m})
+    again = _TELike(tp)   # a full state dict shards by TE's tags too
+    load_full_state_dict(again, {"weight": torch.arange(8.0).repeat_interleave(4).view(8, 4)})
+    assert torch.equal(again.weight, m.weight)
     return m.weight.detach().clone()
 
 
@@ -157,6 +161,12 @@ def test_crash_during_save_keeps_previous_checkpoint(tmp_path):
     assert os.listdir(tmp_path) == ["ckpt"]  # no partial directory left behind
 
 
+class _Extra(torch.nn.Linear):
+    def __init__(self):
+        super().__init__(4, 4)
+        self.extra = torch.nn.Parameter(torch.zeros(2))
+
+
 def _mismatch(path, mode):
     import tpkit
     from tpkit import _dcp
@@ -166,8 +176,11 @@ def _mismatch(path, mode):
         return None
     with pytest.raises(ValueError, match=r"'model.weight'.*\(4, 4\).*\(6, 4\)"):
         _dcp.load(path, {"model": torch.nn.Linear(4, 6)})
-    with pytest.raises(ValueError, match="missing"):
+    with pytest.raises(KeyError, match="'other' that does not exist"):   # Fabric's type
         _dcp.load(path, {"model": torch.nn.Linear(4, 4), "other": torch.nn.Linear(2, 2)})
+    with pytest.raises(ValueError, match=r"missing from checkpoint.*'model.extra'"):   # also
+        _dcp.load(path, {"model": _Extra()})
+    _dcp.load(path, {"model": _Extra()}, strict=False)
     return True
 
 

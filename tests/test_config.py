@@ -87,3 +87,11 @@ def test_shm_allreduce_switch():
     assert shm_allreduce_enabled({"TPKIT_SHM_ALLREDUCE": "yes"}) is True
     with pytest.raises(ValueError, match="TPKIT_SHM_ALLREDUCE='sometimes' is not a boolean"):
         shm_allreduce_enabled({"TPKIT_SHM_ALLREDUCE": "sometimes"})
+
+
+def test_fused_attn_switch():
+    from tpkit.config import fused_attn_enabled
+    assert fused_attn_enabled({}) is True
+    assert fused_attn_enabled({"TPKIT_FUSED_ATTN": "0"}) is False
+    with pytest.raises(ValueError, match="TPKIT_FUSED_ATTN='fast' is not a boolean; use 1"):
+        fused_attn_enabled({"TPKIT_FUSED_ATTN": "fast"})

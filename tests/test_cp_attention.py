@@ -1,7 +1,10 @@
 """DotProductAttention with context parallelism vs full-sequence SDPA (outputs and grads),
 in fp32, in float64 (which must stay float64: gradcheck-grade agreement) and in bf16
-(which must still accumulate in fp32)."""
+(which must still accumulate in fp32). Every case runs on the fused block kernels
+(tpkit.nn.attention_ops; the module must report that it chose one) and, in fp32 and
+float64, again on the plain-torch reference kernels (TPKIT_FUSED_ATTN=0)."""
 
+import pytest
 from dist import run
 
 TOL = 1e-5
@@ -38,6 +41,7 @@ def _run_case(comm, mask, heads, groups, fmt, b=2, s=16, d=4, dtype="float32"):
     dpa = DotProductAttention(heads, d, num_gqa_groups=groups, attn_mask_type=mask,
                               qkv_format=fmt, cp_comm_type=comm)
     out = dpa(*local)
+    kernel = dpa.kernel
     go = shard_sequence(lay(gout[:, hs]), sd).flatten(2)
     out.backward(go)
     got = {"out": unshard_sequence(out.detach(), sd)}
@@ -51,19 +55,29 @@ def _run_case(comm, mask, heads, groups, fmt, b=2, s=16, d=4, dtype="float32"):
             e, w = (got[n].double() - want[n].double()).abs(), want[n].double().abs()
             errs[n] = (e / (w + 1e-3 * w.max())).max().item()
             errs[n + "_max"] = (e.max() / w.max()).item()
-        return errs
-    return {n: (got[n] - want[n]).abs().max().item() for n in got}
+        return errs, kernel
+    return {n: (got[n] - want[n]).abs().max().item() for n in got}, kernel
 
 
-def _cases_worker(plan, dtype="float32"):
+def _cases_worker(plan, dtype="float32", fused=True):
+    """Runs ``plan`` with the fused kernels on (default) or off; results per case, and
+    the kernels the module chose (all cp > 1 cases)."""
+    import os
     import tpkit
-    results = {}
-    for (tp, cp, comm, a2a), cases in plan:
-        tpkit.init_parallel(tp=tp, cp=cp, cp_comm_type=comm, cp_a2a_size=a2a)
-        for (mask, heads, groups, fmt) in cases:
-            key = (tp, cp, comm, mask, heads, groups, fmt)
-            results[key] = _run_case(comm, mask, heads, groups, fmt, dtype=dtype)
-        tpkit.destroy_parallel()
+    results, kernels = {}, set()
+    os.environ["TPKIT_FUSED_ATTN"] = "1" if fused else "0"  # the pool's processes live on
+    try:
+        for (tp, cp, comm, a2a), cases in plan:
+            tpkit.init_parallel(tp=tp, cp=cp, cp_comm_type=comm, cp_a2a_size=a2a)
+            for (mask, heads, groups, fmt) in cases:
+                key = (tp, cp, comm, mask, heads, groups, fmt)
+                results[key], kernel = _run_case(comm, mask, heads, groups, fmt, dtype=dtype)
+                if cp > 1:
+                    kernels.add(kernel)
+            tpkit.destroy_parallel()
+    finally:
+        del os.environ["TPKIT_FUSED_ATTN"]
+    assert kernels == {"cpu_flash" if fused else "reference"}, (fused, kernels)
     return results
 
 
@@ -80,9 +94,10 @@ PLAN = ([((1, 4, c, a), CASES) for c, a in (("p2p", None), ("all_gather", None),
         + [((1, 1, "p2p", None), CASES[:2])])
 
 
-def test_cp_attention_matches_sdpa():
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "reference"])
+def test_cp_attention_matches_sdpa(fused):
     n_cases = sum(len(cases) for _, cases in PLAN)
-    for res in run(_cases_worker, 4, PLAN, timeout=300):
+    for res in run(_cases_worker, 4, PLAN, fused=fused, timeout=300):
         assert len(res) == n_cases
         bad = {key: errs for key, errs in res.items() if not max(errs.values()) <= TOL}
         assert not bad, bad
@@ -95,11 +110,12 @@ PLAN64 = ([((1, cp, c, None), CASES[:3]) for cp in (2, 4) for c in ("p2p", "all_
              ((1, 1, "p2p", None), CASES[:3])])
 
 
-def test_float64_stays_float64():
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "reference"])
+def test_float64_stays_float64(fused):
     """A float64 user (gradcheck, a float64 reference) gets float64 math on every path:
     output and q/k/v gradients within 1e-10 of float64 SDPA, returned as float64."""
     n_cases = sum(len(cases) for _, cases in PLAN64)
-    for res in run(_cases_worker, 4, PLAN64, "float64", timeout=300):
+    for res in run(_cases_worker, 4, PLAN64, "float64", fused=fused, timeout=300):
         assert len(res) == n_cases
         bad = {key: errs for key, errs in res.items() if not max(errs.values()) <= TOL64}
         assert not bad, bad

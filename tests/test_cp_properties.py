@@ -15,69 +15,104 @@ def _qkv(s_local, requires_grad=True, groups=HEADS):
 
 
 def _balance_and_memory():
-    """Ring FLOPs per rank (causal, load-balanced) and bytes saved for backward. The ring's
-    forward blocks are counted by wrapping the block function it calls."""
+    """Ring FLOPs per rank (causal, load-balanced) and bytes saved for backward, on the
+    reference kernels and on the fused ones. The forward blocks are counted by wrapping
+    the block function the reference ring calls and the fused CPU op's forward."""
     import tpkit.nn.ring_attention as ring
+    from tpkit.nn.attention_ops import CpuFlashOp
 
-    real, stats = ring.block_forward, {}
+    real, real_op, stats = ring.block_forward, CpuFlashOp.forward, {}
 
-    def counting(q, k, *args, **kwargs):
+    def count(q, k):
         b, g, r, nq, d = q.shape
         stats["blocks"] = stats.get("blocks", 0) + 1
         stats["flops"] = stats.get("flops", 0) + 4 * b * g * r * nq * k.shape[-2] * d
+
+    def counting(q, k, *args, **kwargs):
+        count(q, k)
         return real(q, k, *args, **kwargs)
 
-    ring.block_forward = counting
+    def counting_op(self, q, k, *args, **kwargs):
+        count(q, k)
+        return real_op(self, q, k, *args, **kwargs)
+
+    ring.block_forward, CpuFlashOp.forward = counting, counting_op
     try:
-        return _balance_and_memory_counted(stats)
+        return {**_balance_and_memory_counted(stats, False),
+                **_balance_and_memory_counted(stats, True)}
     finally:
-        ring.block_forward = real
+        ring.block_forward, CpuFlashOp.forward = real, real_op
 
 
-def _balance_and_memory_counted(stats):
+def _balance_and_memory_counted(stats, fused):
+    import os
     import torch
     import tpkit
     from tpkit.nn.dot_product_attention import DotProductAttention
 
     out = {}
     s_full = 256
-    for tp, cp, comm, a2a in ((1, 1, "p2p", None), (1, 2, "p2p", None), (1, 4, "p2p", None),
-                              (1, 4, "a2a+p2p", 2), (1, 4, "all_gather", None)):
-        st = tpkit.init_parallel(tp=tp, cp=cp, cp_comm_type=comm, cp_a2a_size=a2a)
-        dpa = DotProductAttention(HEADS, D, attn_mask_type="causal")
-        stats.clear()
-        q, k, v = _qkv(s_full // cp)
-        saved = []
+    os.environ["TPKIT_FUSED_ATTN"] = "1" if fused else "0"  # the pool's processes live on
+    try:
+        for tp, cp, comm, a2a in ((1, 1, "p2p", None), (1, 2, "p2p", None), (1, 4, "p2p", None),
+                                  (1, 4, "a2a+p2p", 2), (1, 4, "all_gather", None)):
+            st = tpkit.init_parallel(tp=tp, cp=cp, cp_comm_type=comm, cp_a2a_size=a2a)
+            dpa = DotProductAttention(HEADS, D, attn_mask_type="causal")
+            stats.clear()
+            q, k, v = _qkv(s_full // cp)
+            saved = []
 
-        def pack(t):
-            saved.append(t.numel() * t.element_size())
-            return t
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            o = dpa(q, k, v)
-        o.sum().backward()
-        out[(cp, comm)] = {"flops": stats.get("flops", 0), "blocks": stats.get("blocks", 0),
-                           "saved": sum(saved), "cp_rank": st.cp_rank}
-        tpkit.destroy_parallel()
+            def pack(t):
+                saved.append(t.numel() * t.element_size())
+                return t
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                o = dpa(q, k, v)
+            o.sum().backward()
+            out[(cp, comm, fused)] = {"flops": stats.get("flops", 0),
+                                      "blocks": stats.get("blocks", 0), "saved": sum(saved),
+                                      "cp_rank": st.cp_rank, "kernel": dpa.kernel}
+            tpkit.destroy_parallel()
+    finally:
+        del os.environ["TPKIT_FUSED_ATTN"]
     return out
 
 
-def _counts():
-    """Collectives issued by forward and backward for each comm type (cp=4 / a2a 2x2)."""
+def _counts(fused=False):
+    """Collectives issued by forward and backward for each comm type (cp=4 / a2a 2x2),
+    and the bytes this rank's point-to-point sends carried (forward, backward)."""
+    import os
+    import torch.distributed as dist
     import tpkit
     from commcount import count_collectives
     from tpkit.nn.dot_product_attention import DotProductAttention
 
+    real, sent = dist.batch_isend_irecv, [0]
+
+    def sizing(ops):
+        sent[0] += sum(o.tensor.numel() * o.tensor.element_size() for o in ops
+                       if o.op is dist.isend)
+        return real(ops)
+
     out = {}
-    for comm, a2a in (("p2p", None), ("all_gather", None), ("a2a", None), ("a2a+p2p", 2)):
-        tpkit.init_parallel(cp=4, cp_comm_type=comm, cp_a2a_size=a2a)
-        dpa = DotProductAttention(HEADS, D, attn_mask_type="causal")
-        q, k, v = _qkv(8)
-        with count_collectives() as fwd:
-            o = dpa(q, k, v)
-        with count_collectives() as bwd:
-            o.sum().backward()
-        out[comm] = (fwd.summary(), bwd.summary(), sorted({c.group_size for c in fwd + bwd}))
-        tpkit.destroy_parallel()
+    os.environ["TPKIT_FUSED_ATTN"] = "1" if fused else "0"  # the pool's processes live on
+    dist.batch_isend_irecv = sizing
+    try:
+        for comm, a2a in (("p2p", None), ("all_gather", None), ("a2a", None), ("a2a+p2p", 2)):
+            tpkit.init_parallel(cp=4, cp_comm_type=comm, cp_a2a_size=a2a)
+            dpa = DotProductAttention(HEADS, D, attn_mask_type="causal")
+            q, k, v = _qkv(8)
+            sent[0] = 0
+            with count_collectives() as fwd:
+                o = dpa(q, k, v)
+            fwd_bytes = sent[0]
+            with count_collectives() as bwd:
+                o.sum().backward()
+            out[comm] = (fwd.summary(), bwd.summary(), sorted({c.group_size for c in fwd + bwd}),
+                         (fwd_bytes, sent[0] - fwd_bytes), dpa.kernel)
+            tpkit.destroy_parallel()
+    finally:
+        dist.batch_isend_irecv = real
+        del os.environ["TPKIT_FUSED_ATTN"]
     return out
 
 
@@ -159,7 +194,8 @@ def _errors():
 
 
 def _all():
-    return {"bm": _balance_and_memory(), "counts": _counts(), "dropout": _dropout(),
+    return {"bm": _balance_and_memory(), "counts": _counts(), "counts_fused": _counts(True),
+            "dropout": _dropout(),
             "errors": _errors()}
 
 
@@ -168,24 +204,32 @@ def results():
     return run(_all, 4, timeout=240)
 
 
-def test_ring_work_is_balanced(results):
-    for key in ((4, "p2p"), (2, "p2p"), (4, "a2a+p2p")):
+@pytest.mark.parametrize("fused", [False, True], ids=["reference", "fused"])
+def test_ring_work_is_balanced(results, fused):
+    for key in ((4, "p2p", fused), (2, "p2p", fused), (4, "a2a+p2p", fused)):
         flops = {r["bm"][key]["flops"] for r in results}
         assert len(flops) == 1 and flops.pop() > 0, key  # imbalance 0
+        assert results[0]["bm"][key]["kernel"] == ("cpu_flash" if fused else "reference")
     # cp=4, local 64 tokens = chunks of c=32: one diagonal 64x64 block + 3 blocks of 32x64
     per_block = 4 * B * HEADS * D
-    assert results[0]["bm"][(4, "p2p")]["flops"] == per_block * (64 * 64 + 3 * 32 * 64)
-    assert results[0]["bm"][(4, "p2p")]["blocks"] == 4
+    assert results[0]["bm"][(4, "p2p", fused)]["flops"] == per_block * (64 * 64 + 3 * 32 * 64)
+    # the reference ring computes a received K/V block whole; the fused one piece by piece
+    assert results[0]["bm"][(4, "p2p", fused)]["blocks"] == (7 if fused else 4)
 
 
-def test_saved_memory_scales_as_one_over_cp(results):
+@pytest.mark.parametrize("fused", [False, True], ids=["reference", "fused"])
+def test_saved_memory_scales_as_one_over_cp(results, fused):
     for r in results:
-        m1, m2, m4 = (r["bm"][(cp, "p2p")]["saved"] for cp in (1, 2, 4))
+        m1, m2, m4 = (r["bm"][(cp, "p2p", fused)]["saved"] for cp in (1, 2, 4))
         assert m2 * 2 == m1 and m4 * 4 == m1, (m1, m2, m4)
         # exactly q, k, v, out (fp32) and lse: nothing gathered is kept
         s = 256 // 4
         assert m4 == 4 * s * B * HEADS * D * 4 + s * B * HEADS * 4
-        assert r["bm"][(4, "all_gather")]["saved"] > m1  # gathered K/V and S x S/cp probs
+        ag = r["bm"][(4, "all_gather", fused)]["saved"]
+        if fused:  # q, out, lse of the shard and the gathered K/V, no probabilities
+            assert ag == (2 * s + 2 * 256) * B * HEADS * D * 4 + s * B * HEADS * 4
+        else:
+            assert ag > m1  # gathered K/V and S x S/cp probs
 
 
 def test_collective_counts(results):
@@ -198,6 +242,28 @@ def test_collective_counts(results):
         assert c["a2a+p2p"][:2] == ({"all_to_all_single": 4, "batch_isend_irecv": 1},
                                     {"all_to_all_single": 4, "batch_isend_irecv": 3})
         assert c["a2a+p2p"][2] == [2] and c["p2p"][2] == [4]
+
+
+def test_fused_p2p_sends_only_what_the_causal_mask_needs(results):
+    """The fused p2p kernel sends a lower rank only the first chunk of its K/V (the
+    reference ring sends whole shards): over cp=4 ranks of s=8 rows (chunks of 4), 6 of
+    the 12 (rank, peer) pairs move 4 rows of K and V, the other 6 move 8; backward moves
+    the same K/V again and as many dK/dV rows back. Other comm types issue the
+    reference's collectives."""
+    row = B * HEADS * D * 4  # one fp32 row of K (or V) for all heads
+    fwd_total = (6 * 2 * 4 + 6 * 2 * 8) * row
+    sums = [sum(r["counts_fused"]["p2p"][3][i] for r in results) for i in (0, 1)]
+    assert sums == [fwd_total, 2 * fwd_total], (sums, fwd_total)
+    for r in results:
+        c, ref = r["counts_fused"], r["counts"]
+        assert {v[4] for v in c.values()} == {"cpu_flash"}
+        assert set(c["p2p"][0]) == set(c["p2p"][1]) == {"batch_isend_irecv"}
+        assert c["p2p"][2] == [4] and c["a2a+p2p"][2] == [2]
+        for comm in ("all_gather", "a2a"):
+            assert c[comm][:3] == ref[comm][:3], comm
+        assert c["a2a+p2p"][0]["all_to_all_single"] == 4
+        # reference ring: 3 hops of 8 rows of K and V per rank
+        assert sum(r_["counts"]["p2p"][3][0] for r_ in results) == 12 * 2 * 8 * row
 
 
 def test_dropout_runs_in_tracker_stream(results):

@@ -45,8 +45,17 @@ def test_recipe_from_dict_and_argument_errors():
         TPKitPrecision("bf16")
     with pytest.raises(ValueError, match="only apply to precision='fp8'"):
         TPKitPrecision("bf16-mixed", recipe={})
-    with pytest.raises(TypeError, match="recipe="):
+    with pytest.raises(ValueError, match=r"recipe='HYBRID' is not an fp8 recipe name; use "
+                                         r"one of \['block', 'current', 'delayed', 'mxfp8'\]"):
         TPKitPrecision("fp8", recipe="HYBRID")
+    with pytest.raises(TypeError, match="recipe=3 must be a recipe name"):
+        TPKitPrecision("fp8", recipe=3)
+    from tpkit import fp8
+    for name, cls in (("current", fp8.Float8CurrentScaling), ("block", fp8.Float8BlockScaling),
+                      ("mxfp8", fp8.MXFP8BlockScaling), ("delayed", fp8.DelayedScaling)):
+        assert TPKitPrecision("fp8", recipe=name).recipe == cls()
+    p = TPKitPrecision("fp8", recipe={"recipe": "block", "w_block_scaling_dim": 1})
+    assert p.recipe == fp8.Float8BlockScaling(w_block_scaling_dim=1)
 
 
 def _fp8_train(steps):

@@ -358,6 +358,20 @@ def test_fabric_fp8_runs_te_in_fp8():
 
 
 # --- 2. fp8 numerics: emulation vs TE --------------------------------------------------------------
+def _linear_trio():
+    """A bf16 tpkit ColumnParallelLinear(1024 -> 2048) and two TE Linears with its weights:
+    one to run under TE's fp8 autocast, one to run in plain bf16."""
+    import transformer_engine.pytorch as te
+    from tpkit.nn import ColumnParallelLinear
+    t = ColumnParallelLinear(1024, 2048, bias=True, device="cuda", dtype=torch.bfloat16)
+    pair = []
+    for _ in range(2):
+        e = te.Linear(1024, 2048, bias=True, params_dtype=torch.bfloat16)
+        _copy(e, t, {"weight": "weight", "bias": "bias"})
+        pair.append(e)
+    return t, *pair
+
+
 def _recipes(history: int = 4):
     from transformer_engine.common.recipe import DelayedScaling as TEDelayed
     from transformer_engine.common.recipe import Format
@@ -372,18 +386,12 @@ def test_fp8_linear_emulation_matches_te(state):
     and then computes the same products of the same fp8 values; what remains is the GEMM's
     accumulation (TE's fprop uses cuBLAS fast accumulation) and the bf16 output rounding
     (2**-9 relative per element), so 5e-3 relative is the bound asserted."""
-    import transformer_engine.pytorch as te
     from tpkit import fp8
-    from tpkit.nn import ColumnParallelLinear
     from tpkit.te import te_autocast
     fp8.reset()
     torch.manual_seed(3)
     te_r, tp_r = _recipes()
-    t = ColumnParallelLinear(1024, 2048, bias=True, device="cuda", dtype=torch.bfloat16)
-    e = te.Linear(1024, 2048, bias=True, params_dtype=torch.bfloat16)
-    _copy(e, t, {"weight": "weight", "bias": "bias"})
-    e_bf16 = te.Linear(1024, 2048, bias=True, params_dtype=torch.bfloat16)
-    _copy(e_bf16, t, {"weight": "weight", "bias": "bias"})
+    t, e, e_bf16 = _linear_trio()
     rows = []
     for step in range(6):
         x = (torch.randn(512, 2, 1024, device="cuda") * (1 + step)).bfloat16()
@@ -490,3 +498,74 @@ def test_fp8_block_emulation_matches_te(state, what, dtype):
         bound = 0.25 if dtype == torch.float32 else 0.85
         assert r["emu_vs_te8_out"] < bound * r["te8_vs_te16_out"], r
         assert r["emu_vs_te8_dx"] < bound * r["te8_vs_te16_dx"], r
+
+
+def test_llama_te_backend_matches_transformers(state, tmp_path):
+    """tpkit.models.Llama.from_hf(backend="te") (TE's TransformerLayer: separate q/k/v
+    parameters, fused [gate; up]) on a Hugging Face Llama with GQA and Llama-3 RoPE: logits
+    within TF32 error of transformers' fp32 ones, and save_hf writes the same tensors back."""
+    transformers = pytest.importorskip("transformers", reason="pip install 'tpkit[test]'")
+    from safetensors.torch import load_file
+    from tpkit.models import Llama
+    from tpkit.te import is_te_module
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=2, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 64})
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.uniform_(0.5, 1.5) if name.endswith("norm.weight") else p.normal_(0, 0.05)
+    hf.save_pretrained(tmp_path / "in")
+    model = Llama.from_hf(str(tmp_path / "in"), state, backend="te").eval()
+    assert any(is_te_module(m) for m in model.layers)
+    tokens = torch.randint(0, 512, (2, 128), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(tokens).logits.cuda()
+        ours = model(tokens.cuda()).transpose(0, 1).float()
+    err = rel(ours, ref)
+    report("llama_te_vs_transformers", rel_err=err)
+    assert err < 2e-3, err   # TE's GEMMs run in TF32 (about 1e-3 relative per matmul chain)
+    model.save_hf(str(tmp_path / "out"))
+    a, b = load_file(tmp_path / "in" / "model.safetensors"), \
+        load_file(tmp_path / "out" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("name", ["current", "block", "mxfp8"])
+def test_fp8_recipe_emulation_matches_te(state, name):
+    """tpkit's emulated current / block / MXFP8 recipes against TE's on the same weights
+    and inputs (bf16 layer): the same fp8 values times the same scales, so what remains is
+    the GEMM's accumulation and the bf16 output rounding, as in the DelayedScaling check
+    above (5e-3 relative). A recipe this GPU cannot run is refused by te_autocast with
+    TE's reason (MXFP8 before Blackwell), never run as another recipe."""
+    from tpkit import fp8
+    from tpkit.te import check_recipe_support, te_autocast, te_recipe
+    te_r = te_recipe(name)
+    try:
+        check_recipe_support(te_r)
+    except ValueError as exc:
+        with pytest.raises(ValueError, match="cannot run here"):
+            with te_autocast(recipe=name):
+                pass
+        pytest.skip(f"{name} refused on this GPU, as it must be: {exc}")
+    fp8.reset()
+    torch.manual_seed(5)
+    t, e, e_bf16 = _linear_trio()
+    rows = []
+    for step in range(3):
+        x = (torch.randn(512, 2, 1024, device="cuda") * (1 + step)).bfloat16()
+        with fp8.fp8_autocast(recipe=name):
+            ot, gt, pt = _run(t, x)
+        with te_autocast(recipe=name):
+            oe, ge, pe = _run(e, x)
+        ob, _, _ = _run(e_bf16, x)
+        rows.append({"step": step, "out": rel(ot, oe), "dx": rel(gt[0], ge[0]),
+                     "dw": rel(pt["weight"], pe["weight"]), "fp8_vs_bf16_out": rel(oe, ob)})
+    report(f"fp8_{name}_emulation_vs_te", rows=rows)
+    for r in rows:
+        assert max(r["out"], r["dx"], r["dw"]) < 5e-3, r
+        assert r["fp8_vs_bf16_out"] > 5 * r["out"], r   # the check sees fp8, not bf16

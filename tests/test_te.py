@@ -142,7 +142,7 @@ def test_wire_needs_cuda_stream_for_cp(fake_te, fake_state, monkeypatch):
 
 # --- autocast and model-init shims --------------------------------------------------------
 def test_autocast_shim_new_and_old_names(fake_te, cuda, fake_state, monkeypatch):
-    recipe = object()
+    recipe = sys.modules["transformer_engine.common.recipe"].DelayedScaling()
     with tte.te_autocast(recipe=recipe, state=fake_state):
         pass
     name, args = fake_te.RECORD[-1]
@@ -167,6 +167,71 @@ def test_autocast_shim_new_and_old_names(fake_te, cuda, fake_state, monkeypatch)
     with tte.te_model_init(enabled=False):
         pass
     assert fake_te.RECORD[-1][0] == "fp8_model_init"
+
+
+# --- fp8 recipes on the TE backend ---------------------------------------------------------
+def test_te_recipe_from_names_dicts_and_tpkit_objects(fake_te, cuda, monkeypatch):
+    """tpkit.te builds TE's own recipe object (the fake's classes carry TE 2.20.2's fields,
+    checked by the contract test) from every form tpkit accepts."""
+    import tpkit.fp8 as fp8
+    for var in ("NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES", "NVTE_BACKWARD_OVERRIDE"):
+        monkeypatch.delenv(var, raising=False)
+    mod = sys.modules["transformer_engine.common.recipe"]
+    for name, cls in (("delayed", mod.DelayedScaling), ("current", mod.Float8CurrentScaling),
+                      ("block", mod.Float8BlockScaling), ("mxfp8", mod.MXFP8BlockScaling)):
+        r = tte.te_recipe(name)
+        assert type(r) is cls and r == cls()
+        assert type(tte.te_recipe(getattr(fp8, cls.__name__)())) is cls
+    te_obj = mod.Float8CurrentScaling()
+    assert tte.te_recipe(te_obj) is te_obj and tte.te_recipe(None) is None
+    r = tte.te_recipe({"recipe": "block", "x_block_scaling_dim": 2, "w_block_scaling_dim": 1,
+                       "fp8_format": "HYBRID"})
+    assert (r.x_block_scaling_dim, r.w_block_scaling_dim, r.fp8_format) == \
+        (2, 1, mod.Format.HYBRID)
+    r = tte.te_recipe({"fp8_format": "E4M3", "amax_history_len": 16})   # Lightning's dict
+    assert type(r) is mod.DelayedScaling and (r.fp8_format, r.amax_history_len) == \
+        (mod.Format.E4M3, 16)
+    # TE keeps the QParams on the class; tpkit sets them on the object so both backends agree
+    r = tte.te_recipe(fp8.Float8CurrentScaling(use_power_2_scales=True))
+    assert r.use_power_2_scales and r.fp8_quant_fwd_inp.power_2_scale and \
+        r.fp8_quant_bwd_grad.power_2_scale and not mod.Float8CurrentScaling.fp8_quant_fwd_inp.power_2_scale
+    assert isinstance(r.fp8_gemm_fprop, mod.MMParams) and not r.fp8_gemm_fprop.use_split_accumulator
+    with pytest.raises(ValueError, match="interval=4 is not a field of the installed"):
+        tte.te_recipe(fp8.DelayedScaling(interval=4))
+    with pytest.raises(ValueError, match=r"recipe='nvfp4' is not an fp8 recipe name"):
+        tte.te_recipe("nvfp4")
+    with pytest.raises(TypeError, match="is not an fp8 recipe"):
+        tte.te_recipe(object())
+    with pytest.raises(ValueError, match="Transformer Engine refused.*E5M2"):
+        tte.te_recipe({"fp8_format": "E5M2"})
+    monkeypatch.delattr(mod, "Float8BlockScaling")        # an older TE
+    with pytest.raises(ValueError, match="has no Float8BlockScaling; upgrade it"):
+        tte.te_recipe("block")
+
+
+def test_te_autocast_hands_te_its_recipe_or_refuses_what_the_gpu_cannot_run(
+        fake_te, cuda, fake_state, monkeypatch):
+    mod = sys.modules["transformer_engine.common.recipe"]
+    for name, cls in (("current", mod.Float8CurrentScaling), ("block", mod.Float8BlockScaling)):
+        with tte.te_autocast(recipe=name, state=fake_state):
+            pass
+        kind, args = fake_te.RECORD[-1]
+        assert kind == "autocast" and type(args["recipe"]) is cls
+        assert args["amax_reduction_group"] is fake_state.amax_group
+    n = len(fake_te.RECORD)
+    # the fake answers as an H100 does: MXFP8 needs compute capability 10.0
+    with pytest.raises(ValueError, match=r"MXFP8BlockScaling cannot run here .*compute "
+                                         r"capability 10\.0 or higher.*does not fall back"):
+        tte.te_autocast(recipe="mxfp8", state=fake_state)
+    assert len(fake_te.RECORD) == n                    # refused before TE's autocast
+    monkeypatch.setitem(fake_te.SUPPORT, "fp8_block_scaling", (False, "FP8 block scaled GEMM "
+                        "requires compute capability 9.0 or higher and CUDA >= 12.9."))
+    with pytest.raises(ValueError, match="Float8BlockScaling cannot run here.*CUDA >= 12.9"):
+        tte.te_autocast(recipe=mod.Float8BlockScaling(), state=fake_state)
+    monkeypatch.setitem(fake_te.SUPPORT, "mxfp8", (True, ""))   # a Blackwell GPU
+    with tte.te_autocast(recipe="mxfp8", state=fake_state):
+        pass
+    assert type(fake_te.RECORD[-1][1]["recipe"]) is mod.MXFP8BlockScaling
 
 
 # --- wiring on real gloo groups -------------------------------------------------------------
@@ -228,6 +293,8 @@ def test_wire_parallel_groups_multirank(tp, cp, comm, a2a):
             "", ".layernorm_qkv", ".core_attention", ".proj", ".layernorm_mlp")}
         methods = {(n, m) for n, m in out["wired"]}
         assert len(methods) == len(out["wired"])  # each (module, method) once per call
+        # the fake recorded a setter call on every wired module (the loop below is not empty)
+        assert {n for n, _ in seen} == names, (sorted(names), sorted(seen))
         for (name, cls), calls in seen.items():
             assert cls in te_kinds | {"TransformerLayer"}
             tp_calls = [r for m, r in calls if m == "set_tensor_parallel_group"]

@@ -73,7 +73,7 @@ def test_real_exports_what_tpkit_uses(real, fake_te):
     for new, old in c.RENAMED.items():
         assert new in exported or old in exported, (new, old)
     if c.TE_VERSION == c.PINNED_TE_VERSION:
-        assert set(c.EXPORTS) <= exported, set(c.EXPORTS) - exported
+        assert set(c.EXPORTS) | set(c.OPTIONAL) <= exported, set(c.EXPORTS) - exported
     assert all(hasattr(fake_te, n) for n in c.EXPORTS)
 
 
@@ -85,7 +85,7 @@ def test_real_takes_what_tpkit_passes(real):
     skipped = {old if new in exported else new for new, old in c.RENAMED.items()}
     problems = []
     for fake_q, passed in c.TPKIT_PASSES.items():
-        if fake_q.split(".")[0] in skipped:
+        if fake_q.split(".")[0] in skipped or (fake_q in c.OPTIONAL and fake_q not in exported):
             continue
         where, real_q = c.locate(real, *c.SIGNATURES[fake_q])
         sig = c.signature(real[where], real_q)
@@ -156,3 +156,56 @@ def test_fake_transformer_layer_sets_layout_attributes_like_te(real, fake_src):
     real_set_tp = c.self_assignments(real[path], "TransformerLayer.set_tensor_parallel_group")
     fake_set_tp = c.self_assignments(fake_src, "TransformerLayer.set_tensor_parallel_group")
     assert set(real_set_tp) == set(fake_set_tp), (real_set_tp, fake_set_tp)
+
+
+# --- fp8 recipes ----------------------------------------------------------------------------
+@pinned_only
+def test_fake_recipes_equal_real(real):
+    """The fake's recipe classes have TE's fields (name, annotation, default source, in
+    order), TE's class attributes, and TE's Format members."""
+    with open(c.FAKE_RECIPE_FILE) as f:
+        fake = f.read()
+    for cls in c.RECIPE_CLASSES:
+        want, got = c.class_fields(real[c.RECIPE_FILE], cls), c.class_fields(fake, cls)
+        assert want == got, (cls, want, got)
+    assert c.enum_members(real[c.RECIPE_FILE], "Format") == c.enum_members(fake, "Format")
+
+
+def _norm(v):
+    """A recipe field value comparable across TE's and tpkit's types."""
+    if hasattr(v, "name") and hasattr(v, "value"):   # an Enum member (TE's Format)
+        return v.name
+    if type(v).__name__ == "QParams":
+        return ("QParams", v.power_2_scale, v.amax_epsilon)
+    if type(v).__name__ == "MMParams":
+        return ("MMParams", v.use_split_accumulator)
+    return v
+
+
+@pinned_only
+def test_tpkit_recipes_have_te_fields_and_defaults(fake_te, monkeypatch):
+    """tpkit.fp8's recipes carry every field of TE's (the fake, checked above against TE's
+    source), with TE's defaults; what tpkit has beyond them is a TE 1.x field kept for the
+    emulation, or one TE 2.20.2 keeps as a class attribute (same value)."""
+    import dataclasses
+    import sys
+
+    import tpkit.fp8
+    import tpkit.te
+    from tpkit.config import FP8_RECIPES
+    for var in ("NVTE_BACKWARD_OVERRIDE", "NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES",
+                "NVTE_FP8_BLOCK_SCALING_FP32_SCALES"):
+        monkeypatch.delenv(var, raising=False)   # TE read them when the fake was imported
+    te_recipe = sys.modules["transformer_engine.common.recipe"]
+    for cls_name in FP8_RECIPES.values():
+        te_obj, ours = getattr(te_recipe, cls_name)(), getattr(tpkit.fp8, cls_name)()
+        te_fields = [f.name for f in dataclasses.fields(te_obj)]
+        our_fields = [f.name for f in dataclasses.fields(ours)]
+        assert set(te_fields) <= set(our_fields), (cls_name, set(te_fields) - set(our_fields))
+        for name in te_fields:
+            assert _norm(getattr(ours, name)) == _norm(getattr(te_obj, name)), (cls_name, name)
+        for name in set(our_fields) - set(te_fields):
+            if name in tpkit.te._CLASS_ATTRS:
+                assert _norm(getattr(ours, name)) == _norm(getattr(type(te_obj), name)), name
+            else:
+                assert getattr(ours, name) == tpkit.te._TPKIT_ONLY[name], (cls_name, name)

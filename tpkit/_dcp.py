@@ -9,8 +9,12 @@ checkpoint written at one layout loads at any other (tp, cp, dp change freely):
   shard with ``Shard(dim)`` on the 1-D TP mesh. It is replicated over dp/cp, and DCP's
   planner de-duplicates identical chunks, so exactly one replica writes each chunk;
 - a parameter with ``tp_partition_sizes`` (fused q/k/v, gate/up: each segment sharded on
-  its own) is stored as one entry per segment, ``<key>.seg<i>``;
+  its own) is stored as one entry per segment, ``<key>.seg<i>``, plus ``<key>.seg_dim``
+  (the dim they concatenate along, read back by ``read``);
 - replicated tensors (norms, the step counter) are plain tensors, written once;
+- every other entry (plain values, ``state_dict()`` of other objects) is stored whole, one
+  pickled object as written by one rank (``_Whole``), so it reads back exactly: nested
+  dicts, their key types, tuples, tensors;
 - optimizer state is keyed by parameter name (not by index) and every state tensor shaped
   like its parameter (Adam's exp_avg/exp_avg_sq) gets the parameter's sharding;
 - FSDP2 parameters (DTensors over the dp(x cp) mesh) are gathered to the TP-local tensor
@@ -27,6 +31,7 @@ finished on every rank.
 """
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 import uuid
@@ -39,11 +44,21 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor, Shard
 
+from ._dcp_verify import agree, checkpoint_dir, dir_problem, verify_files
 from .collectives import all_gather, group_size
 from .param_tags import tp_spec
-from .topology import get_parallel_state
+from .topology import resolve_state
 
 EXTRA_STATE_SUFFIX = "_extra_state"
+SEG_DIM = "seg_dim"
+
+
+class _Whole:
+    """An entry stored as one pickled object (DCP would flatten a dict into one entry per
+    leaf, turning its keys into strings). The class's path is part of the format."""
+
+    def __init__(self, value):
+        self.value = value
 
 
 def unwrap_module(module: nn.Module) -> nn.Module:
@@ -77,6 +92,8 @@ class _Slot:
         self.view = {f"seg{i}": DTensor.from_local(p, state.tp_mesh, [Shard(dim)],
                                                    run_check=False)
                      for i, p in enumerate(parts)}
+        if not for_load:
+            self.view[SEG_DIM] = dim
 
     def write_back(self) -> None:
         views = self.view.values() if isinstance(self.view, dict) else [self.view]
@@ -94,13 +111,18 @@ class _Slot:
             elif full.data_ptr() != self.local.data_ptr():
                 self.local.copy_(full)
             if self.fsdp:
-                from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-                shape, offset = compute_local_shape_and_global_offset(
-                    self.live.shape, self.live.device_mesh, self.live.placements)
-                src = self.local
-                for d, (n, o) in enumerate(zip(shape, offset)):
-                    src = src.narrow(d, o, n)
-                self.live.to_local().copy_(src)
+                self.live.to_local().copy_(fsdp_local(self.live, self.local))
+
+
+def fsdp_local(live: DTensor, full: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of ``full`` (the whole tensor, over dp(x cp)) for the FSDP2
+    parameter or state tensor ``live``."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    shape, offset = compute_local_shape_and_global_offset(live.shape, live.device_mesh,
+                                                          live.placements)
+    for d, (n, o) in enumerate(zip(shape, offset)):
+        full = full.narrow(d, o, n)
+    return full
 
 
 def _gather_fsdp(t: DTensor, group) -> torch.Tensor:
@@ -123,11 +145,14 @@ def _gather_fsdp(t: DTensor, group) -> torch.Tensor:
         return torch.cat([out[i * rows: i * rows + c] for i, c in enumerate(sizes)], 0)
 
 
-def _module_views(module, state, slots, *, for_load):
+def _module_views(module, state, slots, *, for_load, keep=None):
     out = {}
     for key, value in unwrap_module(module).state_dict(keep_vars=True).items():
         if key.endswith(EXTRA_STATE_SUFFIX):
             continue  # TE fp8 meta: see the module docstring
+        if keep is not None and not keep(key, value.detach() if isinstance(value, torch.Tensor)
+                                         else value):
+            continue
         if isinstance(value, torch.Tensor):
             slot = _Slot(value, tp_spec(value), state, for_load=for_load)
             slots.append(slot)
@@ -150,6 +175,10 @@ def _init_optimizer_state(opt: torch.optim.Optimizer) -> None:
     with zero gradients and lr=0, which leaves the parameters unchanged."""
     if opt.state:
         return
+    for g in opt.param_groups:
+        if any(p.grad is not None for p in g["params"]):
+            raise ValueError("load the optimizer state before the first backward (a "
+                             "parameter already has a gradient)")
     saved = []
     for g in opt.param_groups:
         lr = g.get("lr")
@@ -159,9 +188,6 @@ def _init_optimizer_state(opt: torch.optim.Optimizer) -> None:
         elif lr is not None:
             g["lr"] = 0.0
         for p in g["params"]:
-            if p.grad is not None:
-                raise ValueError("load the optimizer state before the first backward (a "
-                                 "parameter already has a gradient)")
             p.grad = torch.zeros_like(p)
     opt.step()
     for g, lr in zip(opt.param_groups, saved):
@@ -173,8 +199,8 @@ def _init_optimizer_state(opt: torch.optim.Optimizer) -> None:
             p.grad = None
 
 
-def _optimizer_views(opt, names, state, slots, *, for_load):
-    if for_load:
+def _optimizer_views(opt, names, state, slots, *, for_load, init=True):
+    if for_load and init:
         _init_optimizer_state(opt)
     groups, per_param = [], {}
     for gi, g in enumerate(opt.param_groups):
@@ -200,22 +226,54 @@ def _optimizer_views(opt, names, state, slots, *, for_load):
     return {"state": per_param, "param_groups": groups}
 
 
-def _build(state_dict: dict, *, for_load: bool):
-    state = get_parallel_state()
+def _build(state_dict: dict, *, for_load: bool, filter: dict | None = None,
+           init_optimizers: bool = True, state=None):
+    """DCP views of the modules and optimizers in ``state_dict`` (tensors presented at their
+    global shapes, see _Slot); on save, every other entry wrapped whole (_Whole).
+    ``filter``: Fabric's ``save(filter=...)``, ``{key: fn(name, value) -> keep}`` applied to
+    the items of that entry's state dict; an entry with no item left is not saved.
+    ``init_optimizers=False``: optimizers without state are not stepped to create it
+    (``verify`` only looks). ``state``: the layout (default: the current one)."""
+    state = resolve_state(state)
+    filter = filter or {}
     modules = [v for v in state_dict.values() if isinstance(v, nn.Module)]
     names = _param_names(modules)
     slots: list[_Slot] = []
     out: dict[str, Any] = {}
     for key, obj in state_dict.items():
+        keep = filter.get(key)
         if isinstance(obj, nn.Module):
-            out[key] = _module_views(obj, state, slots, for_load=for_load)
+            view = _module_views(obj, state, slots, for_load=for_load, keep=keep)
         elif isinstance(obj, torch.optim.Optimizer):
-            out[key] = _optimizer_views(obj, names, state, slots, for_load=for_load)
-        elif hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict"):
-            out[key] = obj.state_dict()
+            view = _optimizer_views(obj, names, state, slots, for_load=for_load,
+                                    init=init_optimizers)
         else:
-            out[key] = obj
+            assert not for_load, "plain entries are read whole (read)"
+            view = obj.state_dict() if _stateful(obj) else obj
+        if keep is not None and isinstance(view, dict) and not isinstance(obj, nn.Module):
+            view = {k: v for k, v in view.items() if keep(k, v)}   # modules: _module_views
+        if keep is not None and isinstance(view, dict) and not view:
+            continue  # as Fabric's own filter: nothing kept, no entry
+        out[key] = view if isinstance(obj, (nn.Module, torch.optim.Optimizer)) else _Whole(view)
     return out, slots
+
+
+def _stateful(obj) -> bool:
+    return hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")
+
+
+def _check_filter(filter, state_dict) -> None:
+    """Fabric.save's own checks (and exception types), for direct callers."""
+    if filter is None:
+        return
+    if not isinstance(filter, dict):
+        raise TypeError(f"filter should be a dict of {{key: callable}}, got {filter!r}")
+    if not set(filter) <= set(state_dict):
+        raise ValueError(f"the filter keys {sorted(set(filter) - set(state_dict))} are not "
+                         f"state keys {sorted(state_dict)}")
+    for k, fn in filter.items():
+        if not callable(fn):
+            raise TypeError(f"filter[{k!r}] must be a callable (name, value) -> bool, got {fn!r}")
 
 
 # --- save ------------------------------------------------------------------------------
@@ -236,6 +294,20 @@ def _staging_name(path: str) -> str:
     return name[0]
 
 
+def _prepare(path, state_dict: dict, filter: dict | None):
+    """What ``save`` and ``async_save`` both do before writing: check the filter and the
+    target directory (on every rank, together), pick the staging name, build DCP's views.
+    Returns (absolute path, staging path, views). Collective."""
+    _check_filter(filter, state_dict)
+    path = os.path.abspath(os.fspath(path))
+    problem = dir_problem(os.path.dirname(path))   # before any rank writes a byte
+    agree(None if problem is None else ValueError(
+        f"cannot save checkpoint {path}: {problem}; pass a path in a writable directory"))
+    tmp = _staging_name(path)
+    views, _ = _build(state_dict, for_load=False, filter=filter)
+    return path, tmp, views
+
+
 def _commit(tmp: str, path: str) -> None:
     """Rank 0: swap the finished ``tmp`` into place (two renames; a crash between them
     leaves the old checkpoint at ``<path>.old-<id>``, never a partial one at ``path``)."""
@@ -248,12 +320,13 @@ def _commit(tmp: str, path: str) -> None:
         shutil.rmtree(old) if os.path.isdir(old) else os.remove(old)
 
 
-def save(path: str | os.PathLike, state_dict: dict[str, Any]) -> None:
+def save(path: str | os.PathLike, state_dict: dict[str, Any], *,
+         filter: dict | None = None) -> None:
     """Write ``state_dict`` (modules, optimizers, objects with ``state_dict()``, plain
-    values) as a sharded checkpoint directory at ``path``, atomically. Collective."""
-    path = os.path.abspath(os.fspath(path))
-    tmp = _staging_name(path)
-    views, _ = _build(state_dict, for_load=False)
+    values) as a sharded checkpoint directory at ``path``, atomically. Collective.
+    ``filter``: as Fabric's ``save(filter=...)`` (see ``_build``); load a filtered
+    checkpoint with ``strict=False``."""
+    path, tmp, views = _prepare(path, state_dict, filter)
     try:
         dcp.save(views, storage_writer=dcp.FileSystemWriter(tmp))
     except BaseException:
@@ -309,6 +382,8 @@ def _cpu_copy(obj, buffers: dict | None = None, key: tuple = ()):
     dtype): no fresh allocation (and page faults) per save."""
     if isinstance(obj, dict):
         return {k: _cpu_copy(v, buffers, (*key, k)) for k, v in obj.items()}
+    if isinstance(obj, _Whole):   # pickled by the write: a copy of this step's value
+        return _Whole(copy.deepcopy(obj.value))
     if isinstance(obj, DTensor):  # same spec, CPU local shard (from_local costs ~10x more)
         return DTensor(_cpu_copy(obj.to_local(), buffers, key), obj._spec,
                        requires_grad=False)
@@ -340,7 +415,8 @@ class _Staged(dcp.staging.AsyncStager):
 
 
 def async_save(path: str | os.PathLike, state_dict: dict[str, Any], *,
-               process_group=None, buffers: dict | None = None) -> PendingSave:
+               process_group=None, buffers: dict | None = None,
+               filter: dict | None = None) -> PendingSave:
     """Like :func:`save`, but DCP writes in a background thread (``dcp.async_save``) after
     copying the tensors to CPU here, so training may change them at once. Collective (the
     copy and the name); the write's own collectives run on ``process_group``, which must be
@@ -348,14 +424,13 @@ def async_save(path: str | os.PathLike, state_dict: dict[str, Any], *,
     backend="gloo")`` made once. Call ``wait()`` (or ``done()``) on the result before the
     next save and before exiting: the checkpoint reaches ``path`` only then. ``buffers``:
     a dict kept by the caller and passed to every save (each after the previous one's
-    ``wait()``), so that the copies reuse the CPU memory (pinned, from GPUs) of the last."""
-    path = os.path.abspath(os.fspath(path))
+    ``wait()``), so that the copies reuse the CPU memory (pinned, from GPUs) of the last.
+    ``filter``, the path check and the format are :func:`save`'s."""
     if dist.is_initialized() and process_group is None:
         raise ValueError("async_save needs process_group=: a gloo group of its own (e.g. "
                          "torch.distributed.new_group(backend='gloo')), since the background "
                          "write's collectives must not interleave with training's")
-    tmp = _staging_name(path)
-    views, _ = _build(state_dict, for_load=False)
+    path, tmp, views = _prepare(path, state_dict, filter)
     try:
         future = dcp.async_save(_cpu_copy(views, buffers), storage_writer=dcp.FileSystemWriter(tmp),
                                 process_group=process_group, async_stager=_Staged())
@@ -367,10 +442,41 @@ def async_save(path: str | os.PathLike, state_dict: dict[str, Any], *,
 
 
 # --- load ------------------------------------------------------------------------------
-def _check_against(path: str, flat: dict, strict: bool) -> list[str]:
+def _metadata(path: str):
+    """The checkpoint's DCP metadata, its files checked first (``verify_files``)."""
+    return verify_files(path)
+
+
+def _paths(md) -> dict[str, tuple]:
+    """Each DCP key's path in the saved nested dict (DCP's own record of its flattening)."""
+    data = md.planner_data if isinstance(md.planner_data, dict) else {}
+    return {k: tuple(data.get(k) or k.split(".")) for k in md.state_dict_metadata}
+
+
+class MissingKeyError(KeyError, ValueError):
+    """A key that strict loading needs is absent: a KeyError, as Lightning Fabric's
+    strategies raise for strict loading, and a ValueError, as tpkit's other user errors.
+    ``str()`` is the message itself (not KeyError's quoted repr)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+def missing_key_error(key: str, path: str | None = None, saved=()) -> MissingKeyError:
+    """Fabric's strict-loading error (lightning.fabric.strategies.strategy), same wording,
+    then which checkpoint and the keys it has."""
+    where = (f" (checkpoint {path}, which has {sorted(saved)})" if path is not None else "")
+    return MissingKeyError(f"The requested state contains a key '{key}' that does not exist in "
+                           f"the loaded checkpoint{where}. To disable strict loading, set "
+                           "`strict=False`.")
+
+
+def _check_against(path: str, meta: dict, flat: dict, strict: bool) -> list[str]:
     """ValueError for tensors whose global shape differs from the checkpoint's; returns
-    the keys absent from the checkpoint (ValueError if ``strict``)."""
-    meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    the keys absent from the checkpoint (MissingKeyError, a KeyError as Fabric's and a
+    ValueError, if ``strict``). ``meta``: the checkpoint's ``state_dict_metadata``."""
+    other = ("this checkpoint was written by another model (or another configuration of it); "
+             "load a checkpoint of this model, or build the model the checkpoint was saved from")
     missing = []
     for key, value in flat.items():
         if key not in meta:
@@ -379,51 +485,97 @@ def _check_against(path: str, flat: dict, strict: bool) -> list[str]:
         md = meta[key]
         if isinstance(value, torch.Tensor):
             if not isinstance(md, TensorStorageMetadata):
-                raise ValueError(f"checkpoint entry {key!r} is not a tensor but the target is "
-                                 f"a tensor of shape {tuple(value.shape)}")
+                raise ValueError(f"checkpoint {path}: entry {key!r} is not a tensor but the "
+                                 f"target is a tensor of shape {tuple(value.shape)}; {other}")
             if tuple(md.size) != tuple(value.shape):
                 raise ValueError(
-                    f"checkpoint tensor {key!r} has global shape {tuple(md.size)} but the "
-                    f"target expects {tuple(value.shape)}; shapes must match globally to "
-                    "reshard (check the model config, e.g. hidden/vocab sizes or fused "
-                    "partition_sizes)")
+                    f"checkpoint {path}: tensor {key!r} has global shape {tuple(md.size)} but "
+                    f"the target expects {tuple(value.shape)}; shapes must match globally to "
+                    f"reshard (check the model config, e.g. hidden/vocab sizes or fused "
+                    f"partition_sizes): {other}")
     if missing and strict:
-        raise ValueError(f"{len(missing)} keys are missing from checkpoint {path}: "
-                         f"{missing[:8]}{' ...' if len(missing) > 8 else ''}; pass "
-                         "strict=False to skip them")
+        raise MissingKeyError(f"{len(missing)} keys are missing from checkpoint {path}: "
+                              f"{missing[:8]}{' ...' if len(missing) > 8 else ''}; {other}, "
+                              "or pass strict=False to load only the keys it has")
     return missing
+
+
+def verify(path: str | os.PathLike, state_dict: dict[str, Any] | None = None, *,
+           strict: bool = True, state=None) -> None:
+    """Check the checkpoint at ``path`` without restoring anything: its ``.metadata`` and
+    every shard file (present, and as long as the metadata says), and, given
+    ``state_dict``, that every module tensor (and the state of optimizers that have
+    state) is in it with the same global shape (missing keys only with ``strict``).
+    ValueError naming the file or key and what to do, e.g. the previous complete
+    checkpoint next to it. Not collective; reads no tensor data; ``state`` (default: the
+    current one) is the layout the modules are sharded over. ``load`` runs it first."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    md = verify_files(path)
+    if state_dict is None:
+        return
+    saved = {p[0] for p in _paths(md).values()}
+    absent = [k for k in state_dict if k not in saved]
+    if absent and strict:
+        raise missing_key_error(absent[0], path, saved)
+    live = {k: v for k, v in state_dict.items()
+            if k in saved and isinstance(v, (nn.Module, torch.optim.Optimizer))}
+    if live:
+        views, _ = _build(live, for_load=True, init_optimizers=False, state=state)
+        _check_against(checkpoint_dir(path), md.state_dict_metadata,
+                       flatten_state_dict(views)[0], strict)
 
 
 def load(path: str | os.PathLike, state_dict: dict[str, Any], *,
          strict: bool = True) -> dict[str, Any]:
-    """Load the checkpoint at ``path`` into ``state_dict`` in place (modules, optimizers,
-    objects with ``load_state_dict``; plain values are replaced in the dict), resharding
-    to the current layout. Returns ``state_dict``. Collective."""
-    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-    path = os.path.abspath(os.fspath(path))
-    if not os.path.isdir(path):
-        raise ValueError(f"no checkpoint directory at {path}")
-    views, slots = _build(state_dict, for_load=True)
-    flat, mapping = flatten_state_dict(views)
-    missing = set(_check_against(path, flat, strict))
-    if missing:
+    """Load the checkpoint at ``path`` into ``state_dict`` in place, resharding to the
+    current layout: modules and optimizers load into their tensors, objects with
+    ``load_state_dict`` get their saved state, plain values are replaced in the dict.
+    ``strict``: every key of ``state_dict`` (and every tensor of its modules and
+    optimizers) must be in the checkpoint, else MissingKeyError (a KeyError, as
+    Fabric's strategies raise, and a ValueError). The files and shapes are checked
+    first (``verify``), on every rank, before any tensor is touched: a problem found by
+    any rank is raised on all of them. Returns ``state_dict``. Collective."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflatten_state_dict
+    fresh = [o for o in state_dict.values() if isinstance(o, torch.optim.Optimizer)
+             and not o.state]  # load creates their state first; undone if it fails
+    error = None
+    try:
+        try:
+            md = verify_files(path)
+            path = checkpoint_dir(path)
+            saved = {p[0] for p in _paths(md).values()}
+            absent = [k for k in state_dict if k not in saved]
+            if absent and strict:
+                raise missing_key_error(absent[0], path, saved)
+            live = {k: v for k, v in state_dict.items()
+                    if k in saved and isinstance(v, (nn.Module, torch.optim.Optimizer))}
+            if live:
+                views, slots = _build(live, for_load=True)
+                flat, mapping = flatten_state_dict(views)
+                missing = set(_check_against(path, md.state_dict_metadata, flat, strict))
+        except ValueError as e:
+            error = e
+        agree(error)  # every rank stops here if any rank found a problem
+    except BaseException:
+        for opt in fresh:
+            opt.state.clear()
+        raise
+    if live:
         flat = {k: v for k, v in flat.items() if k not in missing}
-    dcp.load(flat, storage_reader=dcp.FileSystemReader(path))
-    from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
-    loaded = unflatten_state_dict(flat, {k: v for k, v in mapping.items() if k in flat})
-    for slot in slots:
-        slot.write_back()
-    for key, obj in state_dict.items():
-        if key not in loaded:
-            continue
-        if isinstance(obj, torch.optim.Optimizer):
-            _restore_optimizer_scalars(obj, loaded[key])
-        elif isinstance(obj, nn.Module):
-            pass
-        elif hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict"):
-            obj.load_state_dict(loaded[key])
+        dcp.load(flat, storage_reader=dcp.FileSystemReader(path))
+        loaded = unflatten_state_dict(flat, {k: v for k, v in mapping.items() if k in flat})
+        for slot in slots:
+            slot.write_back()
+        for key, obj in live.items():
+            if isinstance(obj, torch.optim.Optimizer) and key in loaded:
+                _restore_optimizer_scalars(obj, loaded[key])
+    rest = [k for k in state_dict if k in saved and k not in live]
+    for key, value in read(path, keys=rest).items():
+        obj = state_dict[key]
+        if _stateful(obj):
+            obj.load_state_dict(value)
         else:
-            state_dict[key] = loaded[key]
+            state_dict[key] = value
     return state_dict
 
 
@@ -444,30 +596,53 @@ def _restore_optimizer_scalars(opt, loaded: dict) -> None:
                 opt.state[p][k] = v
 
 
-def read_extras(path: str | os.PathLike, exclude) -> dict[str, Any]:
-    """The checkpoint's top-level entries not named in ``exclude`` (e.g. Fabric's
-    remainder: step counters, user metadata). A nested entry comes back as a dict keyed by
-    the rest of its DCP key. Collective."""
+def read(path: str | os.PathLike, keys=None, *, exclude=()) -> dict[str, Any]:
+    """The checkpoint's top-level entries (those in ``keys``, default all, minus
+    ``exclude``) as nested Python objects, every tensor whole (its global shape, on CPU, on
+    every rank): a module as its full state dict, an optimizer as a full state dict keyed
+    by parameter name (``torch.optim.Optimizer.load_state_dict`` of the unsharded model
+    takes it), plain values as saved. Collective when it reads tensors."""
+    from torch.distributed.checkpoint._traverse import set_element
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
     path = os.path.abspath(os.fspath(path))
-    meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    md = _metadata(path)
+    paths = _paths(md)
     exclude = set(exclude)
+    keys = None if keys is None else set(keys)
     flat: dict[str, Any] = {}
-    for key, md in sorted(meta.items()):
-        if key.split(".", 1)[0] in exclude:
+    for key, meta in md.state_dict_metadata.items():
+        top = paths[key][0]
+        if top in exclude or (keys is not None and top not in keys):
             continue
-        if isinstance(md, BytesStorageMetadata):
-            flat[key] = None
-        else:
-            flat[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+        flat[key] = (None if isinstance(meta, BytesStorageMetadata)
+                     else torch.empty(tuple(meta.size), dtype=meta.properties.dtype))
     if not flat:
         return {}
     dcp.load(flat, storage_reader=dcp.FileSystemReader(path))
     out: dict[str, Any] = {}
     for key, value in flat.items():
-        top, _, rest = key.partition(".")
-        if rest:
-            out.setdefault(top, {})[rest] = value
-        else:
-            out[top] = value
-    return out
+        set_element(out, paths[key], value)
+    return {k: v.value if isinstance(v, _Whole) else _merge_segments(v) for k, v in out.items()}
+
+
+def _merge_segments(obj):
+    """``{"seg0": t0, "seg1": t1, ..., "seg_dim": d}`` (a fused parameter) -> ``cat(t, d)``.
+    Checkpoints written before ``seg_dim`` existed concatenate along dim 0 (tpkit's fused
+    layers are all column-parallel)."""
+    if isinstance(obj, list):
+        return [_merge_segments(v) for v in obj]
+    if not isinstance(obj, dict):
+        return obj
+    obj = {k: _merge_segments(v) for k, v in obj.items()}
+    n = sum(1 for k in obj if k != SEG_DIM)
+    segs = [obj.get(f"seg{i}") for i in range(n)]
+    if n and all(isinstance(t, torch.Tensor) for t in segs) and set(obj) <= {
+            *(f"seg{i}" for i in range(n)), SEG_DIM}:
+        return torch.cat(segs, obj.get(SEG_DIM, 0))
+    return obj
+
+
+def read_extras(path: str | os.PathLike, exclude) -> dict[str, Any]:
+    """The checkpoint's top-level entries not named in ``exclude`` (Fabric's remainder:
+    step counters, user metadata, an optimizer not loaded), as ``read`` returns them."""
+    return read(path, exclude=exclude)

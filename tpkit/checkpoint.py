@@ -1,7 +1,8 @@
 """Checkpoint helpers: full (unsharded) state dicts <-> TP-sharded models.
 
 Generic over layers: a parameter is sharded iff it carries ``tp_partition_dim`` (tagged
-by tpkit.nn layers). If it also carries ``tp_partition_sizes`` (global segment sizes along
+by tpkit.nn layers; the loaders also read TE's ``tensor_model_parallel`` +
+``partition_dim``, and take FSDP2 parameters' dp(x cp) pieces). If it also carries ``tp_partition_sizes`` (global segment sizes along
 that dim, e.g. fused q/k/v ``(H*d, G*d, G*d)``), each segment is sharded on its own and
 the local shard is the concatenation of this rank's chunk of every segment, so the full
 tensor is ``cat(segment_0, segment_1, ...)`` in the un-interleaved order. Everything else
@@ -11,13 +12,16 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
+from ._dcp import (MissingKeyError, _param_names, fsdp_local, missing_key_error,
+                   unwrap_module)
 from .collectives import all_gather, group_size
-from .param_tags import partition_dim
+from .param_tags import partition_dim, tp_spec
 from .topology import resolve_state
 
-__all__ = ["full_state_dict", "load_full_state_dict", "full_shapes", "gather_param",
-           "shard_tensor"]
+__all__ = ["full_state_dict", "load_full_state_dict", "load_full_optimizer_state_dict",
+           "load_full", "full_shapes", "gather_param", "shard_tensor"]
 
 
 def gather_param(p: torch.Tensor, dim: int, sizes, group) -> torch.Tensor:
@@ -75,41 +79,133 @@ def full_shapes(model: nn.Module, state=None) -> dict[str, torch.Size]:
     return out
 
 
-def load_full_state_dict(model: nn.Module, sd: dict[str, torch.Tensor], state=None) -> None:
-    """Copy the full state dict ``sd`` into ``model``, taking this rank's shard of every
-    ``tp_partition_dim`` param. Keys must match exactly; shapes are checked."""
+def _full_shape(t: torch.Tensor, spec, n: int) -> tuple:
+    shape = list(t.shape)   # an FSDP2 DTensor's shape: its TP-local whole
+    if spec is not None:
+        shape[spec[0]] *= n
+    return tuple(shape)
+
+
+def _to_local(full: torch.Tensor, live: torch.Tensor, spec, state) -> torch.Tensor:
+    """This rank's part of the full tensor ``full`` for ``live``: its TP shard (``spec``),
+    then, for an FSDP2 DTensor, its dp(x cp) piece."""
+    if spec is not None:
+        full = shard_tensor(full, spec[0], spec[1], state.tp_rank, state.tp_size)
+    return fsdp_local(live, full) if isinstance(live, DTensor) else full
+
+
+def load_full_state_dict(model: nn.Module, sd: dict[str, torch.Tensor], state=None, *,
+                         strict: bool = True) -> None:
+    """Copy the full (unsharded) state dict ``sd`` into ``model``, taking this rank's shard
+    of every TP-sharded tensor (tpkit's or TE's tags; FSDP2 parameters too). ``strict``:
+    the keys must match exactly, else MissingKeyError (a KeyError, as Fabric's, and a
+    ValueError); shapes are always checked (ValueError). TE's ``_extra_state`` is left
+    alone."""
     state = resolve_state(state)
-    n, rank = state.tp_size, state.tp_rank
-    params = dict(model.named_parameters(remove_duplicate=False))
-    own = model.state_dict(keep_vars=True)
-    missing, unexpected = sorted(set(own) - set(sd)), sorted(set(sd) - set(own))
-    if missing or unexpected:
-        raise ValueError(f"state dict keys do not match the model: missing {missing}, "
-                         f"unexpected {unexpected}")
+    n = state.tp_size
+    own = {k: v for k, v in model.state_dict(keep_vars=True).items()
+           if isinstance(v, torch.Tensor)}
+    missing, unexpected = sorted(set(own) - set(sd)), sorted(
+        k for k in set(sd) - set(own) if not k.endswith("_extra_state"))
+    if strict and (missing or unexpected):
+        raise MissingKeyError(f"state dict keys do not match the model: missing {missing}, "
+                              f"unexpected {unexpected}; pass strict=False to load the common keys")
     with torch.no_grad():
         for name, t in own.items():
-            src = sd[name]
-            p = params.get(name)
-            dim = partition_dim(p) if p is not None else None
-            if dim is not None:
-                sizes = getattr(p, "tp_partition_sizes", None)
-                full_len = src.shape[dim] if src.dim() > dim else -1
-                expect = list(t.shape)
-                expect[dim] = t.shape[dim] * n
-                if list(src.shape) != expect:
-                    raise ValueError(f"{name}: full tensor has shape {tuple(src.shape)}, "
-                                     f"expected {tuple(expect)} (shard {tuple(t.shape)} x tp={n}"
-                                     f" along dim {dim})")
-                if sizes is not None and sum(sizes) != full_len:
-                    raise ValueError(f"{name}: tp_partition_sizes {sizes} do not sum to "
-                                     f"{full_len}")
-                src = shard_tensor(src, dim, sizes, rank, n)
-            elif src.shape != t.shape:
-                raise ValueError(f"{name}: shape {tuple(src.shape)} does not match the "
-                                 f"model's {tuple(t.shape)}")
-            t.copy_(src)
+            if name not in sd:
+                continue
+            src, spec = sd[name], tp_spec(t)
+            expect = _full_shape(t, spec, n)
+            if tuple(src.shape) != expect:
+                how = (f" (shard {tuple(t.shape)} x tp={n} along dim {spec[0]})"
+                       if spec is not None else "")
+                raise ValueError(f"{name}: full tensor has shape {tuple(src.shape)}, expected "
+                                 f"{expect}{how}")
+            if spec is not None and spec[1] is not None and sum(spec[1]) != expect[spec[0]]:
+                raise ValueError(f"{name}: tp_partition_sizes {spec[1]} do not sum to "
+                                 f"{expect[spec[0]]}")
+            local = _to_local(src.to(t.device), t, spec, state)
+            (t.to_local() if isinstance(t, DTensor) else t).copy_(local)
+
+
+def load_full_optimizer_state_dict(optimizer: torch.optim.Optimizer, osd: dict,
+                                   model, state=None) -> None:
+    """Load the full (unsharded) optimizer state dict ``osd`` into ``optimizer`` over the
+    sharded ``model`` (a module or a list of them: they name the parameters): each state
+    tensor shaped like its full parameter becomes this rank's shard. ``osd`` is keyed by
+    parameter index (``torch.optim.Optimizer.state_dict()`` of the unsharded model, matched
+    by position as torch does) or by parameter name (``read``; names are checked).
+    ValueError when groups or shapes do not match."""
+    state = resolve_state(state)
+    names = {i: n for i, (n, _) in _param_names(
+        [model] if isinstance(model, nn.Module) else model).items()}
+    groups, saved_groups = optimizer.param_groups, osd["param_groups"]
+    if [len(g["params"]) for g in groups] != [len(g["params"]) for g in saved_groups]:
+        raise ValueError(f"the optimizer state has groups of "
+                         f"{[len(g['params']) for g in saved_groups]} parameters but the "
+                         f"optimizer has {[len(g['params']) for g in groups]}")
+    local_state, index = {}, 0
+    local_groups = []
+    for g, sg in zip(groups, saved_groups):
+        local_groups.append({**{k: v for k, v in sg.items() if k != "params"},
+                             "params": list(range(index, index + len(g["params"])))})
+        for p, key in zip(g["params"], sg["params"]):
+            name = names.get(id(p), f"<parameter {index}>")
+            if isinstance(key, str) and key != name:
+                raise ValueError(f"optimizer state for {key!r} is at the position of "
+                                 f"parameter {name!r}; build the optimizer over the same "
+                                 "parameters in the same order")
+            entry, spec = osd["state"].get(key), tp_spec(p)
+            if entry is not None:
+                local_state[index] = {k: _optimizer_value(v, p, spec, state, f"{name}.{k}")
+                                      for k, v in entry.items()}
+            index += 1
+    optimizer.load_state_dict({"state": local_state, "param_groups": local_groups})
+
+
+def load_full(full: dict, state_dict: dict, state=None, *, strict: bool = True) -> dict:
+    """Load a full (unsharded) checkpoint dict, e.g. one process's ``torch.save({"model":
+    model.state_dict(), "optimizer": opt.state_dict(), "step": 3})``, into ``state_dict``
+    (modules, optimizers, objects with ``load_state_dict``, plain values) at the current
+    layout, as ``load`` does for checkpoint directories. Returns the entries of ``full``
+    not in ``state_dict``; ``strict``: a key of ``state_dict`` not in ``full`` (or a
+    module key mismatch) is a MissingKeyError (KeyError and ValueError)."""
+    absent = [k for k in state_dict if k not in full]
+    if absent and strict:
+        raise missing_key_error(absent[0])
+    rest = dict(full)
+    modules = [m for m in state_dict.values() if isinstance(m, nn.Module)]
+    for key, obj in state_dict.items():
+        if key not in rest:
+            continue
+        value = rest.pop(key)
+        if isinstance(obj, nn.Module):
+            load_full_state_dict(unwrap_module(obj), value, state, strict=strict)
+        elif isinstance(obj, torch.optim.Optimizer):
+            load_full_optimizer_state_dict(obj, value, modules, state)
+        elif hasattr(obj, "load_state_dict"):
+            obj.load_state_dict(value)
+        else:
+            state_dict[key] = value
+    return rest
+
+
+def _optimizer_value(v, p, spec, state, what: str):
+    if not isinstance(v, torch.Tensor) or v.dim() == 0:
+        return v   # step counters, hyper-parameters
+    expect = _full_shape(p, spec, state.tp_size)
+    if tuple(v.shape) != expect:
+        raise ValueError(f"optimizer state {what} has shape {tuple(v.shape)} but its "
+                         f"parameter's full shape is {expect}")
+    local = _to_local(v.to(p.device), p, spec, state).clone()   # never alias ``osd``
+    if isinstance(p, DTensor):
+        return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
+                                  shape=p.shape, stride=p.stride())
+    return local
+
 
 # Sharded, reshardable checkpoints with torch.distributed.checkpoint (tpkit/_dcp.py).
-from ._dcp import PendingSave, async_save, load, read_extras, save, unwrap_module  # noqa: E402
+from ._dcp import PendingSave, async_save, load, read, read_extras, save, verify  # noqa: E402
 
-__all__ += ["save", "load", "async_save", "PendingSave", "read_extras", "unwrap_module"]
+__all__ += ["save", "load", "async_save", "PendingSave", "verify", "read", "read_extras",
+            "unwrap_module", "MissingKeyError"]

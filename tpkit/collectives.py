@@ -24,7 +24,8 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from . import shm
 
 __all__ = ["group_size", "group_rank", "all_reduce_sum", "all_reduce_max", "all_reduce_flat",
-           "all_gather", "reduce_scatter", "split", "all_to_all", "exchange"]
+           "all_gather", "reduce_scatter", "split", "all_to_all", "exchange", "broadcast",
+           "start_p2p"]
 
 
 def group_size(group) -> int:
@@ -50,6 +51,14 @@ def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
 def all_reduce_max(x: torch.Tensor, group) -> torch.Tensor:
     """MAX over ``group``, in place (``x`` must be contiguous); returns ``x``."""
     dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group)
+    return x
+
+
+def broadcast(x: torch.Tensor, group, src: int) -> torch.Tensor:
+    """``x`` of group rank ``src`` on every rank of ``group``, in place (``x`` must be
+    contiguous); returns ``x``."""
+    if group_size(group) > 1:
+        dist.broadcast(x, group=group, group_src=src)
     return x
 
 
@@ -127,6 +136,13 @@ def all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> tor
 def exchange(send: torch.Tensor, recv: torch.Tensor, group, nxt: int, prv: int, tag: int):
     """Start sending ``send`` to global rank ``nxt`` and receiving ``recv`` from ``prv``
     (one ring hop); returns the works to wait on."""
-    ops = [dist.P2POp(dist.isend, send, nxt, group=group, tag=tag),
-           dist.P2POp(dist.irecv, recv, prv, group=group, tag=tag)]
-    return dist.batch_isend_irecv(ops)
+    return start_p2p([(send, nxt)], [(recv, prv)], group, tag)
+
+
+def start_p2p(sends, recvs, group, tag: int):
+    """Start the sends ``[(tensor, global rank)]`` and receives ``[(buffer, global rank)]``
+    as one batch; returns the works to wait on (none when both lists are empty). Every
+    rank of a batch's peers must post its matching batch in the same order."""
+    ops = [dist.P2POp(dist.isend, t, peer, group=group, tag=tag) for t, peer in sends]
+    ops += [dist.P2POp(dist.irecv, t, peer, group=group, tag=tag) for t, peer in recvs]
+    return dist.batch_isend_irecv(ops) if ops else []

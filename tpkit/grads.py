@@ -18,7 +18,7 @@ from .collectives import all_reduce_flat, all_reduce_max, all_reduce_sum
 from .param_tags import is_sequence_parallel, tp_spec
 from .topology import resolve_state
 
-__all__ = ["sync_sequence_parallel_grads", "grad_norm", "clip_grad_norm"]
+__all__ = ["sync_sequence_parallel_grads", "grad_norm", "clip_grad_norm", "clip_grad_value"]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -93,3 +93,13 @@ def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float, state,
     for (_, dtype), gs in by_dtype.items():
         torch._foreach_mul_(gs, coef.to(device=gs[0].device, dtype=dtype))
     return total
+
+
+def clip_grad_value(params: Iterable[torch.nn.Parameter], clip_value: float) -> None:
+    """Clamp every gradient to ``[-clip_value, clip_value]``, like
+    torch.nn.utils.clip_grad_value_, on the local tensors (TP shards and FSDP pieces clamp
+    as the full gradient would). Sequence-parallel gradients must be summed first."""
+    clip_value = float(clip_value)
+    for p in params:
+        if p.grad is not None:
+            _local(p.grad).clamp_(min=-clip_value, max=clip_value)

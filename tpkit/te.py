@@ -2,6 +2,8 @@
 
 - ``import_te``/``require_te``: lazy import with an error that says what to install
   (``pip install 'tpkit[te]'``) and that TE needs CUDA; no fallback.
+- ``te_recipe``/``check_recipe_support``: TE's recipe object from a name, a dict or
+  tpkit.fp8's recipe, refused when the installed TE or the GPU cannot run it.
 - ``te_autocast``/``te_model_init``: one name over TE's API renames (``autocast`` and
   ``quantized_model_init`` since TE 2.9; ``fp8_autocast``/``fp8_model_init`` before).
 - ``wire_parallel_groups``: feed a ParallelState's TP and CP groups into every TE module
@@ -13,6 +15,7 @@ Checked against TE 2.20.2's sources (tests/te_contract.py); TE 2.9 or newer 2.x 
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
 import sys
@@ -21,6 +24,7 @@ from collections.abc import Mapping
 
 import torch
 
+from .config import FP8_RECIPES
 from .random import get_rng_tracker
 from .topology import is_initialized, resolve_state
 
@@ -76,26 +80,146 @@ def te_available() -> bool:
     return True
 
 
-# --- API-name shims ----------------------------------------------------------------------
+# --- recipes --------------------------------------------------------------------------
+# tpkit.fp8's fields that TE 2.x's classes do not have, with the value that means "TE's
+# behaviour" (anything else is refused on the TE backend).
+_TPKIT_ONLY = {"interval": 1, "override_linear_precision": (False, False, False)}
+# TE 2.20.2 keeps these on the class (fixed at import), not as constructor fields.
+_CLASS_ATTRS = ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad")
+# recipe class -> TE's availability check (transformer_engine.pytorch.is_*_available)
+_SUPPORT = {"DelayedScaling": "is_fp8_available", "Float8CurrentScaling": "is_fp8_available",
+            "Float8BlockScaling": "is_fp8_block_scaling_available",
+            "MXFP8BlockScaling": "is_mxfp8_available",
+            "NVFP4BlockScaling": "is_nvfp4_available"}
+
+
+def _is_te_object(obj) -> bool:
+    return type(obj).__module__.split(".")[0] == "transformer_engine"
+
+
+def _recipe_spec(spec) -> tuple[str, dict]:
+    """(recipe name, fields) from a name, a dict or tpkit.fp8's recipe object."""
+    if isinstance(spec, str):
+        kind, fields = spec, {}
+    elif isinstance(spec, Mapping):
+        fields = dict(spec)
+        kind = fields.pop("recipe", "delayed")
+    else:
+        names = {v: k for k, v in FP8_RECIPES.items()}
+        kind = next((names[c.__name__] for c in type(spec).__mro__ if c.__name__ in names),
+                    None)
+        if kind is None or not dataclasses.is_dataclass(spec):
+            raise TypeError(f"recipe={spec!r} ({type(spec).__name__}) is not an fp8 recipe: "
+                            f"pass a name {sorted(FP8_RECIPES)}, a dict, or a recipe object "
+                            "of tpkit.fp8 or transformer_engine.common.recipe")
+        fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
+    if kind not in FP8_RECIPES:
+        raise ValueError(f"recipe={kind!r} is not an fp8 recipe name; use one of "
+                         f"{sorted(FP8_RECIPES)}")
+    return kind, fields
+
+
+def _te_value(mod, name: str, value):
+    """A field value as TE's own types: a Format member, QParams, MMParams."""
+    if name == "fp8_format" and isinstance(value, str):
+        if value.upper() not in mod.Format.__members__:
+            raise ValueError(f"fp8_format={value!r} is not a member of TE's Format "
+                             f"{sorted(mod.Format.__members__)}")
+        return mod.Format[value.upper()]
+    if (name in _CLASS_ATTRS or name.startswith("fp8_gemm_")) and not _is_te_object(value):
+        cls = mod.QParams if name in _CLASS_ATTRS else mod.MMParams
+        get = value.get if isinstance(value, Mapping) else (lambda k: getattr(value, k, None))
+        return cls(**{f.name: get(f.name) for f in dataclasses.fields(cls)
+                      if get(f.name) is not None})
+    return value
+
+
 def te_recipe(spec):
-    """TE's DelayedScaling from None (TE's default), a TE recipe, or a dict whose
-    ``fp8_format`` may be a string naming a ``Format`` member (as Lightning's plugin)."""
-    if spec is None or not isinstance(spec, Mapping):
+    """TE's recipe object from None (TE's default recipe, chosen by TE for the GPU), a TE
+    recipe (as is), a name ("delayed", "current", "block", "mxfp8"), a dict
+    (``{"recipe": name, **fields}``, or DelayedScaling's fields alone as in Lightning's
+    plugin; ``fp8_format`` may be a string) or a tpkit.fp8 recipe (fields read by
+    attribute). A field the installed TE lacks is refused unless it has its default."""
+    if spec is None or _is_te_object(spec):
         return spec
+    kind, fields = _recipe_spec(spec)
     require_te()  # the clear "install TE / needs CUDA" error first
-    recipe_mod = importlib.import_module("transformer_engine.common.recipe")
-    spec = dict(spec)
-    if isinstance(spec.get("fp8_format"), str):
-        spec["fp8_format"] = getattr(recipe_mod.Format, spec["fp8_format"])
-    return recipe_mod.DelayedScaling(**spec)
+    mod = importlib.import_module("transformer_engine.common.recipe")
+    cls_name = FP8_RECIPES[kind]
+    cls = getattr(mod, cls_name, None)
+    if cls is None:
+        raise ValueError(f"recipe={kind!r}: the installed Transformer Engine has no "
+                         f"{cls_name}; upgrade it (tpkit is checked against "
+                         f"{CHECKED_TE_VERSION}) or use backend='torch', which emulates it")
+    te_fields = {f.name for f in dataclasses.fields(cls)}
+    kw, extra = {}, {}
+    for name, value in fields.items():
+        if name in te_fields:
+            kw[name] = _te_value(mod, name, value)
+        elif name in _CLASS_ATTRS and hasattr(cls, name):
+            if value is not None:
+                extra[name] = _te_value(mod, name, value)
+        elif name in _TPKIT_ONLY and _TPKIT_ONLY[name] == (
+                tuple(value) if isinstance(value, (list, tuple)) else value):
+            continue
+        elif value is None or value is False:
+            continue  # a field newer than this TE, left at its default
+        else:
+            raise ValueError(f"{cls_name} field {name}={value!r} is not a field of the "
+                             f"installed Transformer Engine's {cls_name}; drop it, or use "
+                             "backend='torch' (tpkit's emulation has it)")
+    try:
+        recipe = cls(**kw)
+    except (AssertionError, TypeError, ValueError) as exc:
+        raise ValueError(f"Transformer Engine refused {cls_name}({kw}): {exc}") from exc
+    for name, value in extra.items():
+        setattr(recipe, name, value)
+    return recipe
 
 
+def _device_description() -> str:
+    try:
+        major, minor = torch.cuda.get_device_capability()
+        return f"{torch.cuda.get_device_name()}, compute capability {major}.{minor}"
+    except Exception:  # noqa: BLE001  (a description only)
+        return "this GPU"
+
+
+def check_recipe_support(recipe) -> None:
+    """ValueError when the installed TE or this GPU cannot run ``recipe`` (a TE recipe
+    object; None is TE's default, which TE picks for the GPU): TE's own availability
+    check and its reason, so that nothing falls back to another recipe."""
+    if recipe is None:
+        return
+    te = require_te()
+    name = next((c.__name__ for c in type(recipe).__mro__ if c.__name__ in _SUPPORT), None)
+    check = getattr(te, _SUPPORT.get(name, ""), None)
+    if check is None:
+        return  # a custom recipe, or a TE without the check: TE's autocast checks itself
+    try:
+        ok, reason = check(return_reason=True)
+    except TypeError:  # an older TE without return_reason
+        ok, reason = check(), "not supported by the installed Transformer Engine"
+    if not ok:
+        raise ValueError(
+            f"fp8 recipe {name} cannot run here ({_device_description()}): {reason} "
+            "tpkit does not fall back to another recipe: choose one this GPU runs "
+            "(MXFP8 needs Blackwell; 'delayed' and 'current' run on Ada/Hopper, 'block' on "
+            "Hopper with CUDA >= 12.9), or emulate it with backend='torch'")
+
+
+# --- API-name shims ----------------------------------------------------------------------
 def te_autocast(enabled: bool = True, recipe=None, group=None, *, calibrating: bool = False,
                 state=None):
-    """TE's fp8 autocast context under either API name. ``group=None`` means the state's
+    """TE's fp8 autocast context under either API name. ``recipe``: anything ``te_recipe``
+    takes (a name, a dict, a recipe of tpkit or TE); one the installed TE or this GPU
+    cannot run is refused (``check_recipe_support``). ``group=None`` means the state's
     ``amax_group`` (tp×cp×dp of one pipeline stage) when tpkit is initialised — TE's own
     default would reduce amaxes over the whole world, across pipeline stages."""
     te = require_te()
+    recipe = te_recipe(recipe)
+    if enabled:
+        check_recipe_support(recipe)
     if group is None:
         if state is not None or is_initialized():
             group = resolve_state(state).amax_group

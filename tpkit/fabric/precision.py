@@ -8,8 +8,12 @@ GEMM diverge across ranks that must agree. Here:
   (torch backend, tpkit.fp8) with ``fp8_group=state.amax_group`` (tp x cp x dp of one
   stage, Megatron's default), inside an outer autocast with ``fallback_compute_dtype``
   for the operations fp8 does not cover;
-- ``recipe`` is a DelayedScaling-like object or a dict with the same fields, where
-  ``fp8_format`` may be a string ("HYBRID", "E4M3") — as in Lightning's plugin.
+- ``recipe`` is any of TE's four fp8 recipes: a name ("delayed", "current", "block",
+  "mxfp8"), a recipe object of tpkit.fp8 or transformer_engine, or a dict
+  (``{"recipe": name, **fields}``, or DelayedScaling's fields with ``fp8_format`` as a
+  string, as in Lightning's plugin). The TE backend gets TE's own object
+  (tpkit.te.te_recipe), refused at ``setup`` when the installed TE or the GPU cannot run
+  it; the torch backend emulates it (tpkit.fp8).
 """
 from __future__ import annotations
 
@@ -22,7 +26,8 @@ from lightning.fabric.plugins.precision.precision import Precision
 from torch import nn
 
 from .. import fp8
-from ..te import is_te_module, te_autocast, te_recipe
+from ..config import FP8_RECIPES
+from ..te import check_recipe_support, is_te_module, te_autocast, te_recipe
 from ..topology import get_parallel_state
 from .replace import replace_layers
 
@@ -51,11 +56,17 @@ class TPKitPrecision(Precision):
         if fallback_compute_dtype not in (None, torch.bfloat16, torch.float16, torch.float32):
             raise ValueError(f"fallback_compute_dtype={fallback_compute_dtype!r} must be "
                              "torch.bfloat16, torch.float16, torch.float32 or None")
-        if recipe is not None and not isinstance(recipe, Mapping) and not hasattr(recipe, "margin"):
-            raise TypeError(f"recipe={recipe!r} must be a dict of DelayedScaling fields or a "
-                            "DelayedScaling recipe (tpkit.fp8 or transformer_engine)")
+        if isinstance(recipe, str) and recipe not in FP8_RECIPES:
+            raise ValueError(f"recipe={recipe!r} is not an fp8 recipe name; use one of "
+                             f"{sorted(FP8_RECIPES)}, a dict or a recipe object")
+        if recipe is not None and not isinstance(recipe, (str, Mapping)) and not any(
+                c.__name__ in FP8_RECIPES.values() or c.__name__ == "Recipe"
+                for c in type(recipe).__mro__) and not hasattr(recipe, "margin"):
+            raise TypeError(f"recipe={recipe!r} must be a recipe name {sorted(FP8_RECIPES)}, "
+                            "a dict, or a recipe object (tpkit.fp8 or transformer_engine)")
         self.precision = precision
         self.recipe_spec = dict(recipe) if isinstance(recipe, Mapping) else recipe
+        self._recipe = None
         self.fallback_compute_dtype = fallback_compute_dtype
         self.replace_layers = replace_layers
         self._device: torch.device | None = None
@@ -85,11 +96,12 @@ class TPKitPrecision(Precision):
 
     @property
     def recipe(self):
-        """The recipe object for the active backend, built from ``recipe`` (dict or object)."""
-        spec = self.recipe_spec
-        if self._te:
-            return te_recipe(spec)
-        return fp8.DelayedScaling.from_any(spec)
+        """The recipe object for the active backend (TE's or tpkit.fp8's), built once from
+        ``recipe`` when the backend is known."""
+        if self._recipe is None or self._recipe[0] != bool(self._te):
+            spec = self.recipe_spec
+            self._recipe = (bool(self._te), te_recipe(spec) if self._te else fp8.from_any(spec))
+        return self._recipe[1]
 
     # --- Precision hooks -----------------------------------------------------------------
     def convert_module(self, module: nn.Module) -> nn.Module:
@@ -100,6 +112,10 @@ class TPKitPrecision(Precision):
             if self.replace_layers and not _uses_te(module):
                 replace_layers(module)
             self._te = _uses_te(module)
+            if self._te:   # refuse a recipe this TE or GPU cannot run, before any step
+                check_recipe_support(self.recipe)
+            else:
+                self.recipe  # noqa: B018  (a bad recipe fails at setup, not at the first step)
         return module
 
     def module_init_context(self) -> AbstractContextManager:

@@ -8,10 +8,18 @@ tensor-parallel weights. This strategy builds a full tpkit ParallelState in
   replicas — which, with the loss convention below, sums the CP partial gradients;
 - the distributed sampler splits over DP ranks only: a TP/CP group sees the same batch
   (CP shards its sequence itself, e.g. with tpkit.data.shard_sequence);
-- sequence-parallel gradients are summed over TP once, right before clipping or the
-  optimizer step (so gradient accumulation stays correct);
-- gradient-norm clipping counts TP shards once each and replicated params once;
-- checkpoints go through tpkit.checkpoint.save/load (sharded, reshardable, atomic).
+- sequence-parallel gradients are summed over TP at the end of ``fabric.backward``, as
+  DDP averages there: only what this backward added, so ``.grad`` is complete after every
+  backward outside ``no_backward_sync`` (which defers the sum, as it defers DDP's) and
+  accumulating without ``no_backward_sync`` stays correct; clipping and the optimizer step
+  sum what is still pending (a step inside ``no_backward_sync``);
+- gradient-norm clipping counts TP shards once each and replicated params once; clipping
+  by value clamps the summed gradients;
+- checkpoints go through tpkit.checkpoint.save/load (sharded, reshardable, atomic);
+  ``fabric.load(path)`` without state returns the whole checkpoint with full tensors
+  (tpkit.checkpoint.read); a single file (``torch.save``: ``fabric.load_raw``, or a full
+  checkpoint dict) loads full state dicts into the shards (load_full_state_dict,
+  load_full_optimizer_state_dict), as Lightning's ModelParallelStrategy does.
 
 Loss convention: each rank's loss is the mean over *its own* tokens (its CP chunk of its
 DP micro-batch, every rank holding the same number of tokens). DP(x CP) averaging then
@@ -27,7 +35,8 @@ works with the layout taken from the ``TPKIT_*`` variables (tpkit-launch).
 from __future__ import annotations
 
 import os
-from contextlib import AbstractContextManager, ExitStack, nullcontext
+import weakref
+from contextlib import AbstractContextManager, ExitStack
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -36,7 +45,6 @@ import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.strategies.parallel import ParallelStrategy
-from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.distributed import (_get_default_process_group_backend_for_device,
                                                     _init_dist_connection,
                                                     _sync_ddp_if_available)
@@ -48,6 +56,7 @@ from ..config import ParallelConfig
 from ..param_tags import set_tags, tags_of
 from ..random import MODEL_PARALLEL_RNG, get_rng_tracker, model_parallel_seed
 from ..te import is_te_module, wire_parallel_groups
+from .sync import SequenceParallelSum, TPKitBackwardSyncControl
 
 DATA_PARALLEL = ("ddp", "fsdp")
 
@@ -69,7 +78,8 @@ class TPKitStrategy(ParallelStrategy):
         # Validate the sizes now (clear errors before any process starts); dp later.
         self._config = ParallelConfig.from_env(
             tp=tp, cp=cp, pp=pp, sequence_parallel=sequence_parallel,
-            cp_comm_type=cp_comm_type, cp_a2a_size=cp_a2a_size)
+            cp_comm_type=cp_comm_type, cp_a2a_size=cp_a2a_size,
+            given_as="TPKitStrategy's {name} argument")
         if self._config.pp != 1:
             raise ValueError(f"pp={self._config.pp}: TPKitStrategy has no pipeline schedule; "
                              "use pp=1 (pipeline stages need their own training loop)")
@@ -91,8 +101,10 @@ class TPKitStrategy(ParallelStrategy):
         self._state: topology.ParallelState | None = None
         self._owns_state = False
         self._modules: list[nn.Module] = []
-        self._grads_pending = False
-        self._backward_sync_control = _TPKitBackwardSyncControl()
+        self._sp_sum = SequenceParallelSum()
+        self._replaced: dict[int, weakref.ref] = {}   # parameters FSDP2 replaced
+        self._optimizers: list[weakref.ref] = []
+        self._backward_sync_control = TPKitBackwardSyncControl(self._sp_sum)
 
     # --- layout ----------------------------------------------------------------------
     @property
@@ -174,8 +186,10 @@ class TPKitStrategy(ParallelStrategy):
 
     # --- modules -----------------------------------------------------------------------
     def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
-        """``empty_init=True`` creates parameters on the meta device (no memory, no init
-        cost); setup_module materialises them with each module's reset_parameters()."""
+        """``empty_init=True`` creates plain modules' parameters on the meta device (no
+        memory, no init cost); setup_module materialises them with each module's
+        reset_parameters(). tpkit's layers create their shards on the layout's device and
+        initialise them anyway (their RNG streams differ per TP rank), and stay as they are."""
         stack = ExitStack()
         stack.enter_context(torch.device("meta") if empty_init else self.root_device)
         stack.enter_context(self.precision.module_init_context())
@@ -200,7 +214,12 @@ class TPKitStrategy(ParallelStrategy):
         if hasattr(self.precision, "attach"):
             self.precision.attach(state, self.root_device)
         if self._data_parallel == "fsdp":
+            self._check_optimizers_after(module)
+            old = {id(p): weakref.ref(p) for p in module.parameters()}
             module = _apply_fsdp(module, state)
+            for p in module.parameters():
+                old.pop(id(p), None)
+            self._replaced.update(old)
         elif state.dp_cp_size > 1:
             # DDP over a group of one would only copy every gradient into its buckets and
             # back (measured on an H100: ~3 % of a 0.7B-parameter step); nothing to average.
@@ -208,39 +227,40 @@ class TPKitStrategy(ParallelStrategy):
             module = nn.parallel.DistributedDataParallel(
                 module, device_ids=ids, process_group=state.dp_cp_group, **self._ddp_kwargs)
         self._modules.append(module)
+        self._sp_sum.add(module)
         return module
 
     def setup_module_and_optimizers(self, module, optimizers, scheduler=None):
         module = self.setup_module(module)
-        if self._data_parallel == "fsdp":
-            live = {id(p) for p in module.parameters()}
-            for opt in optimizers:
-                if any(id(p) not in live for g in opt.param_groups for p in g["params"]):
-                    raise ValueError(
-                        "with data_parallel='fsdp' the optimizer must be created after the "
-                        "module is sharded (FSDP2 replaces the parameters): call "
-                        "model = fabric.setup_module(model), then build the optimizer from "
-                        "model.parameters() and call fabric.setup_optimizers(optimizer)")
         return module, [self.setup_optimizer(o) for o in optimizers], scheduler
 
-    def _params(self):
-        seen = set()
-        for m in self._modules:
-            for p in m.parameters():
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    yield p
+    def setup_optimizer(self, optimizer):
+        """With FSDP2, an optimizer holding parameters FSDP2 replaced is a ValueError (it
+        would train tensors that are no longer the model's)."""
+        stale = self._replaced
+        if any(id(p) in stale and stale[id(p)]() is p
+               for g in optimizer.param_groups for p in g["params"]):
+            raise ValueError(_FSDP_ORDER)
+        self._optimizers.append(weakref.ref(optimizer))
+        return super().setup_optimizer(optimizer)
+
+    def _check_optimizers_after(self, module: nn.Module) -> None:
+        own = {id(p) for p in module.parameters()}
+        for ref in self._optimizers:
+            opt = ref()
+            if opt is not None and any(id(p) in own for g in opt.param_groups
+                                       for p in g["params"]):
+                raise ValueError(_FSDP_ORDER)
 
     def finalize_gradients(self) -> None:
-        """Sum sequence-parallel gradients over TP, once per optimizer step (called by
-        clip_gradients_norm and optimizer_step; idempotent until the next backward)."""
-        if self._grads_pending:
-            grads.sync_sequence_parallel_grads(self._params(), self.parallel_state)
-            self._grads_pending = False
+        """Sum over TP what was added to the sequence-parallel gradients since the last sum
+        (tpkit.fabric.sync; idempotent). Public for loops that call backward themselves."""
+        self._sp_sum.finalize(self.parallel_state)
 
     def backward(self, tensor: torch.Tensor, module: nn.Module | None, *args, **kwargs) -> None:
+        self._sp_sum.before_backward(self.parallel_state)
         super().backward(tensor, module, *args, **kwargs)
-        self._grads_pending = True
+        self._sp_sum.after_backward(self.parallel_state)
 
     def optimizer_step(self, optimizer, **kwargs: Any) -> Any:
         self.finalize_gradients()
@@ -253,6 +273,11 @@ class TPKitStrategy(ParallelStrategy):
         return grads.clip_grad_norm(self.precision.main_params(optimizer), max_norm,
                                     self.parallel_state, norm_type=norm_type,
                                     error_if_nonfinite=error_if_nonfinite)
+
+    def clip_gradients_value(self, module, optimizer, clip_val) -> None:
+        self.finalize_gradients()
+        self.precision.unscale_gradients(optimizer)
+        grads.clip_grad_value(self.precision.main_params(optimizer), clip_val)
 
     # --- collectives -------------------------------------------------------------------
     def all_reduce(self, tensor, group: Any | None = None, reduce_op: Any = "mean"):
@@ -283,27 +308,56 @@ class TPKitStrategy(ParallelStrategy):
 
     def save_checkpoint(self, path, state: dict, storage_options: Any | None = None,
                         filter: dict | None = None) -> None:
-        """A sharded checkpoint directory (tpkit.checkpoint.save); loads at any layout."""
-        if storage_options is not None or filter is not None:
-            raise ValueError("TPKitStrategy.save_checkpoint does not support storage_options "
-                             "or filter; save a smaller state dict instead")
-        checkpoint.save(self.broadcast(str(path)), state)
+        """A sharded checkpoint directory (tpkit.checkpoint.save); loads at any layout.
+        ``filter`` as Fabric documents it (load the result with ``strict=False``)."""
+        if storage_options is not None:
+            raise TypeError("TPKitStrategy.save_checkpoint(storage_options=...) is not "
+                            "supported: it writes torch.distributed.checkpoint directories, "
+                            "not through a CheckpointIO plugin")
+        checkpoint.save(self.broadcast(str(path)), state, filter=filter)
 
     def load_checkpoint(self, path, state=None, strict: bool = True,
                         weights_only: bool | None = None) -> dict[str, Any]:
-        """Load into ``state`` (a dict with the module/optimizer objects) in place, from a
-        checkpoint written at any layout; returns the checkpoint's values not in ``state``."""
-        if not isinstance(state, dict) or not state:
-            raise ValueError("TPKitStrategy.load_checkpoint needs state={'model': model, ...} "
-                             "with the objects to restore in place")
-        path = self.broadcast(str(path))
+        """Fabric's ``load``/``load_raw`` contract. A checkpoint directory (``fabric.save``,
+        any layout): ``state`` (a dict) loads in place and the entries not in it come back;
+        without ``state`` the whole checkpoint comes back, tensors full-size on every rank.
+        A single file (``torch.save``, e.g. one process's ``model.state_dict()`` or a full
+        checkpoint dict): full state dicts load into the shards at this layout."""
+        path, s = self.broadcast(str(path)), self.parallel_state
+        if isinstance(state, (nn.Module, torch.optim.Optimizer)):   # fabric.load_raw
+            if not os.path.isfile(path):
+                raise ValueError(f"load_raw needs one file holding a full state dict "
+                                 f"(torch.save); {path} is not a file. Load a checkpoint "
+                                 "directory with fabric.load(path, {'model': model, ...})")
+            full = self._torch_load(path, weights_only)
+            if isinstance(state, nn.Module):
+                checkpoint.load_full_state_dict(checkpoint.unwrap_module(state), full, s,
+                                                strict=strict)
+            else:
+                checkpoint.load_full_optimizer_state_dict(state, full, self._modules, s)
+            return {}
+        if os.path.isfile(path):
+            if not state:
+                return self._torch_load(path, weights_only, mmap=False)   # the user's to keep
+            return checkpoint.load_full(self._torch_load(path, weights_only), state, s,
+                                        strict=strict)
+        if not state:
+            return checkpoint.read(path)
         checkpoint.load(path, state, strict=strict)
         return checkpoint.read_extras(path, exclude=state.keys())
+
+    @staticmethod
+    def _torch_load(path: str, weights_only: bool | None, mmap: bool = True):
+        """mmap (as Lightning's ModelParallelStrategy): the ranks share one copy in memory."""
+        kwargs = {} if weights_only is None else {"weights_only": weights_only}
+        return torch.load(path, map_location="cpu", mmap=mmap, **kwargs)
 
     def teardown(self) -> None:
         """Free the layout this strategy built (destroy_parallel: its groups, not the
         default process group, which a later Fabric or init_parallel reuses)."""
         self._modules = []
+        self._sp_sum.clear()
+        self._optimizers, self._replaced = [], {}
         if self._owns_state and topology.is_initialized() \
                 and topology.get_parallel_state() is self._state:
             parallel_state.destroy_parallel()
@@ -318,30 +372,10 @@ class TPKitStrategy(ParallelStrategy):
             "tpkit", cls, description="tpkit TP/SP/CP/DP layout from TPKIT_* (tpkit-launch)")
 
 
-class _TPKitBackwardSyncControl(_BackwardSyncControl):
-    def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
-        if not enabled:
-            return nullcontext()
-        if isinstance(module, nn.parallel.DistributedDataParallel):
-            return module.no_sync()
-        if hasattr(module, "set_requires_gradient_sync"):  # FSDP2
-            return _FSDPNoSync(module)
-        if isinstance(module, nn.Module) and not any(
-                isinstance(m, nn.parallel.DistributedDataParallel) for m in module.modules()):
-            return nullcontext()   # dp x cp == 1: TPKitStrategy wraps nothing, nothing to sync
-        raise TypeError(f"no_backward_sync needs a module set up by TPKitStrategy, got "
-                        f"{type(module).__name__}")
-
-
-class _FSDPNoSync(AbstractContextManager):
-    def __init__(self, module):
-        self.module = module
-
-    def __enter__(self):
-        self.module.set_requires_gradient_sync(False)
-
-    def __exit__(self, *exc):
-        self.module.set_requires_gradient_sync(True)
+_FSDP_ORDER = ("with data_parallel='fsdp' the optimizer must be created after the module "
+               "is sharded (FSDP2 replaces the parameters): call model = "
+               "fabric.setup_module(model), then build the optimizer from model.parameters() "
+               "and call fabric.setup_optimizers(optimizer)")
 
 
 def clear_dtensor_caches() -> None:
@@ -360,18 +394,24 @@ def clear_dtensor_caches() -> None:
 
 
 def _materialize(module: nn.Module, device: torch.device) -> None:
-    """Meta parameters -> real ones via each owning module's reset_parameters()."""
-    if not any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
-        return
-    module.to_empty(device=device)
+    """Meta tensors -> real ones, module by module: each module whose own parameters and
+    buffers are on the meta device is emptied onto ``device`` and re-initialised with its
+    reset_parameters(); modules with real tensors (tpkit's layers, anything created outside
+    empty_init) are left as they are."""
     for name, m in module.named_modules():
         own = [*m.parameters(recurse=False), *m.buffers(recurse=False)]
-        if not own:
+        meta = sum(t.is_meta for t in own)
+        if not meta:
             continue
+        what = f"module {name or type(module).__name__!r} ({type(m).__name__})"
+        if meta != len(own):
+            raise ValueError(f"{what} has tensors both on the meta device and real ones; create "
+                             "it entirely inside or entirely outside init_module(empty_init=True)")
         if not callable(getattr(m, "reset_parameters", None)):
-            raise ValueError(f"module {name or type(module).__name__!r} ({type(m).__name__}) "
-                             "was created on the meta device but has no reset_parameters() to "
-                             "initialise it; create the model with empty_init=False")
+            raise ValueError(f"{what} was created on the meta device but has no "
+                             "reset_parameters() to initialise it; create the model with "
+                             "empty_init=False")
+        m.to_empty(device=device, recurse=False)
         m.reset_parameters()
 
 

@@ -24,15 +24,17 @@ __all__ = ["ParallelSelfAttention"]
 
 class ParallelSelfAttention(TEBackendMixin, ParallelModule):
     """Multi-head / grouped-query self-attention on ``[s, b, h]`` (``[s/tp, b, h]`` under
-    SP). ``num_gqa_groups`` is TE's: the number of kv heads (None = num_attention_heads)."""
+    SP). ``num_gqa_groups`` is TE's: the number of kv heads (None = num_attention_heads).
+    ``bias`` covers QKV and the projection; ``qkv_bias`` (None: ``bias``) overrides it for
+    QKV alone (Qwen2 and Megatron's ``add_qkv_bias``: biased q/k/v, unbiased projection)."""
     _te_kind = "self_attention"  # backend="te" refuses (no TE counterpart), "auto" = torch
 
     def __init__(self, hidden_size: int, num_attention_heads: int, *,
                  num_gqa_groups: int | None = None, attention_dropout: float = 0.0,
                  attn_mask_type: str = "causal", bias: bool = True,
-                 sequence_parallel: bool | None = None, init_method=None,
-                 output_layer_init_method=None, state=None, device=None, dtype=None,
-                 backend: str = "torch"):
+                 qkv_bias: bool | None = None, sequence_parallel: bool | None = None,
+                 init_method=None, output_layer_init_method=None, state=None, device=None,
+                 dtype=None, backend: str = "torch"):
         super().__init__()
         self._bind_state(state)
         tp = self.state.tp_size
@@ -49,7 +51,8 @@ class ParallelSelfAttention(TEBackendMixin, ParallelModule):
         kw = dict(sequence_parallel=self.sequence_parallel, state=self.state, device=device,
                   dtype=dtype)
         sizes = (num_attention_heads * d, groups * d, groups * d)
-        self.linear_qkv = ColumnParallelLinear(hidden_size, sum(sizes), bias,
+        qkv_bias = bias if qkv_bias is None else qkv_bias
+        self.linear_qkv = ColumnParallelLinear(hidden_size, sum(sizes), qkv_bias,
                                                init_method=init_method, partition_sizes=sizes,
                                                **kw)
         self.core_attention = DotProductAttention(

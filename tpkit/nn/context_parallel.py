@@ -2,8 +2,9 @@
 
 Inputs are this rank's shard in the load-balanced layout of ``tpkit.data.shard_sequence``
 (CP rank r holds chunks r and 2n-1-r of 2n: tpkit.data.cp_chunk_ids), as ``[b, h, s, d]``
-tensors. These are the reference kernels: fused per-device ones, when they come, are
-chosen beside them and tested against them (docs/design.md).
+tensors. These are the reference kernels: ``tpkit.nn.fused_cp`` runs the same comm types
+on fused per-device block ops (``tpkit.nn.attention_ops``), and DotProductAttention
+chooses between them (docs/design.md).
 
 =============  ==========================================================================
 comm type      what travels
@@ -65,9 +66,10 @@ def _all_gather(q, k, v, group, causal, scale, dropout_p):
     return local_attention(q, kf, vf, scale, mask, dropout_p)
 
 
-def _a2a(q, k, v, a2a_group, p2p_group, causal, scale, dropout_p):
+def a2a_attention(q, k, v, a2a_group, p2p_group, local, ring):
     """Ulysses over ``a2a_group`` (heads scattered, sequence gathered), then attention over
-    the gathered sequence: locally (``p2p_group`` None) or by a ring over ``p2p_group``."""
+    the gathered sequence: ``local(q, k, v)`` (``p2p_group`` None) or ``ring(q, k, v,
+    p2p_group)`` over the outer level. Shared by the reference and the fused kernels."""
     a = group_size(a2a_group)
     b, g, r, s, d = q.shape
     q4 = from_grouped(q)
@@ -77,15 +79,21 @@ def _a2a(q, k, v, a2a_group, p2p_group, causal, scale, dropout_p):
                   for t in (q4, k4, v4))
     qg, kg, vg = to_grouped(qa, g // a, False), to_grouped(ka, g // a, True), \
         to_grouped(va, g // a, True)
-    if p2p_group is None:
-        mask = causal_mask(qg.shape[-2], kg.shape[-2], q.device) if causal else None
-        out = local_attention(qg, kg, vg, scale, mask, dropout_p)
-    else:
-        out = ring_attention(qg, kg, vg, p2p_group, causal=causal, scale=scale,
-                             dropout_p=dropout_p)
+    out = local(qg, kg, vg) if p2p_group is None else ring(qg, kg, vg, p2p_group)
     out = all_to_all(_a2a_from_lb(from_grouped(out), a, 2), a2a_group, scatter_dim=2,
                      gather_dim=1)
     return to_grouped(out, g, False)
+
+
+def _a2a(q, k, v, a2a_group, p2p_group, causal, scale, dropout_p):
+    def local(qg, kg, vg):
+        mask = causal_mask(qg.shape[-2], kg.shape[-2], q.device) if causal else None
+        return local_attention(qg, kg, vg, scale, mask, dropout_p)
+
+    def ring(qg, kg, vg, group):
+        return ring_attention(qg, kg, vg, group, causal=causal, scale=scale,
+                              dropout_p=dropout_p)
+    return a2a_attention(q, k, v, a2a_group, p2p_group, local, ring)
 
 
 def context_parallel_attention(q, k, v, *, comm_type: str, group, causal: bool, scale: float,

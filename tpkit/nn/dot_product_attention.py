@@ -5,6 +5,11 @@ counts: local heads = heads / tp) and the same ``set_context_parallel_group`` me
 model can swap between this and TE's module. Inputs are the local CP shard in the
 load-balanced layout (``tpkit.data.shard_sequence``); without CP it is plain attention.
 
+With CP, each call asks ``tpkit.nn.attention_ops.select`` for the fused block op of its
+device and dtype (``self.kernel`` records the choice) and runs ``tpkit.nn.fused_cp``;
+where there is none (CPU dropout, CUDA float64, ``TPKIT_FUSED_ATTN=0``) it runs the
+reference kernels of ``tpkit.nn.context_parallel``.
+
 Attention dropout (training mode only) draws from the RNG tracker's model-parallel stream
 for every comm type; the ring kernels replay their masks in backward from that stream.
 """
@@ -21,7 +26,9 @@ from ..random import get_rng_tracker
 from ..topology import resolve_state
 from ._backend import TEBackendMixin
 from ._common import divide
+from .attention_ops import select
 from .context_parallel import context_parallel_attention
+from .fused_cp import fused_context_parallel_attention
 
 MASK_TYPES = ("causal", "no_mask")
 QKV_FORMATS = ("sbhd", "bshd")
@@ -57,6 +64,7 @@ class DotProductAttention(TEBackendMixin, torch.nn.Module):
         self.qkv_format = qkv_format
         self.softmax_scale = 1.0 / math.sqrt(kv_channels) if softmax_scale is None else softmax_scale
         self.state = state
+        self.kernel: str | None = None  # the CP kernel of the last forward ("reference": math)
         comm = state.cp_comm_type if cp_comm_type is None else cp_comm_type
         if comm == "a2a+p2p" and state.cp_a2a_group is None:
             raise ValueError("cp_comm_type='a2a+p2p' needs the two CP levels: build the "
@@ -138,9 +146,12 @@ class DotProductAttention(TEBackendMixin, torch.nn.Module):
         causal = self.attn_mask_type == "causal"
         dropout_p = self.attention_dropout if self.training else 0.0
         if self.cp_size > 1:
-            out = context_parallel_attention(q, k, v, comm_type=self.cp_comm_type,
-                                             group=self.cp_group, causal=causal,
-                                             scale=self.softmax_scale, dropout_p=dropout_p)
+            kw = dict(comm_type=self.cp_comm_type, group=self.cp_group, causal=causal,
+                      scale=self.softmax_scale, dropout_p=dropout_p)
+            op = select(q.device, q.dtype, dropout_p)
+            self.kernel = "reference" if op is None else op.name
+            out = context_parallel_attention(q, k, v, **kw) if op is None \
+                else fused_context_parallel_attention(q, k, v, op=op, **kw)
         else:  # no CP: PyTorch's fused kernel (saves q, k, v, out, lse like the ring)
             kw = dict(is_causal=causal, dropout_p=dropout_p, scale=self.softmax_scale,
                       enable_gqa=q.shape[1] != k.shape[1])

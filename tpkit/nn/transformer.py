@@ -24,14 +24,16 @@ _NORMS = {"LayerNorm": LayerNorm, "RMSNorm": RMSNorm}
 
 
 class TransformerLayer(TEBackendMixin, ParallelModule):
-    """One pre-norm transformer block (self-attention + MLP), TE-like arguments."""
+    """One pre-norm transformer block (self-attention + MLP), TE-like arguments. ``bias``
+    covers every linear layer; ``qkv_bias`` (None: ``bias``) the fused QKV alone
+    (ParallelSelfAttention's; TE has no such option, so backend="te" refuses it)."""
     _te_kind = "transformer_layer"  # backend="te": te.TransformerLayer (tpkit.nn._backend)
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, num_attention_heads: int, *,
                  num_gqa_groups: int | None = None, normalization: str = "LayerNorm",
                  layernorm_epsilon: float = 1e-5, hidden_dropout: float = 0.0,
                  attention_dropout: float = 0.0, attn_mask_type: str = "causal",
-                 bias: bool = True, activation: str = "gelu",
+                 bias: bool = True, qkv_bias: bool | None = None, activation: str = "gelu",
                  sequence_parallel: bool | None = None, init_method=None,
                  output_layer_init_method=None, state=None, device=None, dtype=None,
                  backend: str = "torch"):
@@ -51,8 +53,8 @@ class TransformerLayer(TEBackendMixin, ParallelModule):
         self.self_attention = ParallelSelfAttention(
             hidden_size, num_attention_heads, num_gqa_groups=num_gqa_groups,
             attention_dropout=attention_dropout, attn_mask_type=attn_mask_type, bias=bias,
-            init_method=init_method, output_layer_init_method=output_layer_init_method,
-            **common)
+            qkv_bias=qkv_bias, init_method=init_method,
+            output_layer_init_method=output_layer_init_method, **common)
         self.pre_mlp_layernorm = norm(hidden_size, eps=layernorm_epsilon, **common)
         self.mlp = ParallelMLP(hidden_size, ffn_hidden_size, activation=activation, bias=bias,
                                init_method=init_method,

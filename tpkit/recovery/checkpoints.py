@@ -13,9 +13,10 @@ import os
 import re
 import shutil
 
+from .._dcp_verify import verify_files
+
 STEP_DIR = re.compile(r"^step(\d+)$")
 STAGING = re.compile(r"\.tmp-[0-9a-f]{8}$")    # an unfinished save (tpkit/_dcp.py)
-METADATA = ".metadata"                          # DCP writes it last, on rank 0
 
 
 def checkpoint_path(save_dir: str | os.PathLike, steps_done: int) -> str:
@@ -24,14 +25,40 @@ def checkpoint_path(save_dir: str | os.PathLike, steps_done: int) -> str:
 
 
 def is_complete(path: str | os.PathLike) -> bool:
-    """Whether ``path`` is a checkpoint whose save finished: saves are atomic (written
-    under a staging name, renamed once every rank wrote its files and rank 0 the
-    metadata), so a directory at its final name holding DCP's metadata file is complete,
-    and a staging directory never is. The one definition auto-resume and ``keep`` use;
-    a check of the files themselves belongs here too."""
+    """Whether ``path`` is a checkpoint whose save finished and whose files are all
+    there: saves are atomic (written under a staging name, renamed once every rank wrote
+    its files and rank 0 the metadata), so a staging directory never is; a directory at
+    its final name is, when ``verify_files`` finds its ``.metadata`` readable and every
+    shard file it names present and of the recorded length (a checkpoint damaged or
+    truncated since the save is not). The one definition auto-resume and ``keep`` use."""
     path = os.fspath(path)
-    return (STAGING.search(os.path.basename(os.path.normpath(path))) is None
-            and os.path.isfile(os.path.join(path, METADATA)))
+    if STAGING.search(os.path.basename(os.path.normpath(path))) is not None:
+        return False
+    try:
+        verify_files(path)
+    except ValueError:
+        return False
+    return True
+
+
+def skipped_checkpoints(save_dir: str | os.PathLike) -> list[tuple[str, str]]:
+    """``(path, why)`` of every ``stepN`` directory in ``save_dir`` newer than its newest
+    complete checkpoint that is not complete itself (what auto-resume passes over)."""
+    save_dir = os.fspath(save_dir)
+    if not os.path.isdir(save_dir):
+        return []
+    found = list_checkpoints(save_dir)
+    newest = found[-1][0] if found else -1
+    out = []
+    for name in sorted(os.listdir(save_dir)):
+        m = STEP_DIR.match(name)
+        path = os.path.join(save_dir, name)
+        if m and int(m.group(1)) > newest and os.path.isdir(path):
+            try:
+                verify_files(path)
+            except ValueError as e:
+                out.append((path, str(e)))
+    return out
 
 
 def list_checkpoints(save_dir: str | os.PathLike) -> list[tuple[int, str]]:

@@ -94,9 +94,14 @@ class Recovery:
     # --- resume ---------------------------------------------------------------------
     def resume(self, state: dict) -> int:
         """Load the newest complete checkpoint of ``save_dir`` (written at any layout) into
-        ``state``; returns the index of the next step (0, and says so, when there is
-        none). Collective."""
-        found = _broadcast(dirs.latest_checkpoint(self.save_dir) if _rank() == 0 else None)
+        ``state``, passing over (and naming) newer ones that are incomplete or damaged;
+        returns the index of the next step (0, and says so, when there is none).
+        Collective."""
+        found, skipped = _broadcast((dirs.latest_checkpoint(self.save_dir),
+                                     dirs.skipped_checkpoints(self.save_dir))
+                                    if _rank() == 0 else None)
+        for path, why in skipped:
+            _say(f"skipping {path}: {why}")
         if found is None:
             _say(f"no complete checkpoint in {self.save_dir}: starting fresh")
             return 0

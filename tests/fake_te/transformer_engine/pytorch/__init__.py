@@ -15,6 +15,14 @@ import torch
 import torch.distributed as dist
 
 RECORD: list = []  # (name, bound arguments) of module-level calls: autocast, model init
+# What the is_*_available checks answer: (available, TE's reason). Tests change it; the
+# default is an H100's answer (no MXFP8, no NVFP4), reasons worded as TE words them.
+SUPPORT = {
+    "fp8": (True, ""),
+    "mxfp8": (False, "Device compute capability 10.0 or higher required for MXFP8 execution."),
+    "fp8_block_scaling": (True, ""),
+    "nvfp4": (False, "Device compute capability 10.0 or higher required for NVFP4 execution."),
+}
 
 
 class CPLoadBalancingStrategy(enum.Enum):
@@ -282,3 +290,24 @@ def checkpoint(function, *args, **kwargs):
                                             "use_reentrant") if k in kwargs}
     RECORD.append(("checkpoint", dict(te_kwargs, function=function)))
     return function(*args, **kwargs)
+
+
+def _support(kind, return_reason):
+    ok, reason = SUPPORT[kind]
+    return (ok, reason) if return_reason else ok
+
+
+def is_fp8_available(return_reason=False):
+    return _support("fp8", return_reason)
+
+
+def is_mxfp8_available(return_reason=False):
+    return _support("mxfp8", return_reason)
+
+
+def is_fp8_block_scaling_available(return_reason=False):
+    return _support("fp8_block_scaling", return_reason)
+
+
+def is_nvfp4_available(return_reason=False):
+    return _support("nvfp4", return_reason)

@@ -1,0 +1,92 @@
+"""Fabric conformance (issue 24): the Fabric user API, as Lightning documents it, under
+TPKitStrategy at tp=2 x dp=2 with sequence parallelism on and off, each call against a
+single-process reference, launched the way users launch: ``tpkit-launch`` and Fabric's own
+launcher (``python script.py``). The checks are tests/fabric_conformance.py's; here each
+becomes one test item, so a failing call is named."""
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "tests", "fabric_conformance.py")
+LAYOUTS = ("sp", "nosp")
+CHECKS = [
+    "setup",                        # setup, setup_dataloaders (sampler over DP only), forward
+    "backward",                     # .grad complete (SP sums included) after fabric.backward
+    "clip_gradients_norm",
+    "clip_gradients_value",
+    "clip_gradients_nonfinite",     # error_if_nonfinite, as torch's clip_grad_norm_
+    "no_backward_sync",             # gradient accumulation, the sync skipped then done
+    "accumulate_without_no_backward_sync",
+    "collectives",                  # all_reduce/all_gather(sync_grads)/broadcast/barrier/...
+    "init_module",
+    "init_module_empty_init",       # tpkit layers + a plain module; real weights kept
+    "load_raw_model",               # a torch.save'd full state dict into the shards; strict
+    "save",
+    "load_without_state",           # the whole checkpoint, nested, full tensors
+    "load_remainder",               # nested entries and a loadable optimizer state
+    "load_into_state",              # resume: model + optimizer + plain values, next step
+    "load_strict",                  # KeyError, as Fabric's own strategies
+    "load_raw_optimizer",
+    "refused",                      # README's list: load_raw(directory), storage_options, pp>1
+    "load_full_file",               # fabric.load of a single-file full checkpoint
+    "fsdp_optimizer_order",         # data_parallel="fsdp": optimizer built too early
+    "fsdp_load_raw_and_resume",
+    "save_filter",
+    "autocast[bf16-mixed]", "autocast[16-mixed]", "autocast[fp8]",
+]
+
+
+def _env(**extra):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]),
+           "OMP_NUM_THREADS": "1", "TPKIT_PG_TIMEOUT": "120", **extra}
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
+        env.pop(var, None)
+    return env
+
+
+def _run(cmd, env, tmp, cwd=None) -> dict:
+    out, ckpts = tmp / "report.json", tmp / "ckpts"
+    ckpts.mkdir()
+    proc = subprocess.run([*cmd, SCRIPT, str(out), str(ckpts)], env=env, cwd=cwd,
+                          capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
+    report = json.loads(out.read_text())
+    assert sorted(report) == sorted(f"{lay}/{c}" for lay in LAYOUTS for c in CHECKS)
+    return report
+
+
+def _failures(report, check):
+    return "\n".join(f"{key} rank {rank}: {err}" for key in (f"{lay}/{check}" for lay in LAYOUTS)
+                     for rank, err in report[key].items())
+
+
+@pytest.fixture(scope="module")
+def tpkit_launch_report(tmp_path_factory):
+    return _run([sys.executable, "-m", "tpkit.cli.launch", "--standalone", "--nproc-per-node",
+                 "4", "--tp", "2", "--sequence-parallel", "--backend", "gloo"],
+                _env(), tmp_path_factory.mktemp("tpkit_launch"))
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_fabric_call_under_tpkit_launch(tpkit_launch_report, check):
+    assert not _failures(tpkit_launch_report, check), _failures(tpkit_launch_report, check)
+
+
+def test_every_fabric_call_under_fabrics_own_launcher(tmp_path):
+    """``python script.py``: Fabric's subprocess launcher starts ranks 1-3; the layout of
+    ``Fabric(strategy="tpkit")`` comes from TPKIT_*."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = _env(TPKIT_TP="2", TPKIT_SEQUENCE_PARALLEL="1", MASTER_PORT=str(port))
+    report = _run([sys.executable], env, tmp_path, cwd=tmp_path)
+    failed = "\n".join(_failures(report, c) for c in CHECKS if _failures(report, c))
+    assert not failed, failed
+

@@ -1,0 +1,211 @@
+"""tpkit.pipeline: losses and gradients of a pipelined GPT (every schedule that runs on
+CPU/gloo, composed with TP, SP, CP and DP) against the same GPT in one process, and the
+ValueErrors of bad layouts. docs/pipeline.md says what has landed."""
+import os
+import sys
+
+import pytest
+
+from dist import run
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "launch"))
+BATCH, SEQ = 8, 16
+TOL = 1e-5
+
+
+def _cfg(layers, recompute=False):
+    from gpt import GPTConfig
+    return GPTConfig(vocab_size=64, hidden_size=32, num_layers=layers, num_heads=4,
+                     num_gqa_groups=2, ffn_hidden_size=64, recompute=recompute)
+
+
+def _full_weights(model):
+    """Layout-independent weights drawn at full shape, by parameter name."""
+    import torch
+    from tpkit.checkpoint import full_shapes
+    out = {}
+    for name, shape in sorted(full_shapes(model).items()):
+        g = torch.Generator().manual_seed(sum(map(ord, name)) * 7919 + len(shape))
+        out[name] = (torch.randn(shape, generator=g) * 0.1) if len(shape) > 1 \
+            else 1.0 + 0.1 * torch.randn(shape, generator=g)
+    return out
+
+
+def _batch():
+    import torch
+    g = torch.Generator().manual_seed(7)
+    x = torch.randint(0, 64, (BATCH, SEQ + 1), generator=g)
+    return x[:, :-1].contiguous(), x[:, 1:].contiguous()
+
+
+def _reference(layers, recompute=False):
+    """One process, no pipeline: the batch-mean loss and every full gradient."""
+    import tpkit
+    from gpt import GPT
+    from tpkit.checkpoint import load_full_state_dict
+    tpkit.init_parallel(tp=1, cp=1, pp=1)
+    model = GPT(_cfg(layers, recompute))
+    load_full_state_dict(model, _full_weights(model))
+    x, y = _batch()
+    loss = model(x, y)
+    loss.backward()
+    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _pipelined(layers, *, tp=1, cp=1, pp=2, schedule="1F1B", microbatches=4,
+               virtual_stages=None, sp=False, recompute=False, steps=1, data_parallel="ddp"):
+    """The pipelined run on this rank: (global loss, {name: full grad} of this stage's
+    parameters, reported by the rank with tp = dp = cp = 0 only)."""
+    import torch
+    import torch.distributed as dist
+    import tpkit
+    from gpt import GPT
+    from tpkit.checkpoint import gather_param, load_full_state_dict
+    from tpkit.grads import sync_sequence_parallel_grads
+    from tpkit.param_tags import tp_spec
+    from tpkit.pipeline import build_pipeline
+    state = tpkit.init_parallel(tp=tp, cp=cp, pp=pp, sequence_parallel=sp)
+    model = GPT(_cfg(layers, recompute))
+    load_full_state_dict(model, _full_weights(model))
+    pipe = build_pipeline(model, microbatches=microbatches, schedule=schedule,
+                          virtual_stages=virtual_stages, data_parallel=data_parallel)
+    x, y = _batch()
+    rows = slice(state.dp_rank * BATCH // state.dp_size, (state.dp_rank + 1) * BATCH // state.dp_size)
+    for _ in range(steps):
+        loss = pipe.step(x[rows], target=y[rows])
+    loss = loss.clone()
+    dist.all_reduce(loss, group=state.dp_cp_group)
+    sync_sequence_parallel_grads(pipe.module, state)
+    grads = {}
+    for n, p in pipe.module.named_parameters():
+        spec = tp_spec(p)
+        g = p.grad if spec is None else gather_param(p.grad, spec[0], spec[1], state.tp_group)
+        grads[n] = g.clone()
+    report = state.tp_rank == 0 and state.dp_cp_rank == 0
+    return loss.item() / state.dp_cp_size, (grads if report else {})
+
+
+def _check(ref, results, steps=1):
+    ref_loss, ref_grads = ref
+    seen = {}
+    for loss, grads in results:
+        assert abs(loss - ref_loss) <= TOL * abs(ref_loss), (loss, ref_loss)
+        for n, g in grads.items():
+            assert n not in seen, f"{n} is held by two stages"
+            seen[n] = g
+    assert sorted(seen) == sorted(ref_grads)   # every parameter once, under its global name
+    for n, g in seen.items():
+        r = ref_grads[n] * steps
+        err = (g - r).abs().max().item()
+        assert err <= TOL * max(1.0, r.abs().max().item()), f"{n}: max error {err}"
+
+
+@pytest.fixture(scope="module")
+def ref4():
+    return run(_reference, 1, 4)[0]
+
+
+@pytest.fixture(scope="module")
+def ref8():
+    return run(_reference, 1, 8)[0]
+
+
+# Every schedule torch 2.13 ships, on CPU/gloo, at pp=2 (4 blocks) and pp=4 (8 blocks).
+@pytest.mark.parametrize("kw", [
+    dict(schedule="1F1B"), dict(schedule="GPipe", microbatches=2),
+    dict(schedule="Interleaved1F1B", virtual_stages=2), dict(schedule="LoopedBFS"),
+    dict(schedule="InterleavedZeroBubble", microbatches=2), dict(schedule="ZBVZeroBubble"),
+    dict(schedule="DualPipeV"),
+    dict(schedule="1F1B", recompute=True),
+], ids=lambda kw: "-".join(str(v) for v in kw.values()))
+def test_schedules_pp2(ref4, kw):
+    _check(ref4, run(_pipelined, 2, 4, **kw))
+
+
+def test_gradients_accumulate_over_steps(ref4):
+    _check(ref4, run(_pipelined, 2, 4, schedule="Interleaved1F1B", steps=2), steps=2)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(schedule="1F1B"), dict(schedule="Interleaved1F1B", microbatches=8),
+    dict(schedule="ZBVZeroBubble"), dict(schedule="DualPipeV", microbatches=8),
+], ids=lambda kw: "-".join(str(v) for v in kw.values()))
+def test_schedules_pp4(ref8, kw):
+    _check(ref8, run(_pipelined, 4, 8, pp=4, **kw))
+
+
+# pp=2 on 4 ranks with TP, SP, CP or DP inside each stage.
+@pytest.mark.parametrize("kw", [
+    dict(tp=2), dict(tp=2, sp=True, recompute=True), dict(cp=2), dict(),  # the last: dp=2
+    dict(tp=2, schedule="Interleaved1F1B", recompute=True),
+    dict(tp=2, sp=True, schedule="InterleavedZeroBubble"),
+    dict(schedule="ZBVZeroBubble", data_parallel="allreduce"),
+    dict(cp=2, schedule="DualPipeV", data_parallel="allreduce"),
+], ids=lambda kw: "-".join(f"{k}{v}" for k, v in kw.items()) or "dp2")
+def test_composition(ref4, kw):
+    _check(ref4, run(_pipelined, 4, 4, **kw))
+
+
+def test_all_four_dims(ref4):
+    """pp 2 x dp 2 x cp 2 x tp 2 (SP) on 8 ranks."""
+    _check(ref4, run(_pipelined, 8, 4, tp=2, cp=2, sp=True, schedule="Interleaved1F1B"))
+
+
+# --- bad input: ValueErrors before anything runs ----------------------------------------------
+@pytest.mark.parametrize("kw,match", [
+    (dict(schedule="Zigzag"), "unknown; use one of"),
+    (dict(num_blocks=6, pp=4), "6 blocks do not split evenly into pp x virtual_stages = 4 x 1"),
+    (dict(schedule="Interleaved1F1B", virtual_stages=2, num_blocks=6),
+     "6 blocks do not split evenly into pp x virtual_stages = 2 x 2"),
+    (dict(microbatches=1), "microbatches=1 is fewer than the 2 pipeline stages; 1F1B"),
+    (dict(schedule="DualPipeV", microbatches=3), "DualPipeV needs microbatches >= 2 x pp"),
+    (dict(schedule="Interleaved1F1B", pp=4, microbatches=9, num_blocks=8),
+     "microbatches=9 is not a multiple of the 2 rounds"),
+    (dict(schedule="1F1B", virtual_stages=2), "runs one stage per rank"),
+    (dict(schedule="ZBVZeroBubble", virtual_stages=3, num_blocks=6), "exactly two stages"),
+    (dict(microbatches=0), "microbatches=0 must be an integer >= 1"),
+    (dict(batch_size=6, microbatches=4), "local batch of 6 does not split into microbatches=4"),
+])
+def test_plan_errors(kw, match):
+    from tpkit.pipeline import plan_pipeline
+    args = dict(pp=2, num_blocks=4, microbatches=4, schedule="1F1B") | kw
+    with pytest.raises(ValueError, match=match):
+        plan_pipeline(**args)
+
+
+def test_plan_stage_maps():
+    """Which stages and blocks every rank runs (the independent reference: written out)."""
+    from tpkit.pipeline import plan_pipeline
+    loop = plan_pipeline(pp=2, num_blocks=8, microbatches=4, schedule="Interleaved1F1B")
+    assert [loop.stages_of(r) for r in (0, 1)] == [[0, 2], [1, 3]]
+    assert [list(loop.blocks_of(s)) for s in range(4)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert loop.last_stage_rank == 1
+    v = plan_pipeline(pp=2, num_blocks=4, microbatches=4, schedule="zbvzerobubble")
+    assert v.schedule == "ZBVZeroBubble" and [v.stages_of(r) for r in (0, 1)] == [[0, 3], [1, 2]]
+    assert v.last_stage_rank == 0
+
+
+def _bad_models():
+    import tpkit
+    from gpt import GPT
+    from torch import nn
+    from tpkit.pipeline import build_pipeline
+    tpkit.init_parallel(pp=2)
+    errors = []
+    for model, kw in ((nn.Sequential(nn.Linear(2, 2)), {}),
+                      (GPT(_cfg(4)), dict(schedule="ZBVZeroBubble", data_parallel="ddp")),
+                      (GPT(_cfg(4)), dict(data_parallel="fsdp2"))):
+        try:
+            build_pipeline(model, microbatches=4, **kw)
+        except ValueError as e:
+            errors.append(str(e))
+    return errors
+
+
+def test_bad_models():
+    errors = run(_bad_models, 4)[0]   # pp 2 x dp 2: no stage is built, nothing is sent
+    assert len(errors) == 3
+    assert "Sequential has no block list to split into pipeline stages" in errors[0]
+    assert "data_parallel='allreduce'" in errors[1]
+    assert "data_parallel='fsdp2' is unknown" in errors[2]
