@@ -131,9 +131,11 @@ def check_recovery_args(ap: argparse.ArgumentParser, args) -> None:
         ap.error(f"--auto-resume and --resume={args.resume} both choose the checkpoint to "
                  "start from; pass one")
     if args.keep is not None and args.keep < 1:
-        ap.error(f"--keep={args.keep} must be >= 1")
+        ap.error(f"--keep={args.keep} must be >= 1 (how many checkpoints to keep); leave "
+                 "--keep out to keep them all")
     if args.hang_timeout is not None and not args.hang_timeout > 0:
-        ap.error(f"--hang-timeout={args.hang_timeout} must be > 0 seconds")
+        ap.error(f"--hang-timeout={args.hang_timeout} must be > 0 seconds (longer than the "
+                 "slowest step or save); leave it out for no watchdog")
     env = os.environ.get("TPKIT_HANG_TIMEOUT", "").strip()
     if args.hang_timeout is None and env:
         try:

@@ -192,6 +192,18 @@ LAUNCH = [
         T("--fp8-compute-dtype", "bfloat16")),
     Row("train-save-file", "--save='{tmp}/file'", "pass a directory", T("--save", "{tmp}/file"),
         setup=_write("file", "")),
+    # launch/train.py's recovery options (issue 21)
+    Row("train-keep-zero", "--keep=0", "must be >= 1", T("--save", "{tmp}/ck", "--keep", "0")),
+    Row("train-keep-without-save", "--keep needs", "--save DIR", T("--keep", "2")),
+    Row("train-auto-resume-without-save", "--auto-resume needs", "--save DIR",
+        T("--auto-resume")),
+    Row("train-async-save-without-save", "--async-save needs", "--save DIR", T("--async-save")),
+    Row("train-auto-resume-and-resume", "--resume={tmp}/ck", "pass one",
+        T("--save", "{tmp}/ck", "--auto-resume", "--resume", "{tmp}/ck")),
+    Row("train-hang-timeout", "--hang-timeout=0.0", "must be > 0 seconds",
+        T("--hang-timeout", "0")),
+    Row("train-hang-timeout-env", "TPKIT_HANG_TIMEOUT='soon'", "unset it", T(),
+        env={"TPKIT_HANG_TIMEOUT": "soon"}),
     Row("train-backend-te", "--backend te", "use backend='torch'", T("--backend", "te"),
         skip="te"),
     Row("train-resume-damaged", "{train_ckpt}/step000002/__1_0.distcp",
@@ -258,6 +270,11 @@ def _fabric(name):
     return getattr(tpkit.fabric, name)
 
 
+def _recovery(*args, **kw):
+    from tpkit.recovery import Recovery
+    return Recovery(*args, **kw)
+
+
 def _touch(path):
     path.write_text("")
     return path
@@ -318,6 +335,14 @@ API = [
         call=lambda tmp: _fabric("TPKitStrategy")(data_parallel="zero")),
     Row("precision", "precision='fp4'", "use one of",
         call=lambda tmp: _fabric("TPKitPrecision")("fp4")),
+    Row("recovery-keep-zero", "keep=0", "must be >= 1",
+        call=lambda tmp: _recovery(tmp, keep=0, signals=())),
+    Row("recovery-save-every", "save_every=-1", "must be >= 0",
+        call=lambda tmp: _recovery(tmp, save_every=-1)),
+    Row("recovery-no-dir", "need a save directory", "pass save_dir",
+        call=lambda tmp: _recovery(None, save_every=5)),
+    Row("recovery-hang-timeout", "hang timeout 0", "must be > 0 seconds",
+        call=lambda tmp: _recovery(None, signals=(), hang_timeout=0)),
     Row("load-missing-path", "{tmp}/nope", "pass the directory tpkit.checkpoint.save",
         call=_load(lambda tmp: tmp / "nope")),
     Row("load-file", "{tmp}/x.pt is a file", "pass the directory tpkit.checkpoint.save",

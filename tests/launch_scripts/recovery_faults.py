@@ -1,13 +1,14 @@
 """launch/train.py with faults injected on one rank, for tests/test_recovery.py:
 
     tpkit-launch ... recovery_faults.py [--slow-rank R --slow-s S] [--hang-rank R
-        --hang-after N] [--slow-write-s S] -- ARGS OF launch/train.py
+        --hang-after N] [--hold-writes PATH] -- ARGS OF launch/train.py
 
 --slow-rank: that rank's optimizer step takes S seconds longer (a straggler).
 --hang-rank: after N optimizer steps that rank sleeps forever inside its next
 all-reduce (the loss report), so the others wait for it in the collective.
---slow-write-s: every rank's checkpoint writes take S seconds longer (slow storage), so
-that a test can kill a job while an asynchronous save is in flight.
+--hold-writes: while the file PATH exists, every rank's checkpoint writes wait (storage
+that stalls), so that a test can kill or signal a job while a save is in flight, for as
+long as it needs and no longer.
 """
 import argparse
 import os
@@ -26,7 +27,7 @@ ap.add_argument("--slow-rank", type=int, default=None)
 ap.add_argument("--slow-s", type=float, default=0.0)
 ap.add_argument("--hang-rank", type=int, default=None)
 ap.add_argument("--hang-after", type=int, default=0)
-ap.add_argument("--slow-write-s", type=float, default=0.0)
+ap.add_argument("--hold-writes", default=None)
 ours, _, theirs = " ".join(sys.argv[1:]).partition(" -- ")
 args = ap.parse_args(ours.split())
 rank = int(os.environ["RANK"])
@@ -49,15 +50,16 @@ def stuck_all_reduce(*a, **k):
     return all_reduce(*a, **k)
 
 
-def slow_write(self, *a, **k):
-    time.sleep(args.slow_write_s)
+def held_write(self, *a, **k):
+    while os.path.exists(args.hold_writes):
+        time.sleep(0.02)
     return write_data(self, *a, **k)
 
 
 torch.optim.AdamW.step = slow_step
 dist.all_reduce = stuck_all_reduce
-if args.slow_write_s:
+if args.hold_writes:
     from torch.distributed.checkpoint import FileSystemWriter
     write_data = FileSystemWriter.write_data
-    FileSystemWriter.write_data = slow_write
+    FileSystemWriter.write_data = held_write
 train.main(theirs.split())

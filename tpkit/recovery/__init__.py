@@ -6,7 +6,8 @@
   report. ``launch/train.py --save DIR --auto-resume`` uses it; so can any loop, Fabric's
   included.
 - The parts, each usable alone: ``checkpoints`` (``is_complete``, ``latest_checkpoint``,
-  ``prune``, ``skipped_checkpoints``), ``signals.SignalStop``, ``hang.HangWatchdog``, ``stragglers.StragglerMonitor``.
+  ``prune``, ``skipped_checkpoints``), ``signals.SignalStop``, ``hang.HangWatchdog``,
+  ``stragglers.StragglerMonitor``.
 
 Exit codes of a rank: 128 + N after saving on signal N (143 for SIGTERM), ``EXIT_HANG``
 (124) when the watchdog stopped it. How tpkit-launch reports them: docs/launch.md.
@@ -19,6 +20,6 @@ from .signals import DEFAULT_SIGNALS, SignalStop, exit_code
 from .stragglers import StragglerMonitor, format_report, straggler_report
 
 __all__ = ["Recovery", "checkpoint_path", "is_complete", "latest_checkpoint",
-           "list_checkpoints", "prune", "skipped_checkpoints", "unfinished_saves", "EXIT_HANG", "HangError",
-           "HangWatchdog", "hang_verdict", "DEFAULT_SIGNALS", "SignalStop", "exit_code",
+           "list_checkpoints", "prune", "skipped_checkpoints", "unfinished_saves", "EXIT_HANG",
+           "HangError", "HangWatchdog", "hang_verdict", "DEFAULT_SIGNALS", "SignalStop", "exit_code",
            "StragglerMonitor", "straggler_report", "format_report"]

@@ -101,7 +101,7 @@ class Recovery:
                                      dirs.skipped_checkpoints(self.save_dir))
                                     if _rank() == 0 else None)
         for path, why in skipped:
-            _say(f"skipping {path}: {why}")
+            _say(f"skipping {os.path.basename(path)}: {why}")
         if found is None:
             _say(f"no complete checkpoint in {self.save_dir}: starting fresh")
             return 0
