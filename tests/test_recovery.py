@@ -2,12 +2,13 @@
 
 Launched, the way a job meets them (launch/train.py under tpkit-launch, faults injected
 by tests/launch_scripts/recovery_faults.py):
-- a job's life: a worker SIGKILLed at a random step while an --async-save is in flight
-  (--max-restarts 1 restarts it and --auto-resume continues from the previous save), then
-  SIGTERM to tpkit-launch (and a second one, to it and to the workers, during the save)
-  -> exit 143 with a complete checkpoint of the step; the same command resumes and the
-  job finishes. Every printed loss equals an uninterrupted run's (the pool's, same
-  layout); nothing is left running; --keep held.
+- a job's life: SIGTERM to tpkit-launch (and a second one, to it and to the workers,
+  during the save) -> exit 143 with a complete checkpoint of the step; the same command
+  resumes, and a worker SIGKILLed at a random step while an --async-save is in flight
+  leaves nothing at the save's final path (--max-restarts 1 restarts the workers,
+  --auto-resume continues from the previous save) and the job completes. Every printed
+  loss equals an uninterrupted run's (the pool's, same layout); nothing is left running;
+  --keep held.
 - a rank sleeping forever in a collective under --hang-timeout: the job exits within
   the timeout + 30 s and tpkit-launch's last line names the rank and its frame; a slow
   rank is flagged by the straggler report first.
@@ -155,10 +156,10 @@ def _step_dirs(ckpt) -> list[str]:
 # --- launched: a job's life --------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.timeout(600)  # three worker starts and the pool's reference run
-def test_kill_during_async_save_then_sigterm_then_resume(tmp_path):
-    """Acceptance of issue 21 for killed ranks, preemption and --async-save (module
-    docstring), in three worker starts. Saves are held (``--hold-writes``) only while the
-    test needs one in flight. The reference is train.main in the pool, same layout."""
+def test_sigterm_then_resume_then_kill_during_async_save(tmp_path):
+    """Acceptance of issue 21 for preemption, killed ranks and --async-save (module
+    docstring), in three worker starts. Checkpoint writes are held (``--hold-writes``)
+    while the test needs a save in flight. The reference is train.main in the pool."""
     from tpkit.recovery import is_complete, unfinished_saves
     (reference, _) = run(_reference, 2, TRAIN_ARGS + ["--steps", str(STEPS), "--tp", "2"])
     ckpt, hold = tmp_path / "ckpt", tmp_path / "hold"
@@ -167,26 +168,13 @@ def test_kill_during_async_save_then_sigterm_then_resume(tmp_path):
            "--save", str(ckpt), "--save-every", "10", "--keep", "2", "--async-save",
            "--auto-resume"]
     rng = random.Random()
-    kill_at = rng.randint(20, 25)
+    term_at, kill_at = rng.randint(2, 6), rng.randint(20, 25)
 
-    # 1. kill -9 of one worker at a random step, while the async save of step000020 is in
-    # flight: nothing at its final path; the agent restarts both workers, they resume
+    # 1. SIGTERM to tpkit-launch mid-run; during the save it causes, again to it and to
+    # the workers: exit 143 with a complete checkpoint of the step
     job = Job(cmd)
     job.wait_for(r"starting fresh")
-    job.wait_for(r"recovery: saved \S+step000010")
-    hold.touch()                                       # the next save (after step 19) stalls
-    job.wait_for(rf"^step +{kill_at} ")
-    staging = unfinished_saves(ckpt)
-    assert [os.path.basename(p)[:15] for p in staging] == ["step000020.tmp-"], staging
-    os.kill(rng.choice(job.workers()), signal.SIGKILL)
-    time.sleep(0.5)                                    # the victim's peers see it gone
-    assert not (ckpt / "step000020").exists()          # never a partial one at the final path
-    assert _step_dirs(ckpt) == ["step000010"] and is_complete(ckpt / "step000010")
-    hold.unlink()
-    job.wait_for(r"recovery: resuming from \S+step000010 ")
-
-    # 2. SIGTERM to tpkit-launch; during the save it causes, again to it and the workers
-    job.wait_for(r"^step +22 ")
+    job.wait_for(rf"^step +{term_at} ")
     hold.touch()
     job.proc.send_signal(signal.SIGTERM)
     job.wait_for(r"rank \d: SIGTERM: finishing this step")
@@ -197,21 +185,37 @@ def test_kill_during_async_save_then_sigterm_then_resume(tmp_path):
     hold.unlink()
     saved = int(job.wait_for(r"recovery: SIGTERM: saved after step (\d+)").group(1))
     assert job.finish() == 143, job.text()[-5000:]
-    assert saved >= 22 and is_complete(ckpt / f"step{saved + 1:06d}")
-    text = job.text()
-    _check_curve(text, reference)
-    assert [s for s, _ in _losses(text)].count(15) == 2   # run before the kill and after
+    assert term_at <= saved < 9 and _step_dirs(ckpt) == [f"step{saved + 1:06d}"]
+    assert is_complete(ckpt / f"step{saved + 1:06d}")
+    _check_curve(job.text(), reference)
     assert not _orphans(str(ckpt))
 
-    # 3. the same command resumes from it and finishes on the uninterrupted curve
+    # 2. the same command resumes from it; kill -9 of one worker at a random step while
+    # the async save of step000020 is in flight: nothing at its final path; the agent
+    # restarts both workers, they resume from step000010 and the job completes
     job = Job(cmd)
     job.wait_for(rf"recovery: resuming from \S+step{saved + 1:06d} ")
+    job.wait_for(r"recovery: saved \S+step000010")
+    hold.touch()                                       # the save after step 19 stalls
+    job.wait_for(rf"^step +{kill_at} ")
+    staging = unfinished_saves(ckpt)
+    assert [os.path.basename(p)[:15] for p in staging] == ["step000020.tmp-"], staging
+    os.kill(rng.choice(job.workers()), signal.SIGKILL)
+    time.sleep(0.5)
+    assert not (ckpt / "step000020").exists()          # never a partial one at the final path
+    assert _step_dirs(ckpt) == [f"step{saved + 1:06d}", "step000010"]
+    assert all(is_complete(ckpt / d) for d in _step_dirs(ckpt))
+    hold.unlink()
+    job.wait_for(r"recovery: resuming from \S+step000010 ")
     assert job.finish() == 0, job.text()[-5000:]
-    _check_curve(job.text(), reference)
-    assert _losses(job.text())[0][0] == saved + 1 and _losses(job.text())[-1][0] == STEPS - 1
+    text = job.text()
+    _check_curve(text, reference)
+    steps = [s for s, _ in _losses(text)]
+    assert steps[0] == saved + 1 and steps[-1] == STEPS - 1
+    assert steps.count(15) == 2 and steps.count(kill_at) == 2  # before the kill and after
     assert not _orphans(str(ckpt))
-    # --keep 2: the one this run resumed from and its final save; no staging leftovers
-    assert _step_dirs(ckpt) == [f"step{saved + 1:06d}", f"step{STEPS:06d}"]
+    # --keep 2: the newest two, plus the one the restart resumed from; no staging leftovers
+    assert _step_dirs(ckpt) == ["step000010", "step000020", "step000030"]
     assert unfinished_saves(ckpt) == []
 
 
