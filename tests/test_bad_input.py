@@ -351,6 +351,10 @@ API = [
         "pass a path in a writable directory",
         call=lambda tmp: __import__("tpkit.checkpoint").checkpoint.save(
             _touch(tmp / "x.pt") / "ck", {"model": torch.nn.Linear(2, 2)})),
+    Row("async-save-under-file", "{tmp}/x.pt is a file, not a directory",
+        "pass a path in a writable directory",
+        call=lambda tmp: __import__("tpkit.checkpoint").checkpoint.async_save(
+            _touch(tmp / "x.pt") / "ck", {"model": torch.nn.Linear(2, 2)})),
     Row("load-empty-dir", "{tmp}/.metadata is missing", "load another checkpoint",
         call=_load(lambda tmp: tmp)),
 ]

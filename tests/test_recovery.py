@@ -293,14 +293,21 @@ def _async_save_copies_the_step(path):
         back = [*model2.parameters(), *(t for st in opt2.state.values() for t in st.values())]
         same.append(len(back) == len(live) and
                     all(torch.equal(a, b) for a, b in zip(saved[k], back)))
+    # filter= as save's: only the weights (DCP's own record of what was written)
+    import torch.distributed.checkpoint as dcp
+    async_save(path + "-w", {"model": model}, process_group=group,
+               filter={"model": lambda name, value: name.endswith("weight")}).wait()
+    dist.barrier()
+    written = sorted(dcp.FileSystemReader(path + "-w").read_metadata().state_dict_metadata)
     dist.destroy_process_group(group)
-    return early, ns, same, len(live), len(buffers)
+    return early, ns, same, len(live), len(buffers), written
 
 
 def test_async_save_holds_the_step_it_was_called_at(tmp_path):
-    for early, ns, same, count, buffers in run(_async_save_copies_the_step, 2,
-                                               str(tmp_path / "ck")):
+    for early, ns, same, count, buffers, written in run(_async_save_copies_the_step, 2,
+                                                        str(tmp_path / "ck")):
         assert (early, ns, same) == ([False] * 2, [7, 8], [True] * 2)
+        assert written == ["model.0.weight", "model.1.weight"]
         assert count == 4 + 4 * 3   # weights and biases, and per parameter Adam's step,
         assert buffers >= count     # exp_avg, exp_avg_sq; each copied into a kept buffer
 
