@@ -1,0 +1,144 @@
+"""Packed sequences (THD): tpkit.data's packing and per-document CP layout, and
+DotProductAttention(qkv_format="thd") at cp 1, 2, 4 on every comm type, against an
+independent reference: each document run on its own through PyTorch's SDPA (one process,
+no packing, no CP), outputs and q/k/v gradients, in float32 and float64."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dist import run
+
+TOL, TOL64 = 1e-6, 1e-10
+# lengths: not multiples of anything, a document of one token, and one longer than the
+# others together (13 > 1 + 5 + 3 + 2)
+DOCS = [5, 1, 13, 3, 2]
+
+
+def fake(cp, rank, tp=1, sp=False):
+    return SimpleNamespace(cp_size=cp, cp_rank=rank, tp_size=tp, sequence_parallel=sp)
+
+
+def test_pack_sequences_rows_labels_positions():
+    from tpkit.data import pack_sequences
+    docs = [[11, 12, 13], [21], [31, 32, 33, 34, 35]]
+    pb = pack_sequences(docs, state=fake(2, 0))          # every document to a multiple of 4
+    assert pb.cu_seqlens.tolist() == [0, 3, 4, 9]
+    assert pb.cu_seqlens_padded.tolist() == [0, 4, 8, 16]
+    assert pb.cu_seqlens.dtype == pb.cu_seqlens_padded.dtype == torch.int32
+    assert pb.max_seqlen == 8
+    assert pb.tokens.tolist() == [11, 12, 13, 0, 21, 0, 0, 0, 31, 32, 33, 34, 35, 0, 0, 0]
+    x = -100
+    assert pb.labels.tolist() == [12, 13, x, x, x, x, x, x, 32, 33, 34, 35, x, x, x, x]
+    assert pb.position_ids.tolist() == [0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7]
+    sp = pack_sequences(docs, state=fake(2, 0, tp=2, sp=True))   # 2*cp*tp = 8
+    assert sp.cu_seqlens_padded.tolist() == [0, 8, 16, 24]
+    assert pack_sequences(docs, state=fake(1, 0)).cu_seqlens_padded.tolist() == [0, 3, 4, 9]
+
+
+def test_per_document_layout():
+    """Rank r keeps chunks r and 2cp-1-r of *each* document (TE's THD DUAL_CHUNK_SWAP)."""
+    from tpkit.data import packed_cp_indices, shard_packed
+    cup = [0, 8, 12, 28]                                  # cp=2: chunks of 2, 1, 4 tokens
+    want = {0: [0, 1, 6, 7, 8, 11, 12, 13, 14, 15, 24, 25, 26, 27],
+            1: [2, 3, 4, 5, 9, 10, 16, 17, 18, 19, 20, 21, 22, 23]}
+    for r in (0, 1):
+        assert packed_cp_indices(cup, r, 2).tolist() == want[r]
+        row = torch.arange(28 * 2).view(2, 28)
+        assert torch.equal(shard_packed(row, cup, 1, fake(2, r)), row[:, want[r]])
+    seen = sorted(i for r in range(4) for i in packed_cp_indices([0, 16, 24], r, 4).tolist())
+    assert seen == list(range(24))
+
+
+def test_packing_errors():
+    from tpkit.data import pack_sequences, packed_cp_indices, shard_packed
+    with pytest.raises(ValueError, match=r"document 1 has padded length 6, not a multiple "
+                                         r"of 2\*cp = 4"):
+        packed_cp_indices([0, 4, 10], 0, 2)
+    with pytest.raises(ValueError, match="document 1 has shape"):
+        pack_sequences([[1, 2], []])
+    with pytest.raises(ValueError, match="no documents"):
+        pack_sequences([])
+    with pytest.raises(ValueError, match="multiple=0"):
+        pack_sequences([[1]], multiple=0)
+    with pytest.raises(ValueError, match="has 9 tokens along dim 0, but cu_seqlens_padded "
+                                         "says 8"):
+        shard_packed(torch.zeros(9), [0, 8], 0, fake(2, 0))
+
+
+def _thd_case(comm, causal, heads, groups, dtype, d=4):
+    """Errors of one THD case under the current state vs per-document SDPA."""
+    import torch.nn.functional as F
+    import tpkit
+    from tpkit.data import pack_sequences, shard_packed, unshard_packed
+    from tpkit.nn import DotProductAttention
+
+    st = tpkit.get_parallel_state()
+    dt = getattr(torch, dtype)
+    pb = pack_sequences([list(range(n)) for n in DOCS], multiple=2 * st.cp_size)
+    cu, cup = pb.cu_seqlens.tolist(), pb.cu_seqlens_padded.tolist()
+    T = cup[-1]
+    g = torch.Generator().manual_seed(7 + heads + groups)
+    q, k, v, gout = (torch.randn(T, h, d, generator=g, dtype=torch.float64).to(dt)
+                     for h in (heads, groups, groups, heads))
+    # reference: every document alone, full heads, plain SDPA
+    ref_out = torch.zeros(T, heads, d, dtype=dt)
+    ref_grad = [torch.zeros_like(t) for t in (q, k, v)]
+    for i in range(len(DOCS)):
+        a, n = cup[i], cu[i + 1] - cu[i]
+        qi, ki, vi = (t[a:a + n].permute(1, 0, 2).clone().requires_grad_() for t in (q, k, v))
+        o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=causal, enable_gqa=True)
+        o.backward(gout[a:a + n].permute(1, 0, 2))
+        ref_out[a:a + n] = o.detach().permute(1, 0, 2)
+        for rg, t in zip(ref_grad, (qi, ki, vi)):
+            rg[a:a + n] = t.grad.permute(1, 0, 2)
+    hl, gl = heads // st.tp_size, groups // st.tp_size
+    hs = slice(st.tp_rank * hl, (st.tp_rank + 1) * hl)
+    gs = slice(st.tp_rank * gl, (st.tp_rank + 1) * gl)
+    local = [shard_packed(t[:, s], pb.cu_seqlens_padded).clone().requires_grad_()
+             for t, s in ((q, hs), (k, gs), (v, gs))]
+    dpa = DotProductAttention(heads, d, num_gqa_groups=groups, qkv_format="thd",
+                              attn_mask_type="padding_causal" if causal else "padding",
+                              cp_comm_type=comm)
+    out = dpa(*local, **pb.attention_kwargs())
+    assert dpa.kernel == "packed"
+    out.backward(shard_packed(gout[:, hs].flatten(1), pb.cu_seqlens_padded))
+    got = {"out": unshard_packed(out.detach(), pb.cu_seqlens_padded)}
+    want = {"out": ref_out[:, hs].flatten(1)}
+    for name, t, r, s in zip("qkv", local, ref_grad, (hs, gs, gs)):
+        got["d" + name], want["d" + name] = unshard_packed(t.grad, pb.cu_seqlens_padded), r[:, s]
+    assert all(t.dtype == dt for t in got.values()), {n: t.dtype for n, t in got.items()}
+    # errors relative to the reference's largest element (fp32 rounding of O(1) values
+    # is ~5e-7 absolute)
+    return {n: ((got[n] - want[n]).abs().max() / want[n].abs().max()).item() for n in got}
+
+
+def _thd_worker(plan, dtypes):
+    import tpkit
+    results = {}
+    for (tp, cp, comm, a2a), cases in plan:
+        tpkit.init_parallel(tp=tp, cp=cp, cp_comm_type=comm, cp_a2a_size=a2a)
+        for causal, heads, groups in cases:
+            for dtype in dtypes:
+                results[(tp, cp, comm, causal, heads, groups, dtype)] = _thd_case(
+                    comm, causal, heads, groups, dtype)
+        tpkit.destroy_parallel()
+    return results
+
+
+CASES = [(True, 8, 8), (True, 8, 4), (False, 8, 4)]   # causal or not, MHA and GQA
+PLAN = ([((1, 4, c, a), CASES) for c, a in (("p2p", None), ("all_gather", None),
+                                           ("a2a", None), ("a2a+p2p", 2))]
+        + [((1, 2, c, None), CASES[1:]) for c in ("p2p", "all_gather", "a2a")]
+        + [((2, 2, "p2p", None), CASES[1:2]), ((1, 1, "p2p", None), CASES)])
+
+
+def test_thd_attention_matches_per_document_sdpa():
+    """fp32 to 1e-6 and float64 to 1e-10 relative to the largest element (float64
+    computed in float32 anywhere shows as ~1e-7)."""
+    n = sum(len(c) for _, c in PLAN) * 2
+    for res in run(_thd_worker, 4, PLAN, ("float32", "float64"), timeout=300):
+        assert len(res) == n
+        bad = {key: e for key, e in res.items()
+               if not max(e.values()) <= (TOL64 if key[-1] == "float64" else TOL)}
+        assert not bad, bad
