@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from dist import run
+from te_fake import cuda, fake_te  # noqa: F401  (fixtures)
 
 TOL, TOL64 = 1e-6, 1e-10
 # lengths: not multiples of anything, a document of one token, and one longer than the
@@ -225,3 +226,80 @@ def test_transformer_layer_on_packed_rows_matches_per_document_layer():
             assert pos_ok, (key, "positions/RoPE do not restart per document")
             assert errs["weights"] == 0.0, (key, errs)
             assert errs["out"] <= 1e-6 and errs["dx"] <= 1e-6, (key, errs)
+
+
+def test_te_backend_passes_thd_arguments_through(fake_te, cuda):
+    """DotProductAttention(backend="te") is TE's module: the THD call reaches it unchanged
+    (the same tensor objects), and ParallelSelfAttention hands a TE core the packed call
+    (qkv_format="thd", the padding form of its mask type, TE's cu_seqlens names)."""
+    from tpkit import ParallelConfig
+    from tpkit.data import pack_sequences
+    from tpkit.nn import DotProductAttention, ParallelSelfAttention
+    from tpkit.planning import build_fake_state, destroy_fake_state
+    s = build_fake_state(ParallelConfig(), 1)
+    try:
+        pb = pack_sequences([[1, 2, 3], [4]], multiple=4)
+        kw = pb.attention_kwargs()
+        te_dpa = DotProductAttention(4, 8, qkv_format="thd", attn_mask_type="padding_causal",
+                                     state=s, backend="te")
+        assert type(te_dpa) is fake_te.DotProductAttention
+        assert te_dpa.init_args["qkv_format"] == "thd"
+        assert te_dpa.init_args["attn_mask_type"] == "padding_causal"
+        q = torch.zeros(8, 4, 8)
+        te_dpa(q, q, q, **kw)
+        name, args = te_dpa.calls[-1]
+        assert name == "forward" and args["query_layer"] is q
+        assert all(args[k] is v for k, v in kw.items()), args
+        layer = ParallelSelfAttention(32, 4, state=s)
+        layer.core_attention = DotProductAttention(4, 8, state=s, backend="te")
+        y = layer(torch.zeros(8, 1, 32), **kw)
+        assert y.shape == (8, 1, 32)
+        name, args = layer.core_attention.calls[-1]
+        assert args["qkv_format"] == "thd" and args["attn_mask_type"] == "padding_causal"
+        assert args["query_layer"].shape == (8, 4, 8)
+        assert all(args[k] is v for k, v in kw.items()), args
+    finally:
+        destroy_fake_state(s)
+
+
+@pytest.mark.parametrize("fmt", ["sbhd", "bshd"])
+def test_padding_masks_match_sdpa_of_the_real_tokens(fmt):
+    """attn_mask_type="padding"/"padding_causal" with TE's mask [b, 1, 1, s] (True:
+    padding, anywhere in the row) equals SDPA over each row's real tokens alone, float64;
+    padding rows give zeros and no gradient."""
+    import torch.nn.functional as F
+    from tpkit import ParallelConfig
+    from tpkit.nn import DotProductAttention
+    from tpkit.planning import build_fake_state, destroy_fake_state
+    s_ = build_fake_state(ParallelConfig(), 1)
+    try:
+        b, s, h, g_, d = 3, 9, 4, 2, 8
+        gen = torch.Generator().manual_seed(11)
+        pad = torch.rand(b, s, generator=gen) < 0.4
+        pad[0] = False                 # a row without padding
+        pad[1, :] = True
+        pad[1, 4] = False              # a row with one real token
+        for causal in (True, False):
+            q, k, v, go = (torch.randn(b, s, n, d, generator=gen, dtype=torch.float64)
+                           for n in (h, g_, g_, h))
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            lay = (lambda t: t.transpose(0, 1)) if fmt == "sbhd" else (lambda t: t)
+            dpa = DotProductAttention(h, d, num_gqa_groups=g_, qkv_format=fmt, state=s_,
+                                      attn_mask_type="padding_causal" if causal else "padding")
+            out = dpa(*(lay(t) for t in leaves), pad[:, None, None, :])
+            out.backward(lay(go.flatten(2)))
+            out = lay(out).view(b, s, h, d)
+            for i in range(b):
+                keep = ~pad[i]
+                qi, ki, vi = (t[i, keep].transpose(0, 1).clone().requires_grad_()
+                              for t in (q, k, v))
+                o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=causal,
+                                                   enable_gqa=True)
+                o.backward(go[i, keep].transpose(0, 1))
+                assert (out[i, keep] - o.transpose(0, 1)).abs().max() < TOL64
+                assert not out[i, ~keep].any()
+                for leaf, r in zip(leaves, (qi, ki, vi)):
+                    assert (leaf.grad[i, keep] - r.grad.transpose(0, 1)).abs().max() < TOL64
+                    assert not leaf.grad[i, ~keep].any()
+    finally:
+        destroy_fake_state(s_)
