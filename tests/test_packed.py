@@ -320,15 +320,35 @@ def _train_packed(tp, cp, extra=()):
     return train.main(PACK + ["--tp", str(tp), "--cp", str(cp)] + list(extra))
 
 
-def test_train_pack_same_curve_at_every_layout():
-    """(tp, cp, dp) = (1,1,1), (2,2,1), (1,2,2), (2,1,2)+SP: the same 20 losses within 1e-5
-    (relative), every rank reporting the same global token mean; and it learns."""
+@pytest.fixture(scope="module")
+def packed_reference():
     (ref,) = run(_train_packed, 1, 1, 1, timeout=300)
-    assert ref[-1] < ref[0] - 0.5, ref
-    for tp, cp, extra in ((2, 2, ()), (1, 2, ()), (2, 1, ("--sequence-parallel",))):
-        res = run(_train_packed, 4, tp, cp, extra, timeout=300)
-        for losses in res:
-            assert losses == res[0]
-        bad = [(i, a, b) for i, (a, b) in enumerate(zip(res[0], ref))
-               if not abs(a - b) <= 1e-5 * abs(b)]
-        assert len(res[0]) == 20 and not bad, ((tp, cp, extra), bad)
+    assert ref[-1] < ref[0] - 0.5, ref   # it learns
+    return ref
+
+
+@pytest.mark.parametrize("tp,cp,extra", [(2, 2, ()), (1, 2, ()), (2, 1, ("--sequence-parallel",))],
+                         ids=["tp2cp2", "cp2dp2", "tp2dp2-sp"])
+def test_train_pack_same_curve_at_every_layout(packed_reference, tp, cp, extra):
+    """(tp, cp, dp) = (2,2,1), (1,2,2), (2,1,2)+SP give the (1,1,1) curve: 20 losses within
+    1e-5 (relative), every rank reporting the same global token mean."""
+    res = run(_train_packed, 4, tp, cp, extra, timeout=300)
+    for losses in res:
+        assert losses == res[0]
+    bad = [(i, a, b) for i, (a, b) in enumerate(zip(res[0], packed_reference))
+           if not abs(a - b) <= 1e-5 * abs(b)]
+    assert len(res[0]) == 20 and not bad, bad
+
+
+@pytest.mark.slow
+def test_packed_launched():
+    """tests/launch_scripts/packed.py under ``tpkit-launch --nproc-per-node 4 --tp 2 --cp 2``
+    (public API): per-document positions, THD attention on three comm types vs
+    per-document SDPA in float64, and bad inputs refused on every rank before any
+    collective."""
+    import os
+
+    from test_userpath import SCRIPTS, launched
+    out, _ = launched("--nproc-per-node", "4", "--tp", "2", "--cp", "2",
+                      os.path.join(SCRIPTS, "packed.py"))
+    assert out.count("PACKED OK") == 4, out[-2000:]
