@@ -88,8 +88,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(f"--lr={args.lr} must be > 0, e.g. 3e-3")
     if not 0.0 <= args.dropout < 1.0:
         ap.error(f"--dropout={args.dropout} must be in [0, 1)")
-    check_hf_args(ap, args)
     check_pack_args(ap, args)
+    check_hf_args(ap, args)
     if args.fp8_recipe is not None and args.precision != "fp8":
         ap.error(f"--fp8-recipe={args.fp8_recipe} needs --precision fp8 (got --precision "
                  f"{args.precision}); add --precision fp8 or drop --fp8-recipe")
@@ -195,6 +195,8 @@ def check_job(args, state) -> None:
     if args.global_batch % state.dp_size:
         raise ValueError(f"--global-batch={args.global_batch} is not divisible by dp="
                          f"{state.dp_size}; use a multiple of {state.dp_size}")
+    if getattr(args, "pack", False):
+        return   # --pack pads every document to the layout's multiple itself
     try:
         check_sequence_length(args.seq_len, state)
     except ValueError as e:
