@@ -114,6 +114,18 @@ def _wait(works):
         w.wait()
 
 
+def _ring(kv, group, n, nxt, prv):
+    """Yield ``(step, K/V held at that step)`` while the next step's K/V is in flight."""
+    for step in range(n):
+        works, nxt_kv = None, None
+        if step < n - 1:
+            nxt_kv = torch.empty_like(kv)
+            works = exchange(kv, nxt_kv, group, nxt, prv, _KV_TAG)
+        yield step, kv
+        _wait(works)
+        kv = nxt_kv
+
+
 class PackedRing(torch.autograd.Function):
     """Grouped q ``[b, g, r, s, d]``, k/v ``[b, g, 1, s, d]`` of this ring rank; ``metas``
     the (segment, position) of every ring rank's tokens. At step ``i`` this rank holds
@@ -133,16 +145,10 @@ class PackedRing(torch.autograd.Function):
         out = torch.zeros_like(qf)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=cdt, device=q.device)
         kv = torch.stack([k, v]).to(cdt).contiguous()
-        for step in range(n):
-            works, nxt_kv = None, None
-            if step < n - 1:
-                nxt_kv = torch.empty_like(kv)
-                works = exchange(kv, nxt_kv, group, nxt, prv, _KV_TAG)
+        for step, kv in _ring(kv, group, n, nxt, prv):
             hide = hidden_mask(metas[rank], metas[(rank - step) % n], causal)
             if not bool(hide.all()):
                 _merge(out, lse, *_block_forward(qf, kv[0], kv[1], hide, scale))
-            _wait(works)
-            kv = nxt_kv
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (group, metas, causal, scale, rank, n, nxt, prv)
         return out.to(q.dtype)
@@ -158,11 +164,7 @@ class PackedRing(torch.autograd.Function):
         kv = torch.stack([k, v]).to(cdt).contiguous()
         dkv = torch.zeros_like(kv)
         dkv_works = None
-        for step in range(n):
-            kv_works, nxt_kv = None, None
-            if step < n - 1:
-                nxt_kv = torch.empty_like(kv)
-                kv_works = exchange(kv, nxt_kv, group, nxt, prv, _KV_TAG)
+        for step, kv in _ring(kv, group, n, nxt, prv):
             hide = hidden_mask(metas[rank], metas[(rank - step) % n], causal)
             grads = None if bool(hide.all()) else _block_backward(
                 qf, kv[0], kv[1], dout, lse, delta, hide, scale)
@@ -175,8 +177,6 @@ class PackedRing(torch.autograd.Function):
                 recv = torch.empty_like(dkv)
                 dkv_works = exchange(dkv, recv, group, nxt, prv, _DKV_TAG)
                 dkv = recv
-            _wait(kv_works)
-            kv = nxt_kv
         _wait(dkv_works)
         return (dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)) + (None,) * 4
 
