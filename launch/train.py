@@ -139,17 +139,17 @@ def check_pipeline(args, state) -> None:
             raise ValueError(f"{flag} with --pp {pp}: pipelined training runs the reference "
                              "GPT in float32 with DDP so far; drop it or use --pp 1")
     m = microbatches(args, state)
-    local = args.global_batch // state.dp_size
-    if local % m:
-        raise ValueError(f"--global-batch={args.global_batch} does not split into dp x "
-                         f"microbatches = {state.dp_size} x {m}; use a multiple of "
-                         f"{state.dp_size * m} (or change --microbatches)")
     try:
         plan_pipeline(pp=pp, num_blocks=args.layers, microbatches=m,
-                      schedule=args.pp_schedule, virtual_stages=args.virtual_stages)
+                      schedule=args.pp_schedule, virtual_stages=args.virtual_stages,
+                      recompute=args.recompute)
     except ValueError as e:
         raise ValueError(f"--pp {pp} --layers {args.layers} --microbatches {m} --pp-schedule "
                          f"{args.pp_schedule}: {e}") from None
+    if (args.global_batch // state.dp_size) % m:
+        raise ValueError(f"--global-batch={args.global_batch} does not split into dp x "
+                         f"microbatches = {state.dp_size} x {m}; use a multiple of "
+                         f"{state.dp_size * m} (or change --microbatches)")
 
 
 def microbatches(args, state) -> int:

@@ -166,6 +166,8 @@ def test_all_four_dims(ref4):
     (dict(schedule="ZBVZeroBubble", virtual_stages=3, num_blocks=6), "exactly two stages"),
     (dict(microbatches=0), "microbatches=0 must be an integer >= 1"),
     (dict(batch_size=6, microbatches=4), "local batch of 6 does not split into microbatches=4"),
+    (dict(schedule="ZBVZeroBubble", recompute=True), "'ZBVZeroBubble' with recompute"),
+    (dict(schedule="DualPipeV", recompute=True), "use 1F1B or Interleaved1F1B with recompute"),
 ])
 def test_plan_errors(kw, match):
     from tpkit.pipeline import plan_pipeline
@@ -195,7 +197,9 @@ def _bad_models():
     errors = []
     for model, kw in ((nn.Sequential(nn.Linear(2, 2)), {}),
                       (GPT(_cfg(4)), dict(schedule="ZBVZeroBubble", data_parallel="ddp")),
-                      (GPT(_cfg(4)), dict(data_parallel="fsdp2"))):
+                      (GPT(_cfg(4)), dict(data_parallel="fsdp2")),
+                      (GPT(_cfg(4, recompute=True)),
+                       dict(schedule="InterleavedZeroBubble", data_parallel="allreduce"))):
         try:
             build_pipeline(model, microbatches=4, **kw)
         except ValueError as e:
@@ -205,10 +209,11 @@ def _bad_models():
 
 def test_bad_models():
     errors = run(_bad_models, 4)[0]   # pp 2 x dp 2: no stage is built, nothing is sent
-    assert len(errors) == 3
+    assert len(errors) == 4
     assert "Sequential has no block list to split into pipeline stages" in errors[0]
     assert "data_parallel='allreduce'" in errors[1]
     assert "data_parallel='fsdp2' is unknown" in errors[2]
+    assert "'InterleavedZeroBubble' with recompute" in errors[3]
 
 
 # --- checkpoints across pp ----------------------------------------------------------------
