@@ -198,10 +198,11 @@ def _bad_models():
     for model, kw in ((nn.Sequential(nn.Linear(2, 2)), {}),
                       (GPT(_cfg(4)), dict(schedule="ZBVZeroBubble", data_parallel="ddp")),
                       (GPT(_cfg(4)), dict(data_parallel="fsdp2")),
+                      (GPT(_cfg(4)), dict(microbatches=2)),
                       (GPT(_cfg(4, recompute=True)),
                        dict(schedule="InterleavedZeroBubble", data_parallel="allreduce"))):
         try:
-            build_pipeline(model, microbatches=4, **kw)
+            build_pipeline(model, **({"microbatches": 4} | kw))
         except ValueError as e:
             errors.append(str(e))
     return errors
@@ -209,11 +210,12 @@ def _bad_models():
 
 def test_bad_models():
     errors = run(_bad_models, 4)[0]   # pp 2 x dp 2: no stage is built, nothing is sent
-    assert len(errors) == 4
+    assert len(errors) == 5
     assert "Sequential has no block list to split into pipeline stages" in errors[0]
     assert "data_parallel='allreduce'" in errors[1]
     assert "data_parallel='fsdp2' is unknown" in errors[2]
-    assert "'InterleavedZeroBubble' with recompute" in errors[3]
+    assert "microbatches=2 <= pp=2" in errors[3] and "'allreduce'" in errors[3]
+    assert "'InterleavedZeroBubble' with recompute" in errors[4]
 
 
 # --- checkpoints across pp ----------------------------------------------------------------
@@ -305,3 +307,73 @@ def test_checkpoint_across_pp(tmp_path):
 def torch_equal(a, b):
     import torch
     return torch.equal(a, b)
+
+
+# --- launch/train.py under tpkit-launch: the user's road ----------------------------------
+TRAIN_SMALL = ["--steps", "20", "--hidden", "32", "--layers", "4", "--heads", "4",
+               "--gqa-groups", "2", "--ffn", "64", "--seq-len", "16", "--global-batch", "8",
+               "--warmup", "5", "--log-every", "100"]
+INTERLEAVED = ["--pp-schedule", "Interleaved1F1B"]
+
+
+def _train_reference():
+    sys.path.insert(0, os.path.join(ROOT, "launch"))
+    import train
+    return train.main(TRAIN_SMALL)
+
+
+def _launch_train(world, runs, tmp_path):
+    """tpkit-launch --nproc-per-node WORLD tests/launch_scripts/pp_train.py: every run of
+    ``runs`` ({name: extra train.py args}) in one launch; {name: losses} (every rank the
+    same, checked)."""
+    import json
+    import subprocess
+    from test_launch_run import launch_env
+    out = tmp_path / f"w{world}"
+    out.mkdir()
+    env = launch_env()
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])
+    argv = {k: TRAIN_SMALL + v for k, v in runs.items()}
+    proc = subprocess.run([sys.executable, "-m", "tpkit.cli.launch", "--nproc-per-node",
+                           str(world), os.path.join(ROOT, "tests", "launch_scripts",
+                                                    "pp_train.py"), str(out),
+                           json.dumps(argv)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+    for r in ranks[1:]:
+        assert r == ranks[0]      # every rank reports the same global loss
+    return ranks[0]
+
+
+def test_train_py_launched_parity(tmp_path):
+    """launch/train.py under tpkit-launch, 20 steps at (pp, tp, cp, dp) = (2,1,1,1),
+    (2,2,1,1), (2,1,2,1), (2,1,1,2), (4,1,1,1), with 1F1B and Interleaved1F1B, with
+    --sequence-parallel and --recompute: the loss curve of one process (pp=1) within
+    1e-5 relative. A checkpoint written at (pp=2, tp=2) after 10 steps resumes at pp=4
+    and at pp=1 (tp=2, dp=2) with the losses of the uninterrupted run."""
+    reference = run(_train_reference, 1)[0]
+    assert reference[-1] < reference[0] - 0.3, reference   # it learns
+    ckpt = str(tmp_path / "ckpt")
+    m4 = ["--microbatches", "4"]
+    got = _launch_train(4, {
+        "pp2tp2": ["--pp", "2", "--tp", "2", *m4, "--save", ckpt, "--save-every", "10"],
+        "pp2cp2": ["--pp", "2", "--cp", "2", *m4],
+        "pp2dp2": ["--pp", "2", "--microbatches", "2"],
+        "pp4": ["--pp", "4", *m4],
+        "pp2tp2-interleaved-sp-recompute": ["--pp", "2", "--tp", "2", *m4, *INTERLEAVED,
+                                            "--sequence-parallel", "--recompute"],
+        "pp2cp2-interleaved-recompute": ["--pp", "2", "--cp", "2", *m4, *INTERLEAVED,
+                                         "--recompute"],
+        "pp2dp2-interleaved": ["--pp", "2", "--microbatches", "2", *INTERLEAVED],
+        "resume-pp4": ["--pp", "4", *m4, "--resume", os.path.join(ckpt, "step000010")],
+        "resume-pp1": ["--tp", "2", "--resume", os.path.join(ckpt, "step000010")],
+    }, tmp_path)
+    got.update(_launch_train(2, {"pp2": ["--pp", "2", *m4],
+                                 "pp2-interleaved": ["--pp", "2", *m4, *INTERLEAVED]},
+                             tmp_path))
+    for name, losses in got.items():
+        want = reference[10:] if name.startswith("resume") else reference
+        assert len(losses) == len(want), name
+        for i, (x, y) in enumerate(zip(losses, want)):
+            assert abs(x - y) <= TOL * abs(y), f"{name} step {i}: {x} vs {y}"

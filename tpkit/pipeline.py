@@ -301,6 +301,10 @@ def build_pipeline(model: nn.Module, *, microbatches: int, schedule: str = "1F1B
         raise ValueError(f"data_parallel='ddp' does not follow the split backward of the "
                          f"zero-bubble schedule {plan.schedule!r} (wrong gradients); use "
                          "data_parallel='allreduce' with it")
+    if data_parallel == "ddp" and state.dp_cp_size > 1 and plan.microbatches <= plan.pp:
+        raise ValueError(f"data_parallel='ddp' with microbatches={plan.microbatches} <= pp="
+                         f"{plan.pp}: torch's DDP reducer fails on the second step (torch "
+                         "2.13); use data_parallel='allreduce', or more micro-batches")
     if device is None:
         device = next(iter(model.parameters())).device
     mine = [PipelineStageModule(model, s, plan.num_stages, plan.blocks_of(s))

@@ -238,7 +238,7 @@ class TPKitStrategy(ParallelStrategy):
     def _setup_pipeline(self, module: nn.Module, state) -> nn.Module:
         """Split ``module`` into this rank's stages and build the schedule
         (tpkit.pipeline.build_pipeline); returns the stages' PipelineModule."""
-        from ..pipeline import ZERO_BUBBLE, build_pipeline
+        from ..pipeline import build_pipeline
         if self._pipeline is not None:
             raise ValueError("TPKitStrategy(pp > 1) pipelines one model; set up a single "
                              "module (a second fabric.setup_module call found one already)")
@@ -249,10 +249,10 @@ class TPKitStrategy(ParallelStrategy):
                              "or pp=1")
         self._check_optimizers_after(module, _PP_ORDER)
         before = {id(p): weakref.ref(p) for p in module.parameters()}
-        kw = self._pipeline_args
-        dp = "allreduce" if kw["schedule"] in ZERO_BUBBLE else "ddp"
-        pipe = build_pipeline(module, state=state, device=self.root_device, data_parallel=dp,
-                              **kw)
+        # One flattened all-reduce per dtype over dp x cp after the step: right for every
+        # schedule and micro-batch count (DDP inside the stages is not, tpkit.pipeline).
+        pipe = build_pipeline(module, state=state, device=self.root_device,
+                              data_parallel="allreduce", **self._pipeline_args)
         for p in pipe.module.parameters():
             before.pop(id(p), None)
         self._replaced.update(before)   # other stages' parameters: not this rank's to train
