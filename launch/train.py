@@ -299,16 +299,17 @@ def tpkit_preflight(argv, launch) -> None:
             require_te()
         except (ImportError, RuntimeError) as e:
             raise ValueError(f"--backend te: {e}") from None
-    if args.init_from_hf:
-        check_hf_dir(args.init_from_hf)
+    hf = args.init_from_hf if not launch.dry_run else None   # a dry run may plan a download
+    if hf:
+        check_hf_dir(hf)
     with fake_state(config, launch.world_size) as state:
         check_job(args, state)
         cfg = model_config(args, backend="torch")   # shapes are backend-independent
         try:
             with torch.random.fork_rng(devices=[]), torch.device("meta"):
                 model_parallel_seed(args.seed, state)   # the layers draw TP shards from it
-                if args.init_from_hf:
-                    _hf_fits(args.init_from_hf, state)
+                if hf:
+                    _hf_fits(hf, state)
                 model = None if args.init_from_hf else GPT(cfg, state)
         except ValueError as e:
             what = (f"--init-from-hf {args.init_from_hf}" if args.init_from_hf else

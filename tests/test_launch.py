@@ -194,3 +194,24 @@ def test_dry_run_65536_ranks_summarises(capsys, no_workers):
     lines = out.splitlines()
     table = lines[lines.index("rank table:") + 1:]
     assert len(table) == 1 + launch.DRY_RUN_ROWS + 1 and table[-1].split()[0] == "65535"
+
+
+def test_failure_line_names_the_cause_not_the_peer_that_lost_it():
+    """Error files carry whole-second timestamps: when the crashing rank and the rank whose
+    gloo connection it closed record the same second, the line names the crash."""
+    from types import SimpleNamespace as NS
+
+    def failure(rank, message, ts=100):
+        return NS(exitcode=1, timestamp=ts, local_rank=rank, message=message,
+                  error_file_data={"message": message})
+    gone = ("RuntimeError: [../gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+            "[127.0.0.1]:3498")
+    e = NS(failures={0: failure(0, gone), 1: failure(1, "RuntimeError: boom on rank 1"),
+                     2: failure(2, gone, ts=99)},
+           get_first_failure=lambda: (0, None))
+    line = launch.describe_failure(e)
+    assert line.startswith("rank 1 (local rank 1, exit code 1) failed: RuntimeError: boom"), line
+    assert line.endswith("(2 other ranks failed or were stopped)"), line
+    # only peers' errors: the earliest is named
+    e.failures.pop(1)
+    assert launch.describe_failure(e).startswith("rank 2 "), launch.describe_failure(e)

@@ -382,11 +382,23 @@ class _DropFailureLog(logging.Filter):
         return not str(record.msg).startswith(self.ROUTINE)
 
 
+# A rank's error that only says a peer went away (the peer's own error is the cause; the
+# error files' timestamps are whole seconds, so both often carry the same one).
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+              "communicator was aborted")
+
+
+def _collateral(message) -> bool:
+    text = str(message.get("message", message) if isinstance(message, dict) else message)
+    return any(p in text for p in _PEER_GONE)
+
+
 def describe_failure(e) -> str:
     """One line naming the rank that failed first and its error (from torchrun's per-rank
     error file); ranks the agent then stopped with a signal are only counted."""
-    own = [(f.timestamp, r) for r, f in e.failures.items() if f.exitcode > 0]
-    rank = min(own)[1] if own else e.get_first_failure()[0]
+    own = [(_collateral(f.message), f.timestamp, r) for r, f in e.failures.items()
+           if f.exitcode > 0]
+    rank = min(own)[2] if own else e.get_first_failure()[0]
     f = e.failures[rank]
     msg = f.message
     if isinstance(msg, dict):
