@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import signal
 import sys
 import time
 
@@ -75,6 +76,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="a checkpoint (SAVE/stepNNNNNN) or a --save directory (its latest); "
                         "it may have been written at any layout")
     add_hf_args(ap)
+    add_pack_args(ap)
+    add_recovery_args(ap)
     add_pipeline_args(ap)
     args = ap.parse_args(argv)
     for name in ("steps", "global_batch", "seq_len", "hidden", "layers", "heads", "gqa_groups",
@@ -88,7 +91,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(f"--lr={args.lr} must be > 0, e.g. 3e-3")
     if not 0.0 <= args.dropout < 1.0:
         ap.error(f"--dropout={args.dropout} must be in [0, 1)")
+    check_pack_args(ap, args)
     check_hf_args(ap, args)
+    check_recovery_args(ap, args)
     if args.fp8_recipe is not None and args.precision != "fp8":
         ap.error(f"--fp8-recipe={args.fp8_recipe} needs --precision fp8 (got --precision "
                  f"{args.precision}); add --precision fp8 or drop --fp8-recipe")
@@ -132,7 +137,7 @@ def check_pipeline(args, state) -> None:
             raise ValueError(f"{', '.join(given)} only apply with pipeline stages (pp=1 here); "
                              "add --pp N (N > 1) or drop them")
         return
-    for flag, bad in (("--init-from-hf", args.init_from_hf),
+    for flag, bad in (("--init-from-hf", args.init_from_hf), ("--pack", args.pack),
                       ("--data-parallel fsdp", args.data_parallel == "fsdp"),
                       (f"--precision {args.precision}", args.precision != "32-true")):
         if bad:
@@ -203,6 +208,91 @@ def forward_backward(fabric, model, x, y) -> torch.Tensor:
     return loss
 
 
+# --- packed documents (tpkit.data.pack_sequences, THD attention) ---------------------------
+def add_pack_args(ap: argparse.ArgumentParser) -> None:
+    p = ap.add_argument_group("packed documents")
+    p.add_argument("--pack", action="store_true",
+                   help="train on whole corpus documents packed into one row per rank "
+                        "(--global-batch documents of at most --seq-len tokens per step); "
+                        "attention stays inside each document, positions restart per "
+                        "document, the loss is the mean over the global batch's tokens")
+
+
+def check_pack_args(ap: argparse.ArgumentParser, args) -> None:
+    if args.pack and args.backend == "te":
+        ap.error("--pack needs --backend torch or auto (TE's TransformerLayer is built with "
+                 "attn_input_format='sbhd'); drop --pack or --backend te")
+    if args.pack and args.init_from_hf:
+        ap.error("--pack trains the reference GPT; drop --init-from-hf or --pack")
+
+
+def packed_loss(model, data, docs, step: int, args, state, device) -> torch.Tensor:
+    """This rank's share of the global token-mean loss of packed step ``step``: its DP slice
+    of the documents packed into one row, its CP shard of that row; the summed loss is
+    scaled so that DDP's average over dp x cp is the global mean over labelled tokens."""
+    from tpkit.data import pack_sequences
+    batch = corpus.doc_batch(data, docs, step, args.global_batch, args.seq_len, args.seed)
+    labelled = sum(len(d) - 1 for d in batch)          # the same number on every rank
+    per = args.global_batch // state.dp_size
+    row = pack_sequences(batch[state.dp_rank * per:(state.dp_rank + 1) * per], state=state)
+    local = row.shard(state)
+    kw = {k: v.to(device) if torch.is_tensor(v) else v
+          for k, v in local.attention_kwargs().items()}
+    loss_sum = model(local.tokens.to(device), local.labels.to(device),
+                     local.position_ids.to(device), **kw)
+    return loss_sum * (state.dp_cp_size / max(1, labelled))
+
+
+# --- recovery (tpkit.recovery; docs/launch.md#recovery) -----------------------------------
+def add_recovery_args(ap: argparse.ArgumentParser) -> None:
+    r = ap.add_argument_group("recovery (with --save: SIGTERM/SIGUSR1 save a checkpoint after "
+                              "the current step and exit with 128 + the signal)")
+    r.add_argument("--auto-resume", action="store_true",
+                   help="resume from the newest complete checkpoint in --save (written at any "
+                        "layout), else start fresh and say so")
+    r.add_argument("--keep", type=int, default=None, metavar="N",
+                   help="keep the newest N checkpoints in --save (never the one resumed from)")
+    r.add_argument("--hang-timeout", type=float, metavar="S", default=None,
+                   help="no progress for S seconds: dump stacks, name the stuck ranks, exit "
+                        "124 (default $TPKIT_HANG_TIMEOUT, which the Slurm templates set; "
+                        "else off)")
+    r.add_argument("--async-save", action="store_true",
+                   help="write checkpoints in the background (the next save waits for it)")
+
+
+def check_recovery_args(ap: argparse.ArgumentParser, args) -> None:
+    for flag, on in (("--auto-resume", args.auto_resume), ("--keep", args.keep is not None),
+                     ("--async-save", args.async_save)):
+        if on and not args.save:
+            ap.error(f"{flag} needs --save DIR (the checkpoint directory)")
+    if args.auto_resume and args.resume:
+        ap.error(f"--auto-resume and --resume={args.resume} both choose the checkpoint to "
+                 "start from; pass one")
+    if args.keep is not None and args.keep < 1:
+        ap.error(f"--keep={args.keep} must be >= 1 (how many checkpoints to keep); leave "
+                 "--keep out to keep them all")
+    if args.hang_timeout is not None and not args.hang_timeout > 0:
+        ap.error(f"--hang-timeout={args.hang_timeout} must be > 0 seconds (longer than the "
+                 "slowest step or save); leave it out for no watchdog")
+    env = os.environ.get("TPKIT_HANG_TIMEOUT", "").strip()
+    if args.hang_timeout is None and env:
+        try:
+            args.hang_timeout = float(env)
+        except ValueError:
+            args.hang_timeout = -1.0
+        if not args.hang_timeout > 0:
+            ap.error(f"TPKIT_HANG_TIMEOUT={env!r} must be a number of seconds > 0 (e.g. "
+                     "900); unset it to turn the hang watchdog off")
+
+
+def make_recovery(args, world: int):
+    from tpkit.recovery import Recovery
+    return Recovery(args.save, save_every=args.save_every, keep=args.keep,
+                    hang_timeout=args.hang_timeout, async_save=args.async_save,
+                    signals=() if not args.save else (signal.SIGTERM, signal.SIGUSR1),
+                    straggler_every=args.log_every if world > 1 else None)
+
+
 # --- Hugging Face checkpoints (tpkit.models.llama) -----------------------------------------
 _MODEL_ARGS = ("hidden", "layers", "heads", "gqa_groups", "ffn")
 
@@ -259,6 +349,8 @@ def check_job(args, state) -> None:
     if args.global_batch % state.dp_size:
         raise ValueError(f"--global-batch={args.global_batch} is not divisible by dp="
                          f"{state.dp_size}; use a multiple of {state.dp_size}")
+    if getattr(args, "pack", False):
+        return   # --pack pads every document to the layout's multiple itself
     try:
         check_sequence_length(args.seq_len, state)
     except ValueError as e:
@@ -353,10 +445,6 @@ def full_init(model: torch.nn.Module, seed: int) -> None:
     load_full_state_dict(model, new)
 
 
-def checkpoint_path(save_dir: str, steps_done: int) -> str:
-    return os.path.join(save_dir, f"step{steps_done:06d}")
-
-
 def resolve_resume(path: str) -> str:
     """``path`` itself if it is a checkpoint, else the latest SAVE/stepNNNNNN inside it."""
     if not os.path.isdir(path):
@@ -418,20 +506,30 @@ def train(args) -> list[float]:
     if args.resume:
         extra = fabric.load(resolve_resume(args.resume), {"model": model, "optimizer": optimizer})
         start = int(extra["step"]) + 1
+    rec, saved = make_recovery(args, state.world_size), {"model": model, "optimizer": optimizer}
+    if args.auto_resume:
+        start = rec.resume(saved)
     data, _ = corpus.split(corpus.tokens())
+    docs = corpus.documents(data) if args.pack else None
     local_batch = args.global_batch // state.dp_size
     losses, t_last, tokens_since = [], time.perf_counter(), 0
     for step in range(start, args.steps):
+        t_step = time.perf_counter()
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, args)
-        x, y = corpus.batch(data, step, args.global_batch, args.seq_len, seed=args.seed)
-        rows = slice(state.dp_rank * local_batch, (state.dp_rank + 1) * local_batch)
-        x, y = x[rows].to(fabric.device), y[rows].to(fabric.device)
-        loss = forward_backward(fabric, model, x, y)
+        if args.pack:
+            loss = packed_loss(model, data, docs, step, args, state, fabric.device)
+            fabric.backward(loss)
+        else:
+            x, y = corpus.batch(data, step, args.global_batch, args.seq_len, seed=args.seed)
+            rows = slice(state.dp_rank * local_batch, (state.dp_rank + 1) * local_batch)
+            x, y = x[rows].to(fabric.device), y[rows].to(fabric.device)
+            loss = forward_backward(fabric, model, x, y)
         if args.clip > 0:
             fabric.clip_gradients(model, optimizer, max_norm=args.clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        own_time = time.perf_counter() - t_step  # before the step's last wait (stragglers)
         report = loss.detach().float().clone()
         dist.all_reduce(report, group=state.dp_cp_group)
         losses.append(report.item() / state.dp_cp_size)
@@ -439,12 +537,14 @@ def train(args) -> list[float]:
         last = step == args.steps - 1
         if state.rank == 0 and (step % args.log_every == 0 or last):
             dt = time.perf_counter() - t_last
-            print(f"step {step:5d}  loss {losses[-1]:.4f}  lr {lr_at(step, args):.2e}  "
+            print(f"step {step:5d}  loss {losses[-1]:.6f}  lr {lr_at(step, args):.2e}  "
                   f"{tokens_since / dt:,.0f} tokens/s", flush=True)
             t_last, tokens_since = time.perf_counter(), 0
-        if args.save and ((args.save_every and (step + 1) % args.save_every == 0) or last):
-            fabric.save(checkpoint_path(args.save, step + 1),
-                        {"model": model, "optimizer": optimizer, "step": step})
+        if rec.step_end(step, saved, last=last, seconds=own_time):
+            break
+    rec.close()
+    if rec.stopped_by:
+        raise SystemExit(rec.exit_code)
     if args.export_hf:
         raw_model.save_hf(args.export_hf)
     return losses

@@ -211,8 +211,24 @@ LAUNCH = [
         T("--fp8-compute-dtype", "bfloat16")),
     Row("train-save-file", "--save='{tmp}/file'", "pass a directory", T("--save", "{tmp}/file"),
         setup=_write("file", "")),
+    # launch/train.py's recovery options (issue 21)
+    Row("train-keep-zero", "--keep=0", "must be >= 1", T("--save", "{tmp}/ck", "--keep", "0")),
+    Row("train-keep-without-save", "--keep needs", "--save DIR", T("--keep", "2")),
+    Row("train-auto-resume-without-save", "--auto-resume needs", "--save DIR",
+        T("--auto-resume")),
+    Row("train-async-save-without-save", "--async-save needs", "--save DIR", T("--async-save")),
+    Row("train-auto-resume-and-resume", "--resume={tmp}/ck", "pass one",
+        T("--save", "{tmp}/ck", "--auto-resume", "--resume", "{tmp}/ck")),
+    Row("train-hang-timeout", "--hang-timeout=0.0", "must be > 0 seconds",
+        T("--hang-timeout", "0")),
+    Row("train-hang-timeout-env", "TPKIT_HANG_TIMEOUT='soon'", "unset it", T(),
+        env={"TPKIT_HANG_TIMEOUT": "soon"}),
     Row("train-backend-te", "--backend te", "use backend='torch'", T("--backend", "te"),
         skip="te"),
+    Row("train-pack-te", "--pack needs --backend torch or auto", "drop --pack or --backend te",
+        T("--pack", "--backend", "te")),
+    Row("train-pack-hf", "--pack trains the reference GPT", "drop --init-from-hf or --pack",
+        T("--pack", "--init-from-hf", "{tmp}")),
     Row("train-resume-damaged", "{train_ckpt}/step000002/__1_0.distcp",
         "resume from the previous checkpoint: {train_ckpt}/step000001",
         ["--tp", "2", TRAIN, *SMALL, "--resume", "{train_ckpt}"]),
@@ -277,6 +293,11 @@ def _fabric(name):
     return getattr(tpkit.fabric, name)
 
 
+def _recovery(*args, **kw):
+    from tpkit.recovery import Recovery
+    return Recovery(*args, **kw)
+
+
 def _touch(path):
     path.write_text("")
     return path
@@ -326,9 +347,18 @@ API = [
         call=_at(4, lambda s: _nn("ParallelMLP")(16, 6, state=s))),
     Row("layer-backend", "backend='tpu'", "use one of",
         call=_at(1, lambda s: _nn("TransformerLayer")(16, 32, 2, state=s, backend="tpu"))),
-    Row("attention-mask", "attn_mask_type='padding'", "use one of",
-        call=_at(1, lambda s: _nn("DotProductAttention")(2, 8, attn_mask_type="padding",
+    Row("attention-mask", "attn_mask_type='arbitrary'", "use one of",
+        call=_at(1, lambda s: _nn("DotProductAttention")(2, 8, attn_mask_type="arbitrary",
                                                          state=s))),
+    # issue 18: packed sequences
+    Row("thd-dropout", "attention_dropout=0.1", "use attention_dropout=0 or backend='te'",
+        call=_at(1, lambda s: _nn("DotProductAttention")(
+            2, 8, qkv_format="thd", attn_mask_type="padding", attention_dropout=0.1, state=s))),
+    Row("pack-document-length", "document 1 has padded length 6",
+        "pad every document with tpkit.data.pack_sequences",
+        call=lambda tmp: __import__("tpkit.data").data.packed_cp_indices([0, 4, 10], 0, 2)),
+    Row("pack-empty-document", "document 1 has shape (0,)", "non-empty 1-D integer sequence",
+        call=lambda tmp: __import__("tpkit.data").data.pack_sequences([[1], []], multiple=2)),
     Row("sequence-vs-cp", "sequence length 12", "pad the sequence to a multiple of 8",
         call=_at(1, lambda s: __import__("tpkit.data").data.check_sequence_length(12, s),
                  cp=4)),
@@ -349,6 +379,14 @@ API = [
         call=lambda tmp: _fabric("TPKitStrategy")(data_parallel="zero")),
     Row("precision", "precision='fp4'", "use one of",
         call=lambda tmp: _fabric("TPKitPrecision")("fp4")),
+    Row("recovery-keep-zero", "keep=0", "must be >= 1",
+        call=lambda tmp: _recovery(tmp, keep=0, signals=())),
+    Row("recovery-save-every", "save_every=-1", "must be >= 0",
+        call=lambda tmp: _recovery(tmp, save_every=-1)),
+    Row("recovery-no-dir", "need a save directory", "pass save_dir",
+        call=lambda tmp: _recovery(None, save_every=5)),
+    Row("recovery-hang-timeout", "hang timeout 0", "must be > 0 seconds",
+        call=lambda tmp: _recovery(None, signals=(), hang_timeout=0)),
     Row("load-missing-path", "{tmp}/nope", "pass the directory tpkit.checkpoint.save",
         call=_load(lambda tmp: tmp / "nope")),
     Row("load-file", "{tmp}/x.pt is a file", "pass the directory tpkit.checkpoint.save",
@@ -356,6 +394,10 @@ API = [
     Row("save-under-file", "{tmp}/x.pt is a file, not a directory",
         "pass a path in a writable directory",
         call=lambda tmp: __import__("tpkit.checkpoint").checkpoint.save(
+            _touch(tmp / "x.pt") / "ck", {"model": torch.nn.Linear(2, 2)})),
+    Row("async-save-under-file", "{tmp}/x.pt is a file, not a directory",
+        "pass a path in a writable directory",
+        call=lambda tmp: __import__("tpkit.checkpoint").checkpoint.async_save(
             _touch(tmp / "x.pt") / "ck", {"model": torch.nn.Linear(2, 2)})),
     Row("load-empty-dir", "{tmp}/.metadata is missing", "load another checkpoint",
         call=_load(lambda tmp: tmp)),
