@@ -65,6 +65,10 @@ class GPT(nn.Module):
     pp_stem_modules = ("embedding",)
     pp_head_modules = ("final_norm", "output")
 
+    @property
+    def pp_recompute(self) -> bool:
+        return self.cfg.recompute
+
     def pp_stem(self, tokens: torch.Tensor) -> torch.Tensor:
         """``[b, s]`` tokens of the full sequence -> ``[s_cp(/tp under SP), b, h]``."""
         tokens = shard_sequence(tokens, 1, self.state).t().contiguous()   # [s_cp, b]

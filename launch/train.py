@@ -78,6 +78,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_hf_args(ap)
     add_pack_args(ap)
     add_recovery_args(ap)
+    add_pipeline_args(ap)
     args = ap.parse_args(argv)
     for name in ("steps", "global_batch", "seq_len", "hidden", "layers", "heads", "gqa_groups",
                  "ffn", "log_every"):
@@ -105,6 +106,106 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(f"--fp8-compute-dtype={args.fp8_compute_dtype} needs --precision fp8 (got "
                  f"--precision {args.precision}); drop it")
     return args
+
+
+# --- pipeline parallelism (tpkit.pipeline; docs/pipeline.md) -----------------------------
+def add_pipeline_args(ap: argparse.ArgumentParser) -> None:
+    from tpkit.pipeline import SCHEDULES
+    p = ap.add_argument_group("pipeline parallelism (docs/pipeline.md)")
+    p.add_argument("--pp", type=int, default=None,
+                   help="pipeline stages (default: tpkit-launch's --pp, else 1)")
+    p.add_argument("--microbatches", type=int, default=None,
+                   help="micro-batches per step and dp rank (default 2 x pp); the local "
+                        "batch (global batch / dp) must split into them")
+    p.add_argument("--pp-schedule", default="1F1B", choices=list(SCHEDULES),
+                   help="torch.distributed.pipelining schedule")
+    p.add_argument("--virtual-stages", type=int, default=None,
+                   help="stages per rank for the interleaved schedules (default 2)")
+
+
+def check_pipeline(args, state) -> None:
+    """The pipeline options against the layout ``state``: ValueError naming the flag and
+    the fix (tpkit.pipeline.plan_pipeline's checks, in train.py's words)."""
+    from tpkit.pipeline import plan_pipeline
+    pp = state.pp_size
+    if pp == 1:
+        given = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
+                 ("microbatches", "virtual_stages") if getattr(args, k) is not None]
+        if args.pp_schedule != "1F1B":
+            given.append(f"--pp-schedule={args.pp_schedule}")
+        if given:
+            raise ValueError(f"{', '.join(given)} only apply with pipeline stages (pp=1 here); "
+                             "add --pp N (N > 1) or drop them")
+        return
+    for flag, bad in (("--init-from-hf", args.init_from_hf), ("--pack", args.pack),
+                      ("--data-parallel fsdp", args.data_parallel == "fsdp"),
+                      (f"--precision {args.precision}", args.precision != "32-true")):
+        if bad:
+            raise ValueError(f"{flag} with --pp {pp}: pipelined training runs the reference "
+                             "GPT in float32 with DDP so far; drop it or use --pp 1")
+    m = microbatches(args, state)
+    try:
+        plan_pipeline(pp=pp, num_blocks=args.layers, microbatches=m,
+                      schedule=args.pp_schedule, virtual_stages=args.virtual_stages,
+                      recompute=args.recompute)
+    except ValueError as e:
+        raise ValueError(f"--pp {pp} --layers {args.layers} --microbatches {m} --pp-schedule "
+                         f"{args.pp_schedule}: {e}") from None
+    if (args.global_batch // state.dp_size) % m:
+        raise ValueError(f"--global-batch={args.global_batch} does not split into dp x "
+                         f"microbatches = {state.dp_size} x {m}; use a multiple of "
+                         f"{state.dp_size * m} (or change --microbatches)")
+
+
+def microbatches(args, state) -> int:
+    return args.microbatches if args.microbatches is not None else 2 * state.pp_size
+
+
+def pipeline_stages(args, state) -> list[str]:
+    """The dry run's lines: which stages and blocks every pp rank (and its ranks) runs."""
+    from tpkit.pipeline import plan_pipeline
+    from tpkit.planning import format_ranks
+    plan = plan_pipeline(pp=state.pp_size, num_blocks=args.layers,
+                         microbatches=microbatches(args, state), schedule=args.pp_schedule,
+                         virtual_stages=args.virtual_stages)
+    rows = state.rank_table(nproc_per_node=1)
+    lines = [f"pipeline (train.py): {plan.schedule}, {plan.microbatches} micro-batches, "
+             f"{plan.num_stages} stages of {args.layers // plan.num_stages} block(s)"]
+    for r in range(plan.pp):
+        ranks = [row["rank"] for row in rows if row["pp"] == r]
+        parts = []
+        for st in plan.stages_of(r):
+            blocks = plan.blocks_of(st)
+            what = f"layers {blocks.start}-{blocks.stop - 1}" if len(blocks) > 1 \
+                else f"layer {blocks.start}"
+            if st == 0:
+                what = "embedding + " + what
+            if st == plan.num_stages - 1:
+                what += " + final_norm, output, loss"
+            parts.append(f"stage {st} ({what})")
+        lines.append(f"  pp rank {r} (ranks {format_ranks(ranks)}): " + "; ".join(parts))
+    return lines
+
+
+def setup_model(fabric, model, args):
+    """(model, optimizer) set up by Fabric. With pipeline stages the strategy splits the
+    model first and the optimizer is built from this rank's stages only."""
+    def adamw(params):
+        return torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    if fabric.strategy.parallel_state.pp_size == 1:
+        return fabric.setup(model, adamw(model.parameters()))
+    model = fabric.setup_module(model)
+    return model, fabric.setup_optimizers(adamw(model.parameters()))
+
+
+def forward_backward(fabric, model, x, y) -> torch.Tensor:
+    """One batch's forward and backward; the loss of this rank's tokens (pp > 1: every
+    stage gets it from the last, tpkit.pipeline)."""
+    if fabric.strategy.parallel_state.pp_size > 1:
+        return fabric.strategy.pipeline_step(x, target=y)
+    loss = model(x, y)
+    fabric.backward(loss)
+    return loss
 
 
 # --- packed documents (tpkit.data.pack_sequences, THD attention) ---------------------------
@@ -254,6 +355,7 @@ def check_job(args, state) -> None:
         check_sequence_length(args.seq_len, state)
     except ValueError as e:
         raise ValueError(f"--seq-len={args.seq_len}: {e}") from None
+    check_pipeline(args, state)
 
 
 def model_config(args, backend=None) -> GPTConfig:
@@ -275,7 +377,8 @@ def tpkit_preflight(argv, launch) -> None:
     from tpkit.random import get_rng_tracker, model_parallel_seed
     args = parse_args(argv)
     config = ParallelConfig.from_env(
-        launch.env, tp=args.tp, cp=args.cp, sequence_parallel=args.sequence_parallel,
+        launch.env, tp=args.tp, cp=args.cp, pp=args.pp,
+        sequence_parallel=args.sequence_parallel,
         cp_comm_type=args.cp_comm_type, given_as="train.py --{flag}")
     try:
         config = config.validate(launch.world_size)
@@ -307,6 +410,8 @@ def tpkit_preflight(argv, launch) -> None:
             raise ValueError(f"the model ({what}) does not fit tp={config.tp}: {e}") from None
         finally:
             get_rng_tracker().reset()
+        if launch.dry_run and state.pp_size > 1:
+            print("\n".join(pipeline_stages(args, state)))
         if args.resume and not launch.dry_run:   # a dry run may plan a resume of a future save
             verify(resolve_resume(args.resume), None if model is None else {"model": model},
                    state=state)
@@ -370,9 +475,11 @@ def make_fabric(args):
     accelerator = "cuda" if torch.cuda.is_available() else "cpu"
     local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     nodes = max(1, int(os.environ.get("WORLD_SIZE", local)) // local)
-    strategy = TPKitStrategy(tp=args.tp, cp=args.cp, sequence_parallel=args.sequence_parallel,
+    strategy = TPKitStrategy(tp=args.tp, cp=args.cp, pp=args.pp,
+                             sequence_parallel=args.sequence_parallel,
                              cp_comm_type=args.cp_comm_type, data_parallel=args.data_parallel,
-                             seed=args.seed)
+                             seed=args.seed, microbatches=args.microbatches,
+                             pp_schedule=args.pp_schedule, virtual_stages=args.virtual_stages)
     # Lightning takes precision plugin objects through plugins=, not precision=.
     fallback = {"float32": None, "bfloat16": torch.bfloat16}[args.fp8_compute_dtype]
     precision = _precision(args, fallback)
@@ -394,9 +501,7 @@ def train(args) -> list[float]:
         model = GPT(model_config(args), state)
         full_init(model, args.seed)
     raw_model = model
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
-                                  weight_decay=0.0)
-    model, optimizer = fabric.setup(model, optimizer)
+    model, optimizer = setup_model(fabric, model, args)
     start = 0
     if args.resume:
         extra = fabric.load(resolve_resume(args.resume), {"model": model, "optimizer": optimizer})
@@ -414,12 +519,12 @@ def train(args) -> list[float]:
             group["lr"] = lr_at(step, args)
         if args.pack:
             loss = packed_loss(model, data, docs, step, args, state, fabric.device)
+            fabric.backward(loss)
         else:
             x, y = corpus.batch(data, step, args.global_batch, args.seq_len, seed=args.seed)
             rows = slice(state.dp_rank * local_batch, (state.dp_rank + 1) * local_batch)
             x, y = x[rows].to(fabric.device), y[rows].to(fabric.device)
-            loss = model(x, y)
-        fabric.backward(loss)
+            loss = forward_backward(fabric, model, x, y)
         if args.clip > 0:
             fabric.clip_gradients(model, optimizer, max_norm=args.clip)
         optimizer.step()

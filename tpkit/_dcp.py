@@ -566,9 +566,10 @@ def load(path: str | os.PathLike, state_dict: dict[str, Any], *,
         loaded = unflatten_state_dict(flat, {k: v for k, v in mapping.items() if k in flat})
         for slot in slots:
             slot.write_back()
+        names = _param_names([v for v in live.values() if isinstance(v, nn.Module)])
         for key, obj in live.items():
             if isinstance(obj, torch.optim.Optimizer) and key in loaded:
-                _restore_optimizer_scalars(obj, loaded[key])
+                _restore_optimizer_scalars(obj, loaded[key], names)
     rest = [k for k in state_dict if k in saved and k not in live]
     for key, value in read(path, keys=rest).items():
         obj = state_dict[key]
@@ -579,12 +580,21 @@ def load(path: str | os.PathLike, state_dict: dict[str, Any], *,
     return state_dict
 
 
-def _restore_optimizer_scalars(opt, loaded: dict) -> None:
-    """Hyper-parameters and non-tensor per-param state (tensors were loaded in place)."""
-    by_name = dict(zip([f for g in loaded.get("param_groups", []) for f in g["params"]],
-                       [p for g in opt.param_groups for p in g["params"]]))
-    for g, lg in zip(opt.param_groups, loaded.get("param_groups", [])):
-        for k, v in lg.items():
+def _restore_optimizer_scalars(opt, loaded: dict, names: dict) -> None:
+    """Hyper-parameters and non-tensor per-param state (tensors were loaded in place),
+    paired by parameter name: under pipeline parallelism an optimizer holds one stage's
+    parameters, and the param groups' name lists in the checkpoint are those of the rank
+    that wrote them, so positions do not match. A live group takes the hyper-parameters of
+    the saved group sharing a parameter name with it, else of the saved group at its
+    position (every stage builds its groups the same way). ``names``: _param_names."""
+    by_name = {fqn: p for fqn, p in names.values()}
+    live_names = {id(p): fqn for fqn, p in names.values()}
+    saved = loaded.get("param_groups", [])
+    for i, g in enumerate(opt.param_groups):
+        mine = {live_names.get(id(p)) for p in g["params"]}
+        match = [lg for lg in saved if mine & set(lg.get("params", ()))]
+        lg = match[0] if match else (saved[i] if i < len(saved) else None)
+        for k, v in (lg or {}).items():
             if k != "params":
                 g[k] = v
     for fqn, entry in loaded.get("state", {}).items():

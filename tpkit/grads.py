@@ -45,12 +45,17 @@ def sync_sequence_parallel_grads(module_or_params: nn.Module | Iterable[nn.Param
 def grad_norm(params: Iterable[torch.nn.Parameter], state, norm_type: float = 2.0) -> torch.Tensor:
     """The global gradient norm of a TP(/FSDP)-sharded model, as if computed on the full
     parameters in one process: TP-sharded gradients contribute every shard, replicated ones
-    once (not ``tp`` times). One all-reduce over TP (plus one over dp(x cp) under FSDP)."""
+    once (not ``tp`` times). One all-reduce over TP (plus one over dp(x cp) under FSDP).
+    Under pipeline parallelism (``pp > 1``) ``params`` are this rank's stages' (tpkit.pipeline:
+    every parameter lives on exactly one pp rank) and the norm is all-reduced over
+    ``pp_group`` too, so every stage sees the whole model's norm, each parameter counted once.
+    Every pp rank must call it (it is collective over ``pp_group``)."""
     params = [p for p in params if p.grad is not None]
     norm_type = float(norm_type)
-    if not params:
+    pp = getattr(state, "pp_size", 1) > 1
+    if not params and not pp:
         return torch.tensor(0.0)
-    device = _local(params[0].grad).device
+    device = _local(params[0].grad).device if params else _device(state)
     tp = state.tp_size
     inf = math.isinf(norm_type)
     fsdp = any(isinstance(p.grad, DTensor) for p in params)
@@ -73,7 +78,15 @@ def grad_norm(params: Iterable[torch.nn.Parameter], state, norm_type: float = 2.
         acc = reduce(acc, state.dp_cp_group)
     if tp > 1:
         acc = reduce(acc, state.tp_group)
+    if pp:   # stages hold disjoint parameters: their sums (maxima) add up once each
+        acc = reduce(acc, state.pp_group)
     return acc if inf else acc.pow(1.0 / norm_type)
+
+
+def _device(state) -> torch.device:
+    """The device of the layout's collectives (a rank without gradients still joins them)."""
+    dev = getattr(state, "device", None)
+    return torch.device(dev) if dev is not None else torch.device("cpu")
 
 
 def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float, state, *,
