@@ -188,12 +188,12 @@ def pipeline_stages(args, state) -> list[str]:
 
 
 def setup_model(fabric, model, args):
-    """(model, optimizer) set up by Fabric. With pipeline stages the strategy splits the
-    model first and the optimizer is built from this rank's stages only."""
+    """(model, optimizer) set up by Fabric, the optimizer over the set-up module's
+    parameters (FSDP2's shards; with pipeline stages, this rank's stages only)."""
     def adamw(params):
         return torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    if fabric.strategy.parallel_state.pp_size == 1:
-        return fabric.setup(model, adamw(model.parameters()))
+    # Set the module up first, then build the optimizer from what it holds: FSDP2
+    # replaces the parameters by sharded ones, and pipeline stages keep only theirs.
     model = fabric.setup_module(model)
     return model, fabric.setup_optimizers(adamw(model.parameters()))
 

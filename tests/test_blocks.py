@@ -87,15 +87,14 @@ def _counts(sp):
 
 @pytest.mark.parametrize("sp", [False, True])
 def test_collective_counts_are_the_analytical_minimum(sp):
-    fwd, bwd = run(_counts, 2, sp)[0]
-    if sp:
-        # one all-gather before each column layer, one reduce-scatter after each row layer
-        assert fwd == {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}, fwd
-        assert bwd == {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}, bwd
-    else:
-        # g after each row layer forward, f before each column layer backward (QKV: one)
-        assert fwd == {"all_reduce": 2}, fwd
-        assert bwd == {"all_reduce": 2}, bwd
+    for rank, (fwd, bwd) in enumerate(run(_counts, 2, sp)):   # every rank issues them
+        if sp:
+            # one all-gather before each column layer, one reduce-scatter after each row layer
+            want = {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}
+        else:
+            # g after each row layer forward, f before each column layer backward (QKV: one)
+            want = {"all_reduce": 2}
+        assert fwd == want and bwd == want, (rank, fwd, bwd)
 
 
 def _dropout(sp):
@@ -122,10 +121,13 @@ def _dropout(sp):
 
 @pytest.mark.parametrize("sp", [False, True])
 def test_dropout_streams(sp):
-    (adv, full, det, m0), (_, _, _, m1) = run(_dropout, 2, sp)
-    assert adv  # attention dropout drew from the model-parallel stream
-    assert det  # eval mode: no dropout
-    assert m0.any() and m1.any()
+    results = run(_dropout, 2, sp)
+    (_, full, _, m0), (_, full1, _, m1) = results
+    for rank, (adv, gathered, det, mask) in enumerate(results):
+        assert adv, rank  # attention dropout drew from the model-parallel stream
+        assert det, rank  # eval mode: no dropout
+        assert mask.any(), rank
+        assert all(torch.equal(a, b) for a, b in zip(gathered, full)), rank  # one all-gather
     if not sp:
         # replicated activations: hidden-dropout masks (default stream) agree across TP,
         # so the layer output is identical on both ranks

@@ -13,11 +13,14 @@ BAD = [
     (dict(tp=3), 8, "world size 8"),
     (dict(tp=2, cp=2, pp=3), 8, "2*2*3"),
     (dict(tp=2, dp=3), 8, "dp=3"),
+    (dict(tp=2, dp=8), 8, "dp=8"),
     (dict(tp=1, sequence_parallel=True), None, "sequence_parallel=True"),
     (dict(tp=2, sequence_parallel="yes"), None, "sequence_parallel='yes'"),
     (dict(cp=2, cp_comm_type="ring"), None, "cp_comm_type='ring'"),
     (dict(cp=4, cp_comm_type="a2a+p2p"), None, "cp_a2a_size"),
-    (dict(cp=6, cp_comm_type="a2a+p2p", cp_a2a_size=4), None, "cp_a2a_size=4"),
+    (dict(cp=6, cp_comm_type="a2a+p2p", cp_a2a_size=4), None, "cp_a2a_size=4 does not divide"),
+    (dict(tp=None), None, "tp=None"),
+    (dict(tp=2), None, "world_size=None"),
     (dict(cp=4, cp_comm_type="a2a+p2p", cp_a2a_size=4), None, "cp_a2a_size=4"),
     (dict(cp=4, cp_comm_type="a2a+p2p", cp_a2a_size=1), None, "cp_a2a_size=1"),
     (dict(cp=4, cp_comm_type="p2p", cp_a2a_size=2), None, "cp_a2a_size=2"),
@@ -95,3 +98,31 @@ def test_fused_attn_switch():
     assert fused_attn_enabled({"TPKIT_FUSED_ATTN": "0"}) is False
     with pytest.raises(ValueError, match="TPKIT_FUSED_ATTN='fast' is not a boolean; use 1"):
         fused_attn_enabled({"TPKIT_FUSED_ATTN": "fast"})
+
+
+def test_env_details_mutation_testing_found_untested():
+    """Survivors of tools/mutation.py config (docs/testing.md)."""
+    # the p2p level of a2a+p2p: cp / a2a size (8 / 2 = 4; a shift would give 2)
+    assert ParallelConfig(cp=8, cp_comm_type="a2a+p2p", cp_a2a_size=2).cp_p2p_size == 4
+    assert ParallelConfig(cp=8).cp_p2p_size is None
+    # env_is_set is asked on the class, with an environment of the caller's
+    assert ParallelConfig.env_is_set({"TPKIT_CP_COMM_TYPE": "p2p"}) is True
+    assert ParallelConfig.env_is_set({"OMP_NUM_THREADS": "1"}) is False
+    # an unset TPKIT_TP means tp=1: overriding it with 1 keeps the exported dp, 2 drops it
+    assert ParallelConfig.from_env({"TPKIT_DP": "4"}, tp=1, cp=1, pp=1).dp == 4
+    assert ParallelConfig.from_env({"TPKIT_DP": "4"}, tp=2).dp is None
+    # every comm type but a2a+p2p takes no cp_a2a_size ("a2a" sorts before "a2a+p2p")
+    for comm in ("p2p", "all_gather", "a2a"):
+        assert ParallelConfig(cp=4, cp_comm_type=comm).validate(8).cp_p2p_size is None
+    # the moved shm switch still resolves here; any other missing name is an AttributeError
+    import tpkit.config
+    import tpkit.shm
+    assert tpkit.config.shm_allreduce_enabled is tpkit.shm.shm_allreduce_enabled
+    with pytest.raises(AttributeError, match="world_default"):
+        tpkit.config.world_default  # noqa: B018
+    # tp * cp * pp with no two sizes equal (2 ** 3 * 2 or 2 * 3 ** 2 would pass with 2, 2, 3)
+    assert ParallelConfig(tp=2, cp=3, pp=2).validate(24).dp == 2
+    # a layout is a value: frozen (it keys the state and travels in TPKIT_*)
+    import dataclasses
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ParallelConfig().tp = 2

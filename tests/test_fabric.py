@@ -114,9 +114,9 @@ def _train_without_sp_sync(steps):
 
 def test_sequence_parallel_sync_is_what_makes_it_match():
     ref, _ = reference_losses(STEPS, lr=LR)
-    losses = run(_train_without_sp_sync, 4, STEPS)[0]
-    assert losses[0] == pytest.approx(ref[0], rel=1e-5)     # forward is unaffected
-    assert losses[-1] != pytest.approx(ref[-1], rel=1e-3)   # the updates are not
+    for losses in run(_train_without_sp_sync, 4, STEPS):     # every rank
+        assert losses[0] == pytest.approx(ref[0], rel=1e-5)     # forward is unaffected
+        assert losses[-1] != pytest.approx(ref[-1], rel=1e-3)   # the updates are not
 
 
 def _fsdp_optimizer_first():

@@ -90,15 +90,26 @@ def test_failing_rank_is_named_with_its_error():
     assert 1 in ok_lines(out)  # rank 0 may be stopped before it prints
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_signal_reaches_workers(sig, tmp_path):
-    proc = launch("--nproc-per-node", "2", SCRIPT, "1", "1", "--wait-signal", str(tmp_path))
+# SIGHUP (a closed terminal or ssh session) with --no-python: the command runs as given,
+# without tpkit's wrapper. --run-path is test_user_features' (torchrun's runpy workers wait
+# 30 s for its agent when stopped by a signal, so a signal test there costs a minute).
+@pytest.mark.parametrize("sig,no_python", [(signal.SIGTERM, False), (signal.SIGINT, False),
+                                           (signal.SIGHUP, True), (signal.SIGQUIT, False)],
+                         ids=["TERM", "INT", "HUP-no-python", "QUIT"])
+def test_signal_reaches_workers(sig, no_python, tmp_path):
+    cmd = ["--no-python", sys.executable, "-u", SCRIPT] if no_python else [SCRIPT]
+    proc = launch("--nproc-per-node", "2", "--tp", "2", *cmd, "2", "1", "--wait-signal",
+                  str(tmp_path))
     deadline = time.monotonic() + TIMEOUT
     while not all((tmp_path / f"ready.{r}").exists() for r in (0, 1)):
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
             pytest.fail(f"workers did not start: {proc.communicate()}")
         time.sleep(0.05)
+    for r in (0, 1):   # the rank variables and the layout reached the script, its args too
+        assert (tmp_path / f"ready.{r}").read_text() == (
+            f"RANK={r} WORLD_SIZE=2 TPKIT_TP=2 TPKIT_CP=1 TPKIT_BACKEND=gloo "
+            f"argv=['2', '1', '--wait-signal', '{tmp_path}']")
     proc.send_signal(sig)
     rc, out, err = finish(proc)
     assert rc == 128 + sig, err[-3000:]

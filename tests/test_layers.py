@@ -264,6 +264,6 @@ def _linear_fn_hook():
 
 def test_every_parallel_matmul_goes_through_linear_fn():
     # the single hook tpkit.fp8 patches: fc1, fc2, qkv (one fused matmul), proj
-    assert run(_linear_fn_hook, 2)[0] == [
+    assert run(_linear_fn_hook, 2) == [[   # on every rank
         ("ColumnParallelLinear", (16, 16)), ("RowParallelLinear", (16, 16)),
-        ("ColumnParallelLinear", (16, 16)), ("RowParallelLinear", (16, 8))]
+        ("ColumnParallelLinear", (16, 16)), ("RowParallelLinear", (16, 8))]] * 2

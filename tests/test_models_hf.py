@@ -136,12 +136,14 @@ def test_layouts_exports_and_round_trip_match_transformers(ckpts):
     out, _ = launched("--nproc-per-node", "4", os.path.join(SCRIPTS, "hf_layouts.py"),
                       str(work))
     assert "HF LAYOUTS OK" in out
-    results = torch.load(work / "results.pt")
-    (results[(1, 1, False)],) = run(_one_process, 1, dirs, ckpts["x"], ckpts["y"])
-    assert len(results) == 4
-    for layout, res in results.items():
-        for name, got in res.items():
-            _close(got, models[name.removesuffix("-a")], f"{name} at {layout}")
+    (single,) = run(_one_process, 1, dirs, ckpts["x"], ckpts["y"])
+    for rank in range(4):   # every rank's gathered logits and loss, not rank 0's only
+        results = torch.load(work / f"results{rank}.pt")
+        results[(1, 1, False)] = single
+        assert len(results) == 4
+        for layout, res in results.items():
+            for name, got in res.items():
+                _close(got, models[name.removesuffix("-a")], f"{name} at {layout} rank {rank}")
     from transformers import AutoModelForCausalLM
     for name, m in models.items():
         a, b = work / f"{name}-a", work / f"{name}-b"

@@ -7,7 +7,8 @@ Every rank checks its tp/cp/dp groups against the rank formula of docs/design.md
 ("Layout and rank order") and that an all-reduce over each group sums the group's ranks,
 then prints one ``OK`` line.
 ``--fail-rank R`` makes rank R raise after the checks; ``--wait-signal DIR`` skips the
-process group, writes DIR/ready.<rank> and sleeps until a signal, writing
+process group, writes DIR/ready.<rank> (its rank variables, the layout tpkit-launch
+exported, its arguments) and sleeps until a signal (TERM, INT, HUP or QUIT), writing
 DIR/<SIGNAL>.<rank> when it arrives.
 """
 import argparse
@@ -25,9 +26,14 @@ def wait_for_signal(directory: str) -> None:
             f.write(str(os.getpid()))
         sys.exit(0)
 
-    signal.signal(signal.SIGTERM, handler)
-    signal.signal(signal.SIGINT, handler)
-    open(os.path.join(directory, f"ready.{rank}"), "w").close()
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(sig, handler)
+    ready = os.path.join(directory, f"ready.{rank}")
+    with open(ready + ".tmp", "w") as f:   # what the rank was given
+        f.write(" ".join(f"{k}={os.environ.get(k)}" for k in
+                         ("RANK", "WORLD_SIZE", "TPKIT_TP", "TPKIT_CP", "TPKIT_BACKEND")) +
+                f" argv={sys.argv[1:]}")
+    os.replace(ready + ".tmp", ready)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         time.sleep(0.05)

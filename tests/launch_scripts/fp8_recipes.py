@@ -3,8 +3,8 @@
 every fp8 recipe the way a user runs it, in one process per rank.
 
 A. launch/train.py's ``main`` (Fabric, TPKitPrecision) at tp=2 x cp=2 with SP: float32,
-   then ``--precision fp8 --fp8-recipe`` delayed, current, block, mxfp8; each curve is
-   written out (the test compares them with the float32 one).
+   then ``--precision fp8 --fp8-recipe`` delayed, current, block, mxfp8; every rank's
+   curves are written out (the test compares them with the float32 one).
 B. tpkit.nn's column -> row pair with SP under ``fp8_autocast(recipe=name)``, one step
    per recipe; rank 0 writes what every rank's layers hold: the per-tensor scales of
    ``fp8_meta`` and, computed here by hand from the all-gathered tensors (the full
@@ -95,9 +95,10 @@ def scales() -> dict:
 
 def main():
     result = {"curves": curves(), "scales": scales()}
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, result["scales"])
-    result["scales"] = everyone
+    for key in ("curves", "scales"):   # every rank's, not rank 0's only
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, result[key])
+        result[key] = everyone
     if dist.get_rank() == 0:
         with open(sys.argv[1], "w") as f:
             json.dump(result, f)

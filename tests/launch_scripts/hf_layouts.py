@@ -10,8 +10,9 @@ loss of its tokens and the vocab-parallel logits of its shard; the losses are av
 over dp x cp and the logits gathered over tp (vocab), cp (load-balanced chunks) and dp
 (rows) with plain torch.distributed. At the first layout every model is exported with
 ``save_hf`` to ``WORK_DIR/<name>-a`` (in shards of SHARD_BYTES); at the second that export is read back and written
-again to ``WORK_DIR/<name>-b``. Rank 0 saves everything to ``WORK_DIR/results.pt`` (the
-test compares it with transformers) and prints ``HF LAYOUTS OK``.
+again to ``WORK_DIR/<name>-b``. Every rank saves what it computed to
+``WORK_DIR/results<rank>.pt`` (the test compares each with transformers); rank 0 prints
+``HF LAYOUTS OK``.
 """
 import os
 import sys
@@ -82,8 +83,9 @@ def main(work: str) -> None:
             layout_dirs.update({f"{n}-a": os.path.join(work, f"{n}-a") for n in dirs})
             export = {f"{n}-a": os.path.join(work, f"{n}-b") for n in dirs}
         results[(tp, cp, sp)] = check_layout(layout_dirs, x, y, tp, cp, sp, export)
-    if dist.get_rank() == 0:
-        torch.save(results, os.path.join(work, "results.pt"))
+    rank = dist.get_rank()   # every rank's own gathered logits: the test checks them all
+    torch.save(results, os.path.join(work, f"results{rank}.pt"))
+    if rank == 0:
         print("HF LAYOUTS OK", flush=True)
 
 
