@@ -15,10 +15,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .collectives import all_reduce_flat, all_reduce_max, all_reduce_sum
-from .param_tags import is_sequence_parallel, tp_spec
+from .param_tags import is_expert, is_sequence_parallel, tp_spec
 from .topology import resolve_state
 
-__all__ = ["sync_sequence_parallel_grads", "grad_norm", "clip_grad_norm", "clip_grad_value"]
+__all__ = ["sync_sequence_parallel_grads", "reduce_expert_grads", "grad_norm",
+           "clip_grad_norm", "clip_grad_value"]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -42,10 +43,31 @@ def sync_sequence_parallel_grads(module_or_params: nn.Module | Iterable[nn.Param
     return len(grads)
 
 
+def reduce_expert_grads(module_or_params: nn.Module | Iterable[nn.Parameter], state=None, *,
+                        average: bool = True) -> int:
+    """Sum the gradients of expert weights (tagged ``expert_parallel``, tpkit.nn.MoE) over
+    the expert-data-parallel group, where each replica holds the gradient of the tokens it
+    processed; with ``average`` divide by dp*cp, the factor DDP applies to the dense
+    parameters (Megatron-Core's expert gradient scaling). Expert weights must stay out
+    of DDP/FSDP over dp x cp, which would mix different experts' gradients. One
+    flattened all-reduce per dtype; returns the number of gradients reduced."""
+    state = resolve_state(state)
+    params = module_or_params.parameters() if isinstance(module_or_params, nn.Module) \
+        else module_or_params
+    grads = [_local(p.grad) for p in params if is_expert(p) and p.grad is not None]
+    if state.edp_size > 1:
+        all_reduce_flat(grads, state.edp_group)
+    if average and state.dp_cp_size > 1 and grads:
+        torch._foreach_mul_(grads, 1.0 / state.dp_cp_size)
+    return len(grads)
+
+
 def grad_norm(params: Iterable[torch.nn.Parameter], state, norm_type: float = 2.0) -> torch.Tensor:
     """The global gradient norm of a TP(/FSDP)-sharded model, as if computed on the full
     parameters in one process: TP-sharded gradients contribute every shard, replicated ones
-    once (not ``tp`` times). One all-reduce over TP (plus one over dp(x cp) under FSDP)."""
+    once (not ``tp`` times); expert weights (tpkit.nn.MoE) count every (etp, ep) shard
+    once. One all-reduce over TP (plus one over dp(x cp) under FSDP, and one over etp x ep
+    when the model has expert weights and ep*etp > 1)."""
     params = [p for p in params if p.grad is not None]
     norm_type = float(norm_type)
     if not params:
@@ -56,8 +78,10 @@ def grad_norm(params: Iterable[torch.nn.Parameter], state, norm_type: float = 2.
     fsdp = any(isinstance(p.grad, DTensor) for p in params)
     # Replicated gradients are identical on every TP rank: their p-th powers are pre-divided
     # by tp so the TP sum below counts them once (one collective instead of two).
-    sharded = [_local(p.grad).detach() for p in params if tp_spec(p) is not None]
-    replicated = [_local(p.grad).detach() for p in params if tp_spec(p) is None]
+    experts = [_local(p.grad).detach() for p in params if is_expert(p)]
+    dense = [p for p in params if not is_expert(p)]
+    sharded = [_local(p.grad).detach() for p in dense if tp_spec(p) is not None]
+    replicated = [_local(p.grad).detach() for p in dense if tp_spec(p) is None]
     acc = torch.zeros((), dtype=torch.float32, device=device)
     for grads, weight in ((sharded, 1.0), (replicated, 1.0 / tp)):
         grads = [g for g in grads if g.numel()]
@@ -73,6 +97,12 @@ def grad_norm(params: Iterable[torch.nn.Parameter], state, norm_type: float = 2.
         acc = reduce(acc, state.dp_cp_group)
     if tp > 1:
         acc = reduce(acc, state.tp_group)
+    if experts:
+        norms = torch.stack(torch._foreach_norm(experts, norm_type, dtype=torch.float32))
+        e_acc = norms.max() if inf else norms.pow(norm_type).sum()
+        if state.etp_size * state.ep_size > 1:
+            e_acc = reduce(e_acc.contiguous(), state.etp_ep_group)
+        acc = torch.maximum(acc, e_acc) if inf else acc + e_acc
     return acc if inf else acc.pow(1.0 / norm_type)
 
 

@@ -1,0 +1,211 @@
+"""tpkit.nn.MoE at the issue's expert layouts vs a single-process dense reference written
+here (every expert on every token, then masked: no dispatch, no all-to-all): outputs,
+the aux loss, tokens per expert (routed and kept), the input gradient and the gradient of
+every parameter after the library's reductions (router: SP sum + the dp x cp sum DDP
+does; experts: tpkit.grads.reduce_expert_grads over edp), dropless and with capacity
+dropping, fp64 (1e-10) and fp32 (1e-6). Also the layout checks before any group exists,
+the expert RNG streams and the expert-aware gradient norm."""
+import math
+
+import pytest
+import torch
+
+from dist import run
+
+S, B, H, F, E = 8, 2, 8, 6, 4
+
+
+# --- the reference ------------------------------------------------------------------------
+def reference(x, w, *, top_k, score_func, normalize, cf, aux_coeff, z_coeff, act):
+    """One replica's tokens ``x`` [T, H] (float64 math unless x is fp32): output [T, H],
+    aux loss, routed and kept tokens per expert."""
+    T = x.shape[0]
+    logits = x @ w["router"].t()
+    scores = torch.softmax(logits, -1) if score_func == "softmax" else torch.sigmoid(logits)
+    idx = torch.stack([torch.tensor(sorted(range(E), key=lambda e: (-scores[t, e].item(), e))
+                                    [:top_k]) for t in range(T)])
+    probs = scores.gather(1, idx)
+    if normalize:
+        probs = probs / probs.sum(-1, keepdim=True)
+    routed = torch.zeros(T, E, dtype=torch.bool)
+    for t in range(T):
+        routed[t, idx[t]] = True
+    keep = routed.clone()
+    if cf is not None:
+        cap = math.ceil(top_k * T * cf / E)
+        for e in range(E):
+            toks = [t for t in range(T) if routed[t, e]]
+            toks.sort(key=lambda t: (-float(probs[t, (idx[t] == e).nonzero()[0, 0]]), t))
+            for t in toks[cap:]:
+                keep[t, e] = False
+    def mlp(x, fc1, fc2):
+        h = x @ fc1
+        if act == "swiglu":
+            gate, up = h.chunk(2, -1)
+            return (torch.nn.functional.silu(gate) * up) @ fc2
+        return torch.nn.functional.gelu(h, approximate="tanh") @ fc2
+    outs = [mlp(x, w["fc1"][e], w["fc2"][e]) for e in range(E)]
+    y = torch.zeros_like(x)
+    for t in range(T):
+        for j in range(top_k):
+            e = int(idx[t, j])
+            if keep[t, e]:
+                y[t] = y[t] + probs[t, j] * outs[e][t]
+    counts = routed.sum(0).to(x.dtype)
+    p = scores if score_func == "softmax" else scores / scores.sum(-1, keepdim=True)
+    aux = aux_coeff * E / top_k * ((counts / T) * p.mean(0)).sum()
+    aux = aux + z_coeff * torch.logsumexp(logits, -1).square().mean()
+    if "shared_fc1" in w:
+        y = y + mlp(x, w["shared_fc1"].t(), w["shared_fc2"].t())
+    return y, aux, routed.sum(0), keep.sum(0)
+
+
+# --- the ranks ------------------------------------------------------------------------------
+def _chunk(t, c, n):
+    return t.chunk(n, 0)[c]
+
+
+def _rank_case(case):
+    import torch.distributed as dist
+    import tpkit
+    from tpkit.grads import reduce_expert_grads, sync_sequence_parallel_grads
+    from tpkit.nn import MoE
+    ep, etp, tp, cp, dp, sp = case["layout"]
+    dtype = case["dtype"]
+    st = tpkit.init_parallel(tp=tp, cp=cp, dp=dp, ep=ep, etp=etp, sequence_parallel=sp,
+                             seed=5)
+    assert (st.ep_size, st.etp_size, st.edp_size) == (ep, etp, tp * cp * dp // (ep * etp))
+    g = torch.Generator().manual_seed(11)
+    gated = case["act"] == "swiglu"
+    w = {"router": torch.randn(E, H, generator=g, dtype=torch.float64),
+         "fc1": torch.randn(E, H, F * (2 if gated else 1), generator=g,
+                            dtype=torch.float64) / 3,
+         "fc2": torch.randn(E, F, H, generator=g, dtype=torch.float64) / 3}
+    shared = case.get("shared")
+    if shared:
+        w["shared_fc1"] = torch.randn(shared * (2 if gated else 1), H, generator=g, dtype=torch.float64) / 3
+        w["shared_fc2"] = torch.randn(H, shared, generator=g, dtype=torch.float64) / 3
+    X = torch.randn(dp, S, B, H, generator=g, dtype=torch.float64)
+    G = torch.randn(dp, S, B, H, generator=g, dtype=torch.float64)
+    w = {k: v.to(dtype) for k, v in w.items()}
+    X, G = X.to(dtype), G.to(dtype)
+    kw = dict(top_k=case["top_k"], score_func=case["score"], normalize=case["norm"],
+              cf=case["cf"], aux_coeff=0.1, z_coeff=0.01, act=case["act"])
+    # Reference: each dp replica's full sequence, one process.
+    ref_w = {k: v.clone().requires_grad_() for k, v in w.items()}
+    d = st.dp_rank
+    xr = X[d].reshape(-1, H).clone().requires_grad_()
+    yr, aux_r, routed_r, kept_r = reference(xr, ref_w, **kw)
+    total = (yr * G[d].reshape(-1, H)).sum() + aux_r
+    for e in range(dp):   # the other replicas contribute to the shared weights' gradients
+        if e != d:
+            ye, ae, _, _ = reference(X[e].reshape(-1, H), ref_w, **kw)
+            total = total + (ye * G[e].reshape(-1, H)).sum() + ae
+    total.backward()
+    # tpkit: this rank's tokens (cp chunk, then tp chunk under SP).
+    moe = MoE(H, F, E, case["top_k"], activation=case["act"], score_func=case["score"],
+              normalize_topk=case["norm"], aux_loss_coeff=0.1, z_loss_coeff=0.01,
+              capacity_factor=case["cf"], shared_ffn_hidden_size=shared, dtype=dtype)
+    L = E // ep
+    lo = st.ep_rank * L
+    Fl = F // etp
+    cols = list(range(st.etp_rank * Fl, (st.etp_rank + 1) * Fl))
+    if gated:
+        cols += [F + c for c in cols]
+    with torch.no_grad():
+        moe.router_weight.copy_(w["router"])
+        moe.experts_fc1.copy_(w["fc1"][lo:lo + L][:, :, cols])
+        moe.experts_fc2.copy_(w["fc2"][lo:lo + L][:, st.etp_rank * Fl:(st.etp_rank + 1) * Fl])
+        if shared:
+            n = shared // tp
+            srows = list(range(st.tp_rank * n, (st.tp_rank + 1) * n))
+            if gated:
+                srows += [shared + r for r in srows]
+            moe.shared_experts.linear_fc1.weight.copy_(w["shared_fc1"][srows])
+            moe.shared_experts.linear_fc2.weight.copy_(w["shared_fc2"][:, srows[:n]])
+
+    def mine(t):   # [S, B, ...] -> this rank's rows
+        t = _chunk(t, st.cp_rank, cp)
+        return _chunk(t, st.tp_rank, tp) if sp else t
+    x = mine(X[d]).clone().requires_grad_()
+    y = moe(x)
+    aux = moe.aux_loss
+    loss = (y * mine(G[d])).sum() + aux / cp
+    loss.backward()
+    # The reductions a training loop does: SP sums, DDP's dp x cp sum (un-averaged
+    # here), expert weights over edp.
+    sync_sequence_parallel_grads(moe, st)
+    dense = [p for n, p in moe.named_parameters() if not n.startswith("experts_")]
+    for p in dense:
+        dist.all_reduce(p.grad, group=st.dp_cp_group)
+    assert reduce_expert_grads(moe, st, average=False) == 2
+    tol = dict(rtol=1e-10, atol=1e-10) if dtype == torch.float64 else \
+        dict(rtol=1e-6, atol=1e-6)
+    T = S * B
+    ref_y = yr.detach().reshape(S, B, H)
+    torch.testing.assert_close(y, mine(ref_y), **tol, msg="output")
+    torch.testing.assert_close(x.grad, mine(xr.grad.reshape(S, B, H)), **tol, msg="input grad")
+    torch.testing.assert_close(moe.router_weight.grad, ref_w["router"].grad, **tol, msg="router")
+    torch.testing.assert_close(moe.experts_fc1.grad,
+                               ref_w["fc1"].grad[lo:lo + L][:, :, cols], **tol, msg="fc1")
+    torch.testing.assert_close(moe.experts_fc2.grad, ref_w["fc2"].grad[lo:lo + L][
+        :, st.etp_rank * Fl:(st.etp_rank + 1) * Fl], **tol, msg="fc2")
+    if shared:
+        torch.testing.assert_close(moe.shared_experts.linear_fc1.weight.grad,
+                                   ref_w["shared_fc1"].grad[srows], **tol, msg="shared fc1")
+        torch.testing.assert_close(moe.shared_experts.linear_fc2.weight.grad,
+                                   ref_w["shared_fc2"].grad[:, srows[:n]], **tol,
+                                   msg="shared fc2")
+    # aux: the mean over the CP ranks is the replica's aux loss (the same on TP ranks)
+    a = aux.detach().clone()
+    dist.all_reduce(a, group=st.cp_group)
+    torch.testing.assert_close(a / cp, aux_r.detach(), **tol, msg="aux loss")
+    r = moe.last_routing
+    assert torch.equal(r.tokens_per_expert.long(), routed_r), "routed tokens per expert"
+    kept = torch.bincount(r.indices[r.keep], minlength=E)
+    seq = st.tp_cp_group if sp else st.cp_group
+    dist.all_reduce(kept, group=seq)
+    assert torch.equal(kept, kept_r), (kept, kept_r)
+    assert 0 < T
+    dropped = int((routed_r - kept_r).sum())
+    tpkit.destroy_parallel()
+    return dropped
+
+
+def _rank_cases(cases):
+    return [_rank_case(c) for c in cases]
+
+
+BASE = dict(top_k=2, score="softmax", norm=False, cf=None, act="gelu", dtype=torch.float64)
+# (ep, etp, tp, cp, dp, sp): the issue's acceptance layouts, plus etp=2 without SP
+LAYOUTS4 = [(4, 1, 1, 1, 4, False), (2, 1, 2, 1, 2, True), (2, 2, 2, 1, 2, True),
+            (2, 2, 2, 1, 2, False), (2, 1, 1, 2, 2, False)]
+
+
+def _cases(layouts, **over):
+    out = []
+    for i, lay in enumerate(layouts):
+        c = dict(BASE, layout=lay)
+        c.update(over)
+        out.append(c)
+    return out
+
+
+def test_moe_layouts_world4():
+    cases = _cases(LAYOUTS4)
+    cases += _cases(LAYOUTS4, cf=1.0)                                 # capacity dropping
+    cases += _cases([(2, 2, 2, 1, 2, True), (2, 1, 1, 2, 2, False)], act="swiglu",
+                    score="sigmoid", norm=True, top_k=3, cf=1.25, shared=4)
+    cases += _cases([(2, 1, 2, 1, 2, True), (4, 1, 1, 1, 4, False)], dtype=torch.float32)
+    dropped = run(_rank_cases, 4, cases, timeout=300)
+    n = len(LAYOUTS4)
+    assert all(d == 0 for d in dropped[0][:n]), "dropless dropped tokens"
+    assert all(d > 0 for d in dropped[0][n:2 * n]), "capacity 1.0 dropped nothing: no test"
+
+
+def test_moe_layouts_world1_2():
+    small = _cases([(1, 1, 1, 1, 1, False)]) + _cases([(1, 1, 1, 1, 1, False)], cf=1.0,
+                                                      act="swiglu", shared=2)
+    run(_rank_cases, 1, small)
+    run(_rank_cases, 2, _cases([(2, 1, 1, 1, 2, False)]) + _cases([(2, 1, 1, 1, 2, False)],
+                                                                  cf=0.75))
