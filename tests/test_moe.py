@@ -35,7 +35,7 @@ def reference(x, w, *, top_k, score_func, normalize, cf, aux_coeff, z_coeff, act
         cap = math.ceil(top_k * T * cf / E)
         for e in range(E):
             toks = [t for t in range(T) if routed[t, e]]
-            toks.sort(key=lambda t: (-float(probs[t, (idx[t] == e).nonzero()[0, 0]]), t))
+            toks.sort(key=lambda t: (-float(probs.detach()[t, (idx[t] == e).nonzero()[0, 0]]), t))
             for t in toks[cap:]:
                 keep[t, e] = False
     def mlp(x, fc1, fc2):
@@ -45,12 +45,10 @@ def reference(x, w, *, top_k, score_func, normalize, cf, aux_coeff, z_coeff, act
             return (torch.nn.functional.silu(gate) * up) @ fc2
         return torch.nn.functional.gelu(h, approximate="tanh") @ fc2
     outs = [mlp(x, w["fc1"][e], w["fc2"][e]) for e in range(E)]
-    y = torch.zeros_like(x)
-    for t in range(T):
-        for j in range(top_k):
-            e = int(idx[t, j])
-            if keep[t, e]:
-                y[t] = y[t] + probs[t, j] * outs[e][t]
+    outs = torch.stack(outs)                                        # [E, T, H]
+    rows = torch.arange(T)
+    y = sum(probs[:, j, None] * keep[rows, idx[:, j], None] * outs[idx[:, j], rows]
+            for j in range(top_k))
     counts = routed.sum(0).to(x.dtype)
     p = scores if score_func == "softmax" else scores / scores.sum(-1, keepdim=True)
     aux = aux_coeff * E / top_k * ((counts / T) * p.mean(0)).sum()
@@ -65,15 +63,12 @@ def _chunk(t, c, n):
     return t.chunk(n, 0)[c]
 
 
-def _rank_case(case):
+def _rank_case(st, case):
     import torch.distributed as dist
-    import tpkit
     from tpkit.grads import reduce_expert_grads, sync_sequence_parallel_grads
     from tpkit.nn import MoE
     ep, etp, tp, cp, dp, sp = case["layout"]
     dtype = case["dtype"]
-    st = tpkit.init_parallel(tp=tp, cp=cp, dp=dp, ep=ep, etp=etp, sequence_parallel=sp,
-                             seed=5)
     assert (st.ep_size, st.etp_size, st.edp_size) == (ep, etp, tp * cp * dp // (ep * etp))
     g = torch.Generator().manual_seed(11)
     gated = case["act"] == "swiglu"
@@ -156,6 +151,11 @@ def _rank_case(case):
         torch.testing.assert_close(moe.shared_experts.linear_fc2.weight.grad,
                                    ref_w["shared_fc2"].grad[:, srows[:n]], **tol,
                                    msg="shared fc2")
+    # the gradient norm counts every expert shard once and each replica once
+    from tpkit.grads import grad_norm
+    ref_norm = torch.stack([v.grad.norm() for v in ref_w.values()]).norm()
+    torch.testing.assert_close(grad_norm(list(moe.parameters()), st).to(dtype), ref_norm,
+                               **tol, msg="grad norm")
     # aux: the mean over the CP ranks is the replica's aux loss (the same on TP ranks)
     a = aux.detach().clone()
     dist.all_reduce(a, group=st.cp_group)
@@ -167,13 +167,23 @@ def _rank_case(case):
     dist.all_reduce(kept, group=seq)
     assert torch.equal(kept, kept_r), (kept, kept_r)
     assert 0 < T
-    dropped = int((routed_r - kept_r).sum())
-    tpkit.destroy_parallel()
-    return dropped
+    return int((routed_r - kept_r).sum())
 
 
 def _rank_cases(cases):
-    return [_rank_case(c) for c in cases]
+    """Every case, one init_parallel per run of cases with the same layout."""
+    import tpkit
+    out, st = [], None
+    for i, c in enumerate(cases):
+        if st is None:
+            ep, etp, tp, cp, dp, sp = c["layout"]
+            st = tpkit.init_parallel(tp=tp, cp=cp, dp=dp, ep=ep, etp=etp,
+                                     sequence_parallel=sp, seed=5)
+        out.append(_rank_case(st, c))
+        if i + 1 == len(cases) or cases[i + 1]["layout"] != c["layout"]:
+            tpkit.destroy_parallel()
+            st = None
+    return out
 
 
 BASE = dict(top_k=2, score="softmax", norm=False, cf=None, act="gelu", dtype=torch.float64)
@@ -191,16 +201,16 @@ def _cases(layouts, **over):
     return out
 
 
+VARIANTS = [dict(), dict(cf=1.0),                  # dropless; capacity dropping
+            dict(act="swiglu", score="sigmoid", norm=True, top_k=3, cf=1.0, shared=4),
+            dict(dtype=torch.float32)]
+
+
 def test_moe_layouts_world4():
-    cases = _cases(LAYOUTS4)
-    cases += _cases(LAYOUTS4, cf=1.0)                                 # capacity dropping
-    cases += _cases([(2, 2, 2, 1, 2, True), (2, 1, 1, 2, 2, False)], act="swiglu",
-                    score="sigmoid", norm=True, top_k=3, cf=1.25, shared=4)
-    cases += _cases([(2, 1, 2, 1, 2, True), (4, 1, 1, 1, 4, False)], dtype=torch.float32)
-    dropped = run(_rank_cases, 4, cases, timeout=300)
-    n = len(LAYOUTS4)
-    assert all(d == 0 for d in dropped[0][:n]), "dropless dropped tokens"
-    assert all(d > 0 for d in dropped[0][n:2 * n]), "capacity 1.0 dropped nothing: no test"
+    cases = [dict(BASE, layout=lay, **v) for lay in LAYOUTS4 for v in VARIANTS]
+    dropped = run(_rank_cases, 4, cases, timeout=300)[0]
+    assert all(d == 0 for d, c in zip(dropped, cases) if c["cf"] is None), "dropless dropped"
+    assert all(d > 0 for d, c in zip(dropped, cases) if c["cf"]), "nothing dropped: no test"
 
 
 def test_moe_layouts_world1_2():
@@ -209,3 +219,66 @@ def test_moe_layouts_world1_2():
     run(_rank_cases, 1, small)
     run(_rank_cases, 2, _cases([(2, 1, 1, 1, 2, False)]) + _cases([(2, 1, 1, 1, 2, False)],
                                                                   cf=0.75))
+
+
+def _rank_rng():
+    """The expert-parallel stream: the same on expert-data-parallel replicas, distinct
+    per (etp, ep) shard and from every other stream (layout (ep2, etp1, tp2, dp2))."""
+    import torch.distributed as dist
+    import tpkit
+    from tpkit.random import EXPERT_PARALLEL_RNG, MODEL_PARALLEL_RNG, get_rng_tracker
+    st = tpkit.init_parallel(tp=2, dp=2, ep=2, etp=1, seed=9)
+    draws = {}
+    for name in (EXPERT_PARALLEL_RNG, MODEL_PARALLEL_RNG):
+        with get_rng_tracker().fork(name):
+            draws[name] = torch.rand(4)
+    draws["default"] = torch.rand(4)
+    out = {}
+    for name, t in draws.items():
+        every = [torch.empty(4) for _ in range(st.world_size)]
+        dist.all_gather(every, t)
+        out[name] = [tuple(e.tolist()) for e in every]
+    tpkit.destroy_parallel()
+    return out
+
+
+def test_expert_rng_streams():
+    got = run(_rank_rng, 4)[0]
+    # rank = tp + 2*dp; expert coords: etp = 0, ep = rank % 2, edp = rank // 2
+    ex = got["expert-parallel-rng"]
+    assert ex[0] == ex[2] and ex[1] == ex[3] and ex[0] != ex[1]
+    everything = set(ex) | set(got["model-parallel-rng"]) | set(got["default"])
+    assert len(everything) == 2 + 2 + 1, "streams collide"
+
+
+def test_bad_input_before_any_group():
+    from tpkit.config import ParallelConfig
+    from tpkit.nn.moe import check_moe_args
+    for kw, world, words in [(dict(ep=0), 1, "ep=0"), (dict(etp=0), 1, "etp=0"),
+                             (dict(tp=2, ep=4), 4, "etp*ep = 2*4"),
+                             (dict(tp=2, cp=2, ep=3, etp=1), 8, "does not divide tp*cp*dp")]:
+        with pytest.raises(ValueError, match=words.replace("*", r"\*")):
+            ParallelConfig(**kw).validate(world)
+    for args, words in [((4, 5, None), "top_k=5"), ((4, 0, None), "top_k=0"),
+                        ((4, 2, 0.0), "capacity_factor=0.0"), ((4, 2, -1), "capacity_factor"),
+                        ((0, 1, None), "num_experts=0")]:
+        with pytest.raises(ValueError, match=words):
+            check_moe_args(*args)
+    with pytest.raises(ValueError, match="score_func"):
+        check_moe_args(4, 2, None, "relu")
+
+
+def test_launcher_checks_ep(capsys):
+    from tpkit.cli.launch import main
+    assert main(["--nproc-per-node", "6", "--tp", "2", "--ep", "4", "--dry-run",
+                 "launch/smoke.py"]) == 2
+    assert "etp*ep = 2*4 = 8 does not divide tp*cp*dp = 2*1*3 = 6" in capsys.readouterr().err
+    assert main(["--nproc-per-node", "4", "--tp", "2", "--ep", "2", "--etp", "1",
+                 "--dry-run", "launch/smoke.py"]) == 0
+    out = capsys.readouterr().out
+    assert "ep=2 etp=1 edp=2" in out and "TPKIT_EP=2" in out and "TPKIT_ETP=1" in out
+    header, *rows = out.split("rank table:\n")[1].strip().splitlines()
+    assert header.split()[-3:] == ["etp", "ep", "edp"]
+    # Megatron's expert order inside a stage: etp innermost, then ep, then edp
+    assert [r.split()[-3:] for r in rows] == [["0", "0", "0"], ["0", "1", "0"],
+                                             ["0", "0", "1"], ["0", "1", "1"]]

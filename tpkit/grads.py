@@ -82,12 +82,15 @@ def grad_norm(params: Iterable[torch.nn.Parameter], state, norm_type: float = 2.
     dense = [p for p in params if not is_expert(p)]
     sharded = [_local(p.grad).detach() for p in dense if tp_spec(p) is not None]
     replicated = [_local(p.grad).detach() for p in dense if tp_spec(p) is None]
-    acc = torch.zeros((), dtype=torch.float32, device=device)
+    # fp32 accumulation (fp64 when a gradient is fp64: norms never narrow)
+    acc_dtype = torch.float64 if any(_local(p.grad).dtype == torch.float64 for p in params) \
+        else torch.float32
+    acc = torch.zeros((), dtype=acc_dtype, device=device)
     for grads, weight in ((sharded, 1.0), (replicated, 1.0 / tp)):
         grads = [g for g in grads if g.numel()]
         if not grads:
             continue
-        norms = torch.stack(torch._foreach_norm(grads, norm_type, dtype=torch.float32))
+        norms = torch.stack(torch._foreach_norm(grads, norm_type, dtype=acc_dtype))
         if inf:
             acc = torch.maximum(acc, norms.max())
         else:
@@ -98,7 +101,7 @@ def grad_norm(params: Iterable[torch.nn.Parameter], state, norm_type: float = 2.
     if tp > 1:
         acc = reduce(acc, state.tp_group)
     if experts:
-        norms = torch.stack(torch._foreach_norm(experts, norm_type, dtype=torch.float32))
+        norms = torch.stack(torch._foreach_norm(experts, norm_type, dtype=acc_dtype))
         e_acc = norms.max() if inf else norms.pow(norm_type).sum()
         if state.etp_size * state.ep_size > 1:
             e_acc = reduce(e_acc.contiguous(), state.etp_ep_group)
