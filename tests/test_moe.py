@@ -6,6 +6,7 @@ does; experts: tpkit.grads.reduce_expert_grads over edp), dropless and with capa
 dropping, fp64 (1e-10) and fp32 (1e-6). Also the layout checks before any group exists,
 the expert RNG streams and the expert-aware gradient norm."""
 import math
+import os
 
 import pytest
 import torch
@@ -282,3 +283,17 @@ def test_launcher_checks_ep(capsys):
     # Megatron's expert order inside a stage: etp innermost, then ep, then edp
     assert [r.split()[-3:] for r in rows] == [["0", "0", "0"], ["0", "1", "0"],
                                              ["0", "0", "1"], ["0", "1", "1"]]
+
+
+@pytest.mark.slow
+def test_launched_moe_layouts():
+    """tests/launch_scripts/moe_layouts.py under tpkit-launch (4 gloo ranks): the launched
+    layout's expert groups and getters, MoE vs its dense reference at four layouts,
+    a bad ep refused before any group (the script's docstring lists the checks)."""
+    from test_launch_run import finish, launch
+    script = os.path.join(os.path.dirname(__file__), "launch_scripts", "moe_layouts.py")
+    rc, out, err = finish(launch("--nproc-per-node", "4", "--tp", "2", "--ep", "2",
+                                 "--sequence-parallel", script))
+    assert rc == 0, err[-3000:]
+    assert sorted(line for line in out.splitlines() if line.endswith("OK")) == \
+        [f"rank {r} OK" for r in range(4)], out
