@@ -120,6 +120,19 @@ def _rank_case(st, case):
             moe.shared_experts.linear_fc1.weight.copy_(w["shared_fc1"][srows])
             moe.shared_experts.linear_fc2.weight.copy_(w["shared_fc2"][:, srows[:n]])
 
+    # full state dicts: gathered = the full weights; loading them = the slicing above
+    from tpkit.checkpoint import full_shapes, full_state_dict, load_full_state_dict
+    full = full_state_dict(moe, st)
+    for name, key in (("router_weight", "router"), ("experts_fc1", "fc1"),
+                      ("experts_fc2", "fc2")):
+        assert torch.equal(full[name], w[key]), name
+        assert full_shapes(moe, st)[name] == w[key].shape
+    twin = MoE(H, F, E, case["top_k"], activation=case["act"], dtype=dtype,
+               shared_ffn_hidden_size=shared)
+    load_full_state_dict(twin, full, st)
+    for (name, a), b in zip(moe.named_parameters(), twin.parameters()):
+        assert torch.equal(a, b), name
+
     def mine(t):   # [S, B, ...] -> this rank's rows
         t = _chunk(t, st.cp_rank, cp)
         return _chunk(t, st.tp_rank, tp) if sp else t
