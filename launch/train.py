@@ -73,7 +73,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="a checkpoint (SAVE/stepNNNNNN) or a --save directory (its latest); "
                         "it may have been written at any layout")
     add_hf_args(ap)
+    add_moe_args(ap)
     args = ap.parse_args(argv)
+    check_moe_args(args, ap)
     for name in ("steps", "global_batch", "seq_len", "hidden", "layers", "heads", "ffn"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
@@ -167,6 +169,53 @@ def resolve_resume(path: str) -> str:
     return os.path.join(path, steps[-1]) if steps else path
 
 
+def add_moe_args(ap) -> None:
+    """Mixture of experts (docs/moe.md): the option group, checked by check_moe_args."""
+    g = ap.add_argument_group("mixture of experts (docs/moe.md)")
+    g.add_argument("--moe-experts", type=int, default=0,
+                   help="experts per MoE layer (0: dense MLPs)")
+    g.add_argument("--moe-topk", type=int, default=2, help="experts per token")
+    g.add_argument("--moe-every", type=int, default=1, help="every k-th block is MoE")
+    g.add_argument("--moe-aux-coeff", type=float, default=1e-2,
+                   help="load-balancing loss coefficient")
+    g.add_argument("--moe-capacity-factor", type=float, default=None,
+                   help="drop tokens beyond this capacity (default: dropless)")
+    g.add_argument("--ep", type=int, default=None, help="expert-parallel size")
+    g.add_argument("--etp", type=int, default=None, help="expert-tensor-parallel size")
+
+
+def check_moe_args(args, ap) -> None:
+    """The MoE options against each other and the layout, before any process group."""
+    if not args.moe_experts:
+        for name in ("ep", "etp", "moe_capacity_factor"):
+            if getattr(args, name) is not None:
+                ap.error(f"--{name.replace('_', '-')} needs --moe-experts > 0")
+        return
+    from tpkit.config import ParallelConfig
+    from tpkit.nn.moe import check_moe_args as check
+    try:
+        check(args.moe_experts, args.moe_topk, args.moe_capacity_factor)
+        ep = ParallelConfig.from_env(ep=args.ep, etp=args.etp).ep
+    except ValueError as e:
+        ap.error(f"--moe-*/--ep: {e}")
+    if args.moe_experts % ep:
+        ap.error(f"--moe-experts={args.moe_experts} is not divisible by ep={ep}; use a "
+                 f"multiple of {ep}")
+    if not 1 <= args.moe_every <= args.layers:
+        ap.error(f"--moe-every={args.moe_every} must be between 1 and --layers={args.layers}")
+
+
+def moe_report(model) -> str:
+    """The aux loss and per-expert token load (min / max over experts, summed over the
+    MoE layers) of the last step's micro-batch on this rank's data-parallel replica."""
+    layers = model.moe_layers() if hasattr(model, "moe_layers") else []
+    if not layers:
+        return ""
+    aux = sum(float(m.aux_loss.detach()) for m in layers)
+    load = torch.stack([m.last_routing.tokens_per_expert for m in layers]).sum(0)
+    return f"  aux {aux:.4f}  load {int(load.min())}-{int(load.max())}"
+
+
 def lr_at(step: int, args) -> float:
     if step < args.warmup:
         return args.lr * (step + 1) / args.warmup
@@ -190,7 +239,7 @@ def make_fabric(args):
     nodes = max(1, int(os.environ.get("WORLD_SIZE", local)) // local)
     strategy = TPKitStrategy(tp=args.tp, cp=args.cp, sequence_parallel=args.sequence_parallel,
                              cp_comm_type=args.cp_comm_type, data_parallel=args.data_parallel,
-                             seed=args.seed)
+                             seed=args.seed, ep=args.ep, etp=args.etp)
     # Lightning takes precision plugin objects through plugins=, not precision=.
     fallback = {"float32": None, "bfloat16": torch.bfloat16}[args.fp8_compute_dtype]
     if args.precision != "fp8" and fallback is not None:
@@ -211,7 +260,10 @@ def train(args) -> list[float]:
     cfg = GPTConfig(vocab_size=corpus.VOCAB_SIZE, hidden_size=args.hidden,
                     num_layers=args.layers, num_heads=args.heads,
                     num_gqa_groups=args.gqa_groups, ffn_hidden_size=args.ffn,
-                    dropout=args.dropout, recompute=args.recompute, backend=args.backend)
+                    dropout=args.dropout, recompute=args.recompute, backend=args.backend,
+                    moe_experts=args.moe_experts, moe_topk=args.moe_topk,
+                    moe_every=args.moe_every, moe_aux_coeff=args.moe_aux_coeff,
+                    moe_capacity_factor=args.moe_capacity_factor)
     if args.global_batch % state.dp_size:
         raise ValueError(f"--global-batch={args.global_batch} is not divisible by dp="
                          f"{state.dp_size}; use a multiple of {state.dp_size}")
@@ -251,7 +303,7 @@ def train(args) -> list[float]:
         if state.rank == 0 and (step % args.log_every == 0 or last):
             dt = time.perf_counter() - t_last
             print(f"step {step:5d}  loss {losses[-1]:.4f}  lr {lr_at(step, args):.2e}  "
-                  f"{tokens_since / dt:,.0f} tokens/s", flush=True)
+                  f"{tokens_since / dt:,.0f} tokens/s" + moe_report(raw_model), flush=True)
             t_last, tokens_since = time.perf_counter(), 0
         if args.save and ((args.save_every and (step + 1) % args.save_every == 0) or last):
             fabric.save(checkpoint_path(args.save, step + 1),

@@ -7,6 +7,7 @@ dropping, fp64 (1e-10) and fp32 (1e-6). Also the layout checks before any group 
 the expert RNG streams and the expert-aware gradient norm."""
 import math
 import os
+import sys
 
 import pytest
 import torch
@@ -14,6 +15,10 @@ import torch
 from dist import run
 
 S, B, H, F, E = 8, 2, 8, 6, 4
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAIN_SMALL = ["--steps", "20", "--hidden", "32", "--layers", "2", "--heads", "4",
+               "--gqa-groups", "2", "--ffn", "64", "--seq-len", "32", "--global-batch", "4",
+               "--warmup", "5", "--log-every", "100"]
 
 
 # --- the reference ------------------------------------------------------------------------
@@ -92,16 +97,24 @@ def _rank_case(st, case):
     d = st.dp_rank
     xr = X[d].reshape(-1, H).clone().requires_grad_()
     yr, aux_r, routed_r, kept_r = reference(xr, ref_w, **kw)
+    scope = case.get("scope", "sequence")
     total = (yr * G[d].reshape(-1, H)).sum() + aux_r
     for e in range(dp):   # the other replicas contribute to the shared weights' gradients
         if e != d:
             ye, ae, _, _ = reference(X[e].reshape(-1, H), ref_w, **kw)
             total = total + (ye * G[e].reshape(-1, H)).sum() + ae
+    if scope == "global":   # one aux loss over the whole batch instead of one per replica
+        rows = [xr if e == d else X[e].reshape(-1, H) for e in range(dp)]
+        total = total - sum(reference(r, ref_w, **kw)[1] for r in rows)
+        every = torch.cat(rows)
+        _, aux_r, routed_r, _ = reference(every, ref_w, **kw)
+        total = total + aux_r
     total.backward()
     # tpkit: this rank's tokens (cp chunk, then tp chunk under SP).
     moe = MoE(H, F, E, case["top_k"], activation=case["act"], score_func=case["score"],
               normalize_topk=case["norm"], aux_loss_coeff=0.1, z_loss_coeff=0.01,
-              capacity_factor=case["cf"], shared_ffn_hidden_size=shared, dtype=dtype)
+              capacity_factor=case["cf"], shared_ffn_hidden_size=shared, dtype=dtype,
+              aux_loss_scope=scope)
     L = E // ep
     lo = st.ep_rank * L
     Fl = F // etp
@@ -139,7 +152,7 @@ def _rank_case(st, case):
     x = mine(X[d]).clone().requires_grad_()
     y = moe(x)
     aux = moe.aux_loss
-    loss = (y * mine(G[d])).sum() + aux / cp
+    loss = (y * mine(G[d])).sum() + aux / (cp * (dp if scope == "global" else 1))
     loss.backward()
     # The reductions a training loop does: SP sums, DDP's dp x cp sum (un-averaged
     # here), expert weights over edp.
@@ -172,10 +185,13 @@ def _rank_case(st, case):
                                **tol, msg="grad norm")
     # aux: the mean over the CP ranks is the replica's aux loss (the same on TP ranks)
     a = aux.detach().clone()
-    dist.all_reduce(a, group=st.cp_group)
-    torch.testing.assert_close(a / cp, aux_r.detach(), **tol, msg="aux loss")
+    dist.all_reduce(a, group=st.dp_cp_group if scope == "global" else st.cp_group)
+    torch.testing.assert_close(a / (cp * (dp if scope == "global" else 1)), aux_r.detach(),
+                               **tol, msg="aux loss")
     r = moe.last_routing
     assert torch.equal(r.tokens_per_expert.long(), routed_r), "routed tokens per expert"
+    if scope == "global":
+        return 1   # kept counts: per sequence, checked by the other variants
     kept = torch.bincount(r.indices[r.keep], minlength=E)
     seq = st.tp_cp_group if sp else st.cp_group
     dist.all_reduce(kept, group=seq)
@@ -217,7 +233,7 @@ def _cases(layouts, **over):
 
 VARIANTS = [dict(), dict(cf=1.0),                  # dropless; capacity dropping
             dict(act="swiglu", score="sigmoid", norm=True, top_k=3, cf=1.0, shared=4),
-            dict(dtype=torch.float32)]
+            dict(dtype=torch.float32), dict(scope="global", cf=1.0)]
 
 
 def test_moe_layouts_world4():
@@ -310,3 +326,28 @@ def test_launched_moe_layouts():
     assert rc == 0, err[-3000:]
     assert sorted(line for line in out.splitlines() if line.endswith("OK")) == \
         [f"rank {r} OK" for r in range(4)], out
+
+
+# --- launch/train.py with experts -------------------------------------------------------
+MOE = ["--moe-experts", "4", "--moe-topk", "2", "--moe-every", "2", "--moe-aux-coeff", "0.01"]
+
+
+def _train(flags):
+    sys.path.insert(0, os.path.join(ROOT, "launch"))
+    import train
+    return train.main(TRAIN_SMALL + MOE + list(flags))
+
+
+def test_train_moe_same_curve_at_every_ep():
+    """20 steps at ep=1 on one rank, then on 4 ranks at ep=2 (tp=2, SP; etp=2 and etp=1)
+    and ep=4 (dp=4): the same global loss curve (Fabric: DDP leaves expert weights to the
+    edp sum), every rank reporting the same loss."""
+    (ref,) = run(_train, 1, ["--tp", "1", "--ep", "1"])
+    assert ref[-1] < ref[0] - 0.5, ref   # it learns
+    for flags in (["--tp", "2", "--sequence-parallel", "--ep", "2"],
+                  ["--tp", "2", "--ep", "2", "--etp", "1"],
+                  ["--tp", "1", "--ep", "4"]):
+        results = run(_train, 4, flags)
+        assert all(r == results[0] for r in results), flags
+        for i, (a, b) in enumerate(zip(results[0], ref)):
+            assert abs(a - b) <= 1e-5 * abs(b), (flags, i, a, b)

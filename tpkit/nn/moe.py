@@ -54,6 +54,10 @@ from .mlp import _GATED, _PLAIN, ACTIVATIONS, ParallelMLP
 __all__ = ["MoE", "grouped_mm", "SCORE_FUNCTIONS"]
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
+# "sequence": the load-balancing loss of each data-parallel replica's micro-batch
+# (Megatron-Core's aux_loss); "global": of the whole global batch (its global_aux_loss),
+# the same at every layout.
+AUX_LOSS_SCOPES = ("sequence", "global")
 
 
 # --- the grouped GEMM (one place chooses) ------------------------------------------------
@@ -126,12 +130,17 @@ class MoE(ParallelModule):
     def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int,
                  top_k: int = 2, *, activation: str = "gelu", score_func: str = "softmax",
                  normalize_topk: bool = False, aux_loss_coeff: float = 0.0,
-                 z_loss_coeff: float = 0.0, capacity_factor: float | None = None,
+                 z_loss_coeff: float = 0.0, aux_loss_scope: str = "sequence",
+                 capacity_factor: float | None = None,
                  shared_ffn_hidden_size: int | None = None,
                  sequence_parallel: bool | None = None, init_method=None,
                  output_layer_init_method=None, state=None, device=None, dtype=None):
         super().__init__()
         check_moe_args(num_experts, top_k, capacity_factor, score_func, activation)
+        if aux_loss_scope not in AUX_LOSS_SCOPES:
+            raise ValueError(f"aux_loss_scope={aux_loss_scope!r} is unknown; use one of "
+                             f"{AUX_LOSS_SCOPES}")
+        self.aux_loss_scope = aux_loss_scope
         s = self._bind_state(state)
         self.sequence_parallel = resolve_sp(sequence_parallel, s)
         self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
@@ -200,6 +209,16 @@ class MoE(ParallelModule):
             return s.tp_cp_group, s.tp_size * s.cp_size
         return s.cp_group, s.cp_size
 
+    def _aux_group(self):
+        """Where the load-balancing counts are summed: the sequence's ranks, or (scope
+        "global") those of every data-parallel replica too."""
+        s = self.state
+        if self.aux_loss_scope == "sequence":
+            return self._seq_group()
+        if self.sequence_parallel:
+            return s.amax_group, s.tp_size * s.cp_size * s.dp_size
+        return s.dp_cp_group, s.cp_size * s.dp_size
+
     def route(self, x: torch.Tensor):
         """Router on tokens ``x`` [T, h] -> (top-k indices [T, k], probabilities [T, k],
         kept mask [T, k], aux loss share); the router runs in fp32 (or wider)."""
@@ -217,11 +236,11 @@ class MoE(ParallelModule):
         if self.normalize_topk:
             probs = probs / probs.sum(-1, keepdim=True)
         routed = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, idx, True)
-        group, size = self._seq_group()
+        group, size = self._aux_group()
         counts = routed.sum(0).to(dtype)                                  # [E], pre-drop
         if size > 1:
             counts = all_gather(counts[None], group).sum(0)
-        total = x.shape[0] * size                                          # T of the sequence
+        total = x.shape[0] * size                                # T of the sequence (batch)
         aux = logits.new_zeros(())
         if self.aux_loss_coeff:
             p = scores if self.score_func == "softmax" else \
@@ -237,7 +256,9 @@ class MoE(ParallelModule):
             aux = reduce_from_tp_region(aux, self.state.tp_group) / self.state.tp_size
         keep = torch.ones_like(idx, dtype=torch.bool)
         if self.capacity_factor is not None:
-            keep = self._capacity_mask(probs.detach(), idx, routed, total, group, size)
+            group, size = self._seq_group()
+            keep = self._capacity_mask(probs.detach(), idx, routed, x.shape[0] * size, group,
+                                       size)
         return idx, probs, keep, aux, counts
 
     def _capacity_mask(self, probs, idx, routed, total, group, size):
