@@ -351,3 +351,21 @@ def test_train_moe_same_curve_at_every_ep():
         assert all(r == results[0] for r in results), flags
         for i, (a, b) in enumerate(zip(results[0], ref)):
             assert abs(a - b) <= 1e-5 * abs(b), (flags, i, a, b)
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--moe-experts", "4", "--moe-topk", "5"], "top_k=5"),
+    (["--moe-experts", "6", "--ep", "4"], "--moe-experts=6 is not divisible by ep=4"),
+    (["--moe-experts", "4", "--moe-capacity-factor", "0"], "capacity_factor=0.0"),
+    (["--ep", "2"], "--ep needs --moe-experts > 0"),
+    (["--moe-experts", "4", "--ep", "0"], "ep=0"),
+    (["--moe-experts", "4", "--moe-every", "3"], "--moe-every=3"),
+])
+def test_train_moe_bad_input(argv, words, capsys):
+    """train.py's MoE options: exit 2 naming the value, before any process group."""
+    sys.path.insert(0, os.path.join(ROOT, "launch"))
+    import train
+    with pytest.raises(SystemExit) as e:
+        train.parse_args(argv)
+    assert e.value.code == 2
+    assert words in capsys.readouterr().err
