@@ -8,6 +8,8 @@ The layout comes from tpkit-launch (TPKIT_* variables) or from --tp/--cp here. W
 initialised at full size from --seed and sharded onto the layout, and the global batch of
 step k is the same at every layout, so runs at different layouts follow the same loss
 curve (tests/test_train.py proves it). Rank 0 prints one progress line per --log-every.
+Under tpkit-launch, ``tpkit_preflight`` checks the arguments, the layout, the model's
+sizes and --resume's checkpoint once, before any worker starts (docs/launch.md).
 """
 from __future__ import annotations
 
@@ -76,15 +78,29 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_moe_args(ap)
     args = ap.parse_args(argv)
     check_moe_args(args, ap)
-    for name in ("steps", "global_batch", "seq_len", "hidden", "layers", "heads", "ffn"):
+    for name in ("steps", "global_batch", "seq_len", "hidden", "layers", "heads", "gqa_groups",
+                 "ffn", "log_every"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+    for name in ("warmup", "save_every", "clip"):
+        if getattr(args, name) < 0:
+            ap.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 0 (0: off)")
+    if not args.lr > 0:
+        ap.error(f"--lr={args.lr} must be > 0, e.g. 3e-3")
     if not 0.0 <= args.dropout < 1.0:
         ap.error(f"--dropout={args.dropout} must be in [0, 1)")
     check_hf_args(ap, args)
     if args.fp8_recipe is not None and args.precision != "fp8":
         ap.error(f"--fp8-recipe={args.fp8_recipe} needs --precision fp8 (got --precision "
                  f"{args.precision}); add --precision fp8 or drop --fp8-recipe")
+    if args.save and os.path.exists(args.save) and not os.path.isdir(args.save):
+        ap.error(f"--save={args.save!r} is a file; pass a directory (checkpoints go in "
+                 "SAVE/stepNNNNNN)")
+    if args.save_every and not args.save:
+        ap.error(f"--save-every={args.save_every} needs --save DIR (where to write them)")
+    if args.precision != "fp8" and args.fp8_compute_dtype != "float32":
+        ap.error(f"--fp8-compute-dtype={args.fp8_compute_dtype} needs --precision fp8 (got "
+                 f"--precision {args.precision}); drop it")
     return args
 
 
@@ -135,6 +151,84 @@ def hf_model(args, state) -> torch.nn.Module:
                          attention_dropout=args.dropout)
 
 
+
+# --- checks before the workers start (tpkit-launch runs tpkit_preflight) ----------------
+def check_job(args, state) -> None:
+    """The argument checks that need the layout ``state`` (a ParallelState): ValueError
+    naming the flag and the fix. The workers run them too (under plain torchrun)."""
+    from tpkit.data import check_sequence_length
+    if args.global_batch % state.dp_size:
+        raise ValueError(f"--global-batch={args.global_batch} is not divisible by dp="
+                         f"{state.dp_size}; use a multiple of {state.dp_size}")
+    try:
+        check_sequence_length(args.seq_len, state)
+    except ValueError as e:
+        raise ValueError(f"--seq-len={args.seq_len}: {e}") from None
+
+
+def model_config(args, backend=None) -> GPTConfig:
+    return GPTConfig(vocab_size=corpus.VOCAB_SIZE, hidden_size=args.hidden,
+                     num_layers=args.layers, num_heads=args.heads,
+                     num_gqa_groups=args.gqa_groups, ffn_hidden_size=args.ffn,
+                     dropout=args.dropout, recompute=args.recompute,
+                     backend=backend or args.backend, **moe_config(args))
+
+
+def tpkit_preflight(argv, launch) -> None:
+    """Run by tpkit-launch before any worker starts (docs/launch.md, "Pre-flight checks"):
+    the arguments, the layout they give under this launch, the model at that layout (on
+    the meta device of a planned state: the layers' own checks) and --resume's checkpoint
+    against that model. A ValueError or argparse error stops the launch (exit 2)."""
+    from tpkit.checkpoint import verify
+    from tpkit.config import ParallelConfig
+    from tpkit.planning import fake_state
+    from tpkit.random import get_rng_tracker, model_parallel_seed
+    args = parse_args(argv)
+    config = ParallelConfig.from_env(
+        launch.env, tp=args.tp, cp=args.cp, sequence_parallel=args.sequence_parallel,
+        cp_comm_type=args.cp_comm_type, ep=args.ep, etp=args.etp, given_as="train.py --{flag}")
+    try:
+        config = config.validate(launch.world_size)
+    except ValueError as e:
+        raise ValueError(f"{e} [world size {launch.world_size} = {launch.nnodes} node(s) x "
+                         f"{launch.nproc_per_node} processes: this launch]") from None
+    if args.backend == "te" and not launch.dry_run:   # the workers run here: TE, CUDA as here
+        from tpkit.te import require_te
+        try:
+            require_te()
+        except (ImportError, RuntimeError) as e:
+            raise ValueError(f"--backend te: {e}") from None
+    hf = args.init_from_hf if not launch.dry_run else None   # a dry run may plan a download
+    if hf:
+        check_hf_dir(hf)
+    with fake_state(config, launch.world_size) as state:
+        check_job(args, state)
+        cfg = model_config(args, backend="torch")   # shapes are backend-independent
+        try:
+            with torch.random.fork_rng(devices=[]), torch.device("meta"):
+                model_parallel_seed(args.seed, state)   # the layers draw TP shards from it
+                if hf:
+                    _hf_fits(hf, state)
+                model = None if args.init_from_hf else GPT(cfg, state)
+        except ValueError as e:
+            what = (f"--init-from-hf {args.init_from_hf}" if args.init_from_hf else
+                    f"--hidden {args.hidden} --heads {args.heads} --gqa-groups "
+                    f"{args.gqa_groups} --ffn {args.ffn}")
+            raise ValueError(f"the model ({what}) does not fit tp={config.tp}: {e}") from None
+        finally:
+            get_rng_tracker().reset()
+        if args.resume and not launch.dry_run:   # a dry run may plan a resume of a future save
+            verify(resolve_resume(args.resume), None if model is None else {"model": model},
+                   state=state)
+
+
+def _hf_fits(path: str, state) -> None:
+    """ValueError unless the Hugging Face model's config fits ``state``'s layout (no
+    weights read, no model built)."""
+    from tpkit.models.hf import read_config
+    read_config(path)[0].validate().check_tp(state.tp_size)
+
+
 def full_init(model: torch.nn.Module, seed: int) -> None:
     """Layout-independent initialisation: draw every parameter at its full (unsharded)
     shape from a generator seeded by (seed, parameter index), then shard it in."""
@@ -163,8 +257,8 @@ def checkpoint_path(save_dir: str, steps_done: int) -> str:
 def resolve_resume(path: str) -> str:
     """``path`` itself if it is a checkpoint, else the latest SAVE/stepNNNNNN inside it."""
     if not os.path.isdir(path):
-        raise ValueError(f"--resume={path!r} does not exist; pass a checkpoint directory "
-                         "written by --save")
+        raise ValueError(f"--resume={path!r} is not a directory; pass a checkpoint written by "
+                         "--save (SAVE/stepNNNNNN) or the --save directory (its latest)")
     steps = sorted(d for d in os.listdir(path) if d.startswith("step") and d[4:].isdigit())
     return os.path.join(path, steps[-1]) if steps else path
 
@@ -205,6 +299,13 @@ def check_moe_args(args, ap) -> None:
         ap.error(f"--moe-every={args.moe_every} must be between 1 and --layers={args.layers}")
 
 
+def moe_config(args) -> dict:
+    """GPTConfig's MoE fields from the options."""
+    return dict(moe_experts=args.moe_experts, moe_topk=args.moe_topk,
+                moe_every=args.moe_every, moe_aux_coeff=args.moe_aux_coeff,
+                moe_capacity_factor=args.moe_capacity_factor)
+
+
 def moe_report(model) -> str:
     """The aux loss and per-expert token load (min / max over experts, summed over the
     MoE layers) of the last step's micro-batch on this rank's data-parallel replica."""
@@ -242,9 +343,6 @@ def make_fabric(args):
                              seed=args.seed, ep=args.ep, etp=args.etp)
     # Lightning takes precision plugin objects through plugins=, not precision=.
     fallback = {"float32": None, "bfloat16": torch.bfloat16}[args.fp8_compute_dtype]
-    if args.precision != "fp8" and fallback is not None:
-        raise ValueError(f"--fp8-compute-dtype={args.fp8_compute_dtype} needs --precision fp8 "
-                         f"(got --precision {args.precision}); drop it")
     precision = _precision(args, fallback)
     return Fabric(accelerator=accelerator, devices=local, num_nodes=nodes, strategy=strategy,
                   plugins=[precision])
@@ -257,20 +355,11 @@ def train(args) -> list[float]:
     fabric = make_fabric(args)
     fabric.launch()
     state = fabric.strategy.parallel_state
-    cfg = GPTConfig(vocab_size=corpus.VOCAB_SIZE, hidden_size=args.hidden,
-                    num_layers=args.layers, num_heads=args.heads,
-                    num_gqa_groups=args.gqa_groups, ffn_hidden_size=args.ffn,
-                    dropout=args.dropout, recompute=args.recompute, backend=args.backend,
-                    moe_experts=args.moe_experts, moe_topk=args.moe_topk,
-                    moe_every=args.moe_every, moe_aux_coeff=args.moe_aux_coeff,
-                    moe_capacity_factor=args.moe_capacity_factor)
-    if args.global_batch % state.dp_size:
-        raise ValueError(f"--global-batch={args.global_batch} is not divisible by dp="
-                         f"{state.dp_size}; use a multiple of {state.dp_size}")
+    check_job(args, state)
     if args.init_from_hf:
         model = hf_model(args, state)
     else:
-        model = GPT(cfg, state)
+        model = GPT(model_config(args), state)
         full_init(model, args.seed)
     raw_model = model
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),

@@ -1,5 +1,6 @@
-"""tpkit-launch, in process: parsing, every bad invocation (exit 2, one line on stderr,
-nothing started), Slurm derivation, and --dry-run against a real 8-rank gloo run."""
+"""tpkit-launch, in process: parsing, Slurm derivation, and --dry-run against a real
+8-rank gloo run. Bad invocations (exit 2, one line on stderr, nothing started) are in the
+bad-input table, tests/test_bad_input.py."""
 import os
 import stat
 
@@ -53,76 +54,8 @@ def plan_of(argv):
     return launch.resolve(launch.build_parser().parse_args(argv), os.environ)
 
 
-# --- bad invocations: exit 2, one line naming the problem, no worker started -------------
-BAD = [
-    (["--tp", "3", "--nproc-per-node", "4", SCRIPT], "not divisible by tp*cp*pp"),
-    (["--tp", "2", "--dp", "3", "--nproc-per-node", "4", SCRIPT], "dp=3 is inconsistent"),
-    (["--sequence-parallel", SCRIPT], "sequence_parallel=True needs tp >= 2"),
-    (["--cp", "2", "--cp-comm-type", "ring", SCRIPT], "cp_comm_type='ring' is unknown"),
-    (["--cp", "4", "--cp-a2a-size", "2", SCRIPT], "only used with cp_comm_type='a2a+p2p'"),
-    (["--cp", "4", "--cp-comm-type", "a2a+p2p", SCRIPT], "needs cp_a2a_size"),
-    (["--tp", "0", SCRIPT], "tp=0 must be >= 1"),
-    (["--tp", "two", SCRIPT], "argument --tp: invalid int value: 'two'"),
-    (["--tp", "2", "missing_script.py"], "training script 'missing_script.py' does not exist"),
-    (["--tp", "2"], "the following arguments are required: training_script"),
-    (["--nproc-per-node", "0", SCRIPT], "--nproc-per-node=0 must be >= 1"),
-    (["--nproc-per-node", "many", SCRIPT], "--nproc-per-node='many' is not a number"),
-    (["--nnodes", "2", "--nproc-per-node", "2", SCRIPT], "needs --rdzv-endpoint HOST:PORT"),
-    (["--nnodes", "3:2", SCRIPT], "--nnodes='3:2' is not N or MIN:MAX"),
-    (["--nnodes", "2", "--nproc-per-node", "6", "--tp", "4", "--rdzv-endpoint", "h:1", SCRIPT],
-     "tp=4 does not fit in one node of 6 processes"),
-    (["--nnodes", "1:4", "--dp", "2", "--rdzv-endpoint", "h:1", SCRIPT],
-     "--dp=2 cannot hold for every node count"),
-    (["--nnodes", "1:3", "--tp", "2", "--nproc-per-node", "3", "--rdzv-endpoint", "h:1", SCRIPT],
-     "world size 3 is not divisible"),
-    (["--backend", "mpi", SCRIPT], "argument --backend: invalid choice: 'mpi'"),
-    (["--backend", "nccl", SCRIPT], "--backend nccl needs CUDA GPUs"),
-    (["--bogus", "1", SCRIPT], "unrecognized arguments"),
-]
-
-
-@pytest.mark.parametrize("argv,message", BAD, ids=[m[:30] for _, m in BAD])
-def test_bad_invocation_exits_2_with_one_line(argv, message, capsys, no_workers):
-    assert launch.main(argv) == 2
-    out, err = capsys.readouterr()
-    assert out == ""
-    assert err.count("\n") == 1 and err.startswith("tpkit-launch: error: "), err
-    assert message in err, err
-
-
-SLURM_BAD = [
-    (dict(), ["--nnodes", "3"], "--nnodes=3 conflicts with the Slurm allocation's 2 node(s)"),
-    (dict(), ["--node-rank", "0"], "--node-rank=0 conflicts with SLURM_NODEID=1"),
-    (dict(step=None), [], "runs in the batch script of a 2-node job"),
-    (dict(tasks=4), [], "the Slurm step runs 4 tasks on 2 node(s)"),
-]
-
-
-@pytest.mark.parametrize("var", ["TPKIT_SHM_ALLREDUCE", "TPKIT_FUSED_ATTN"])
-def test_bad_switch_is_refused_before_workers(monkeypatch, capsys, no_workers, var):
-    monkeypatch.setenv(var, "sometimes")
-    assert launch.main(["--tp", "2", SCRIPT]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and f"{var}='sometimes' is not a boolean" in err
-
-
-@pytest.mark.parametrize("env,argv,message", SLURM_BAD, ids=[m[:30] for *_, m in SLURM_BAD])
-def test_slurm_conflicts_are_errors(env, argv, message, monkeypatch, tmp_path, capsys, no_workers):
-    slurm_env(monkeypatch, **env)
-    fake_scontrol(tmp_path, monkeypatch, ["node07", "node08"])
-    assert launch.main(argv + ["--nproc-per-node", "2", SCRIPT]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and message in err, err
-
-
-def test_slurm_nodelist_that_cannot_be_expanded_is_an_error_not_localhost(
-        monkeypatch, tmp_path, capsys, no_workers):
-    slurm_env(monkeypatch)
-    fake_scontrol(tmp_path, monkeypatch, None)
-    assert launch.main(["--nproc-per-node", "2", SCRIPT]) == 2
-    err = capsys.readouterr().err
-    assert "cannot expand the Slurm node list 'node[07-08]'" in err
-    assert "Invalid node name" in err and "--rdzv-endpoint" in err and "localhost" not in err
+# Bad invocations (exit 2, one line, nothing started) are rows of the bad-input table,
+# tests/test_bad_input.py, which uses the fixtures above.
 
 
 # --- what a good invocation resolves to -------------------------------------------------
@@ -261,3 +194,24 @@ def test_dry_run_65536_ranks_summarises(capsys, no_workers):
     lines = out.splitlines()
     table = lines[lines.index("rank table:") + 1:]
     assert len(table) == 1 + launch.DRY_RUN_ROWS + 1 and table[-1].split()[0] == "65535"
+
+
+def test_failure_line_names_the_cause_not_the_peer_that_lost_it():
+    """Error files carry whole-second timestamps: when the crashing rank and the rank whose
+    gloo connection it closed record the same second, the line names the crash."""
+    from types import SimpleNamespace as NS
+
+    def failure(rank, message, ts=100):
+        return NS(exitcode=1, timestamp=ts, local_rank=rank, message=message,
+                  error_file_data={"message": message})
+    gone = ("RuntimeError: [../gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+            "[127.0.0.1]:3498")
+    e = NS(failures={0: failure(0, gone), 1: failure(1, "RuntimeError: boom on rank 1"),
+                     2: failure(2, gone, ts=99)},
+           get_first_failure=lambda: (0, None))
+    line = launch.describe_failure(e)
+    assert line.startswith("rank 1 (local rank 1, exit code 1) failed: RuntimeError: boom"), line
+    assert line.endswith("(2 other ranks failed or were stopped)"), line
+    # only peers' errors: the earliest is named
+    e.failures.pop(1)
+    assert launch.describe_failure(e).startswith("rank 2 "), launch.describe_failure(e)

@@ -41,9 +41,10 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor, Shard
 
+from ._dcp_verify import agree, checkpoint_dir, dir_problem, verify_files
 from .collectives import all_gather, group_size
 from .param_tags import tp_spec
-from .topology import get_parallel_state
+from .topology import resolve_state
 
 EXTRA_STATE_SUFFIX = "_extra_state"
 SEG_DIM = "seg_dim"
@@ -171,6 +172,10 @@ def _init_optimizer_state(opt: torch.optim.Optimizer) -> None:
     with zero gradients and lr=0, which leaves the parameters unchanged."""
     if opt.state:
         return
+    for g in opt.param_groups:
+        if any(p.grad is not None for p in g["params"]):
+            raise ValueError("load the optimizer state before the first backward (a "
+                             "parameter already has a gradient)")
     saved = []
     for g in opt.param_groups:
         lr = g.get("lr")
@@ -180,9 +185,6 @@ def _init_optimizer_state(opt: torch.optim.Optimizer) -> None:
         elif lr is not None:
             g["lr"] = 0.0
         for p in g["params"]:
-            if p.grad is not None:
-                raise ValueError("load the optimizer state before the first backward (a "
-                                 "parameter already has a gradient)")
             p.grad = torch.zeros_like(p)
     opt.step()
     for g, lr in zip(opt.param_groups, saved):
@@ -194,8 +196,8 @@ def _init_optimizer_state(opt: torch.optim.Optimizer) -> None:
             p.grad = None
 
 
-def _optimizer_views(opt, names, state, slots, *, for_load):
-    if for_load:
+def _optimizer_views(opt, names, state, slots, *, for_load, init=True):
+    if for_load and init:
         _init_optimizer_state(opt)
     groups, per_param = [], {}
     for gi, g in enumerate(opt.param_groups):
@@ -221,12 +223,15 @@ def _optimizer_views(opt, names, state, slots, *, for_load):
     return {"state": per_param, "param_groups": groups}
 
 
-def _build(state_dict: dict, *, for_load: bool, filter: dict | None = None):
+def _build(state_dict: dict, *, for_load: bool, filter: dict | None = None,
+           init_optimizers: bool = True, state=None):
     """DCP views of the modules and optimizers in ``state_dict`` (tensors presented at their
     global shapes, see _Slot); on save, every other entry wrapped whole (_Whole).
     ``filter``: Fabric's ``save(filter=...)``, ``{key: fn(name, value) -> keep}`` applied to
-    the items of that entry's state dict; an entry with no item left is not saved."""
-    state = get_parallel_state()
+    the items of that entry's state dict; an entry with no item left is not saved.
+    ``init_optimizers=False``: optimizers without state are not stepped to create it
+    (``verify`` only looks). ``state``: the layout (default: the current one)."""
+    state = resolve_state(state)
     filter = filter or {}
     modules = [v for v in state_dict.values() if isinstance(v, nn.Module)]
     names = _param_names(modules)
@@ -237,7 +242,8 @@ def _build(state_dict: dict, *, for_load: bool, filter: dict | None = None):
         if isinstance(obj, nn.Module):
             view = _module_views(obj, state, slots, for_load=for_load, keep=keep)
         elif isinstance(obj, torch.optim.Optimizer):
-            view = _optimizer_views(obj, names, state, slots, for_load=for_load)
+            view = _optimizer_views(obj, names, state, slots, for_load=for_load,
+                                    init=init_optimizers)
         else:
             assert not for_load, "plain entries are read whole (read)"
             view = obj.state_dict() if _stateful(obj) else obj
@@ -285,6 +291,9 @@ def save(path: str | os.PathLike, state_dict: dict[str, Any], *,
     checkpoint with ``strict=False``."""
     _check_filter(filter, state_dict)
     path = os.path.abspath(os.fspath(path))
+    problem = dir_problem(os.path.dirname(path))   # before any rank writes a byte
+    agree(None if problem is None else ValueError(
+        f"cannot save checkpoint {path}: {problem}; pass a path in a writable directory"))
     name = [f"{path}.tmp-{uuid.uuid4().hex[:8]}" if _rank() == 0 else None]
     if dist.is_initialized():
         dist.broadcast_object_list(name, src=0)
@@ -311,9 +320,8 @@ def save(path: str | os.PathLike, state_dict: dict[str, Any], *,
 
 # --- load ------------------------------------------------------------------------------
 def _metadata(path: str):
-    if not os.path.isdir(path):
-        raise ValueError(f"no checkpoint directory at {path}")
-    return dcp.FileSystemReader(path).read_metadata()
+    """The checkpoint's DCP metadata, its files checked first (``verify_files``)."""
+    return verify_files(path)
 
 
 def _paths(md) -> dict[str, tuple]:
@@ -331,16 +339,21 @@ class MissingKeyError(KeyError, ValueError):
         return str(self.args[0]) if self.args else ""
 
 
-def missing_key_error(key: str) -> MissingKeyError:
-    """Fabric's strict-loading error (lightning.fabric.strategies.strategy), same wording."""
+def missing_key_error(key: str, path: str | None = None, saved=()) -> MissingKeyError:
+    """Fabric's strict-loading error (lightning.fabric.strategies.strategy), same wording,
+    then which checkpoint and the keys it has."""
+    where = (f" (checkpoint {path}, which has {sorted(saved)})" if path is not None else "")
     return MissingKeyError(f"The requested state contains a key '{key}' that does not exist in "
-                           "the loaded checkpoint. To disable strict loading, set `strict=False`.")
+                           f"the loaded checkpoint{where}. To disable strict loading, set "
+                           "`strict=False`.")
 
 
 def _check_against(path: str, meta: dict, flat: dict, strict: bool) -> list[str]:
     """ValueError for tensors whose global shape differs from the checkpoint's; returns
-    the keys absent from the checkpoint (MissingKeyError, a KeyError as Fabric's, if
-    ``strict``)."""
+    the keys absent from the checkpoint (MissingKeyError, a KeyError as Fabric's and a
+    ValueError, if ``strict``). ``meta``: the checkpoint's ``state_dict_metadata``."""
+    other = ("this checkpoint was written by another model (or another configuration of it); "
+             "load a checkpoint of this model, or build the model the checkpoint was saved from")
     missing = []
     for key, value in flat.items():
         if key not in meta:
@@ -349,19 +362,44 @@ def _check_against(path: str, meta: dict, flat: dict, strict: bool) -> list[str]
         md = meta[key]
         if isinstance(value, torch.Tensor):
             if not isinstance(md, TensorStorageMetadata):
-                raise ValueError(f"checkpoint entry {key!r} is not a tensor but the target is "
-                                 f"a tensor of shape {tuple(value.shape)}")
+                raise ValueError(f"checkpoint {path}: entry {key!r} is not a tensor but the "
+                                 f"target is a tensor of shape {tuple(value.shape)}; {other}")
             if tuple(md.size) != tuple(value.shape):
                 raise ValueError(
-                    f"checkpoint tensor {key!r} has global shape {tuple(md.size)} but the "
-                    f"target expects {tuple(value.shape)}; shapes must match globally to "
-                    "reshard (check the model config, e.g. hidden/vocab sizes or fused "
-                    "partition_sizes)")
+                    f"checkpoint {path}: tensor {key!r} has global shape {tuple(md.size)} but "
+                    f"the target expects {tuple(value.shape)}; shapes must match globally to "
+                    f"reshard (check the model config, e.g. hidden/vocab sizes or fused "
+                    f"partition_sizes): {other}")
     if missing and strict:
         raise MissingKeyError(f"{len(missing)} keys are missing from checkpoint {path}: "
-                              f"{missing[:8]}{' ...' if len(missing) > 8 else ''}; pass "
-                              "strict=False to skip them")
+                              f"{missing[:8]}{' ...' if len(missing) > 8 else ''}; {other}, "
+                              "or pass strict=False to load only the keys it has")
     return missing
+
+
+def verify(path: str | os.PathLike, state_dict: dict[str, Any] | None = None, *,
+           strict: bool = True, state=None) -> None:
+    """Check the checkpoint at ``path`` without restoring anything: its ``.metadata`` and
+    every shard file (present, and as long as the metadata says), and, given
+    ``state_dict``, that every module tensor (and the state of optimizers that have
+    state) is in it with the same global shape (missing keys only with ``strict``).
+    ValueError naming the file or key and what to do, e.g. the previous complete
+    checkpoint next to it. Not collective; reads no tensor data; ``state`` (default: the
+    current one) is the layout the modules are sharded over. ``load`` runs it first."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    md = verify_files(path)
+    if state_dict is None:
+        return
+    saved = {p[0] for p in _paths(md).values()}
+    absent = [k for k in state_dict if k not in saved]
+    if absent and strict:
+        raise missing_key_error(absent[0], path, saved)
+    live = {k: v for k, v in state_dict.items()
+            if k in saved and isinstance(v, (nn.Module, torch.optim.Optimizer))}
+    if live:
+        views, _ = _build(live, for_load=True, init_optimizers=False, state=state)
+        _check_against(checkpoint_dir(path), md.state_dict_metadata,
+                       flatten_state_dict(views)[0], strict)
 
 
 def load(path: str | os.PathLike, state_dict: dict[str, Any], *,
@@ -371,21 +409,35 @@ def load(path: str | os.PathLike, state_dict: dict[str, Any], *,
     ``load_state_dict`` get their saved state, plain values are replaced in the dict.
     ``strict``: every key of ``state_dict`` (and every tensor of its modules and
     optimizers) must be in the checkpoint, else MissingKeyError (a KeyError, as
-    Fabric's strategies raise, and a ValueError). Returns ``state_dict``.
-    Collective."""
+    Fabric's strategies raise, and a ValueError). The files and shapes are checked
+    first (``verify``), on every rank, before any tensor is touched: a problem found by
+    any rank is raised on all of them. Returns ``state_dict``. Collective."""
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflatten_state_dict
-    path = os.path.abspath(os.fspath(path))
-    md = _metadata(path)
-    saved = {p[0] for p in _paths(md).values()}
-    absent = [k for k in state_dict if k not in saved]
-    if absent and strict:
-        raise missing_key_error(absent[0])
-    live = {k: v for k, v in state_dict.items()
-            if k in saved and isinstance(v, (nn.Module, torch.optim.Optimizer))}
+    fresh = [o for o in state_dict.values() if isinstance(o, torch.optim.Optimizer)
+             and not o.state]  # load creates their state first; undone if it fails
+    error = None
+    try:
+        try:
+            md = verify_files(path)
+            path = checkpoint_dir(path)
+            saved = {p[0] for p in _paths(md).values()}
+            absent = [k for k in state_dict if k not in saved]
+            if absent and strict:
+                raise missing_key_error(absent[0], path, saved)
+            live = {k: v for k, v in state_dict.items()
+                    if k in saved and isinstance(v, (nn.Module, torch.optim.Optimizer))}
+            if live:
+                views, slots = _build(live, for_load=True)
+                flat, mapping = flatten_state_dict(views)
+                missing = set(_check_against(path, md.state_dict_metadata, flat, strict))
+        except ValueError as e:
+            error = e
+        agree(error)  # every rank stops here if any rank found a problem
+    except BaseException:
+        for opt in fresh:
+            opt.state.clear()
+        raise
     if live:
-        views, slots = _build(live, for_load=True)
-        flat, mapping = flatten_state_dict(views)
-        missing = set(_check_against(path, md.state_dict_metadata, flat, strict))
         flat = {k: v for k, v in flat.items() if k not in missing}
         dcp.load(flat, storage_reader=dcp.FileSystemReader(path))
         loaded = unflatten_state_dict(flat, {k: v for k, v in mapping.items() if k in flat})

@@ -250,6 +250,6 @@ def _optimizer_value(v, p, spec, state, what: str):
 
 
 # Sharded, reshardable checkpoints with torch.distributed.checkpoint (tpkit/_dcp.py).
-from ._dcp import load, read, read_extras, save  # noqa: E402
+from ._dcp import load, read, read_extras, save, verify  # noqa: E402
 
-__all__ += ["save", "load", "read", "read_extras", "unwrap_module", "MissingKeyError"]
+__all__ += ["save", "load", "verify", "read", "read_extras", "unwrap_module", "MissingKeyError"]

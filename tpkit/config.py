@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from typing import Mapping
 
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
@@ -67,8 +68,34 @@ class ParallelConfig:
     cp_a2a_size: int | None = None
     ep: int = 1
     etp: int | None = None
+    #: Where each value came from, for error messages (``from_env`` fills it): field name
+    #: -> e.g. "$TPKIT_DP (...)" or "init_parallel's tp argument". Not part of the layout.
+    origin: Mapping[str, str] | None = dataclasses.field(
+        default=None, compare=False, repr=False, kw_only=True)
 
     def __post_init__(self) -> None:
+        try:
+            self._check()
+        except ValueError as e:
+            raise ValueError(self._with_origin(str(e))) from None
+
+    def _with_origin(self, message: str, fields=None) -> str:
+        """``message`` plus where the values it names came from (those of ``fields``, or
+        every field the message mentions as ``name=``), when they were not defaults."""
+        if not self.origin:
+            return message
+        if fields is None:
+            fields = [f for f in ENV_VARS if re.search(rf"\b{f}=", message)]
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        fields = [f for f in fields if f in self.origin and getattr(self, f) != defaults[f]]
+        known = [f"{f}={getattr(self, f)!r} from {self.origin[f]}" for f in fields]
+        if not known:
+            return message
+        env = any(self.origin[f].startswith("$") for f in fields)
+        return (f"{message} [{'; '.join(known)}"
+                + ("; tpkit-launch exports $TPKIT_*, or your shell set them" if env else "") + "]")
+
+    def _check(self) -> None:
         for name in ("tp", "cp", "pp", "ep"):
             _check_size(name, getattr(self, name))
         _check_size("dp", self.dp, allow_none=True)
@@ -133,22 +160,24 @@ class ParallelConfig:
         """Check the layout against ``world_size``; return a copy with ``dp`` filled in."""
         _check_size("world_size", world_size)
         if world_size % self.model_size != 0:
-            raise ValueError(
+            raise ValueError(self._with_origin(
                 f"world size {world_size} is not divisible by tp*cp*pp = {self.tp}*{self.cp}*"
                 f"{self.pp} = {self.model_size}; use a world size that is a multiple of "
-                f"{self.model_size} or smaller tp/cp/pp")
+                f"{self.model_size} or smaller tp/cp/pp", ("tp", "cp", "pp")))
         dp = world_size // self.model_size
         if self.dp is not None and self.dp != dp:
-            raise ValueError(
+            raise ValueError(self._with_origin(
                 f"dp={self.dp} is inconsistent with world size {world_size} and tp*cp*pp="
-                f"{self.model_size} (which leave dp={dp}); pass dp={dp} or leave dp unset")
+                f"{self.model_size} (which leave dp={dp}); pass dp={dp} or leave dp unset",
+                ("dp", "tp", "cp", "pp")))
         stage = self.tp * self.cp * dp
         if stage % (self.expert_tp * self.ep):
-            raise ValueError(
+            raise ValueError(self._with_origin(
                 f"etp*ep = {self.expert_tp}*{self.ep} = {self.expert_tp * self.ep} does not "
                 f"divide tp*cp*dp = {self.tp}*{self.cp}*{dp} = {stage} (the ranks of one "
                 "pipeline stage, which the expert layers re-cut as etp x ep x edp); choose ep "
-                f"and etp whose product divides {stage}, or change the world size")
+                f"and etp whose product divides {stage}, or change the world size",
+                ("ep", "etp", "tp", "cp")))
         return dataclasses.replace(self, dp=dp)
 
     @property
@@ -178,8 +207,11 @@ class ParallelConfig:
         return env
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None, **overrides) -> "ParallelConfig":
+    def from_env(cls, env: Mapping[str, str] | None = None, *, given_as: str = "the {name} argument",
+                 **overrides) -> "ParallelConfig":
         """Build from ``TPKIT_*`` variables (unset ones take defaults); keyword overrides win.
+        Error messages say where each value came from: the variable, or ``given_as``
+        (``{name}`` and ``{flag}`` are filled in, e.g. "tpkit-launch --{flag}").
 
         The variables describe one layout, so values derived from a size an override
         changes are dropped rather than contradicted: ``TPKIT_DP`` (the rest of the world at
@@ -189,10 +221,12 @@ class ParallelConfig:
         ``tpkit-launch --tp 2`` builds tp=4 with dp = world / 4."""
         env = os.environ if env is None else env
         kwargs: dict = {}
+        origin: dict = {}
         for field, var in ENV_VARS.items():
             raw = env.get(var)
             if raw is None:
                 continue
+            origin[field] = f"${var}"
             if field == "cp_comm_type":
                 kwargs[field] = raw
             elif field == "sequence_parallel":
@@ -209,7 +243,9 @@ class ParallelConfig:
         if "cp_a2a_size" not in overrides and overrides.get("cp_comm_type", "a2a+p2p") != "a2a+p2p":
             kwargs.pop("cp_a2a_size", None)
         kwargs.update(overrides)
-        return cls(**kwargs)
+        origin = {f: o for f, o in origin.items() if f in kwargs}
+        origin.update({f: given_as.format(name=f, flag=f.replace("_", "-")) for f in overrides})
+        return cls(**kwargs, origin=origin)
 
     @classmethod
     def env_is_set(cls, env: Mapping[str, str] | None = None) -> bool:

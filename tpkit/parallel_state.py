@@ -108,7 +108,8 @@ def init_parallel(tp: int | None = None, cp: int | None = None, pp: int | None =
     if config is None:
         config = ParallelConfig.from_env(
             tp=tp, cp=cp, pp=pp, dp=dp, sequence_parallel=sequence_parallel,
-            cp_comm_type=cp_comm_type, cp_a2a_size=cp_a2a_size, ep=ep, etp=etp)
+            cp_comm_type=cp_comm_type, cp_a2a_size=cp_a2a_size, ep=ep, etp=etp,
+            given_as="init_parallel's {name} argument")
     elif any(v is not None for v in (tp, cp, pp, dp, sequence_parallel, cp_comm_type,
                                       cp_a2a_size, ep, etp)):
         raise ValueError("pass either config= or individual sizes to init_parallel, not both")
@@ -116,13 +117,17 @@ def init_parallel(tp: int | None = None, cp: int | None = None, pp: int | None =
         backend = os.environ["TPKIT_BACKEND"]  # exported by tpkit-launch
     if backend is not None and backend not in ("nccl", "gloo"):
         raise ValueError(f"backend={backend!r} is not supported; use 'nccl' or 'gloo'")
+    # Validate before building so a bad layout fails without touching the groups.
     if dist.is_initialized():
-        # Validate before building so a bad layout fails without touching the groups.
-        config.validate(dist.get_world_size())
+        world, where = dist.get_world_size(), "the default process group's size"
     elif "WORLD_SIZE" in os.environ:
-        config.validate(int(os.environ["WORLD_SIZE"]))
+        world, where = int(os.environ["WORLD_SIZE"]), "$WORLD_SIZE, set by the launcher"
     else:
-        config.validate(1)
+        world, where = 1, "no $WORLD_SIZE: a process started without a launcher is a world of one"
+    try:
+        config.validate(world)
+    except ValueError as e:
+        raise ValueError(f"{e} [world size {world}: {where}]") from None
     shm_allreduce_enabled()   # a bad TPKIT_SHM_ALLREDUCE fails before any group exists
     fused_attn_enabled()      # and so does a bad TPKIT_FUSED_ATTN
     if backend == "nccl" and not torch.cuda.is_available():

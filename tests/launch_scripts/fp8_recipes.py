@@ -34,6 +34,9 @@ SMALL = ["--steps", str(STEPS), "--hidden", "64", "--layers", "2", "--heads", "4
          "--gqa-groups", "2", "--ffn", "128", "--seq-len", "32", "--global-batch", "4",
          "--warmup", "5", "--log-every", "100", "--tp", "2", "--cp", "2",
          "--sequence-parallel"]
+if os.environ.get("FP8_RECIPES_MODEL") == "default":   # BENCHMARKS.md: train.py's own model
+    SMALL = ["--steps", str(STEPS), "--log-every", "100", "--tp", "2", "--cp", "2",
+             "--sequence-parallel"]
 
 
 def curves() -> dict:

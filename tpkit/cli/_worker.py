@@ -1,7 +1,9 @@
 """The program tpkit-launch starts on every rank: runs the user's script (or ``-m`` module)
 as ``__main__`` the way torchrun's ``@record`` decorator does (its documented equivalent:
 fault handler on, uncaught exceptions written to torchrun's per-rank error file through
-``get_error_handler()``), so the launcher can name the failing rank and its error.
+``get_error_handler()``), so the launcher can name the failing rank and its error. A plain ``ValueError`` (a user
+error by tpkit's convention) is recorded but not printed: the launcher prints one line
+for the job (``TPKIT_TRACEBACK=1`` prints every rank's traceback as well).
 
 Torch is imported only when an exception has to be recorded, and tpkit-launch runs this
 file by path (``python -u .../tpkit/cli/_worker.py script.py ARGS`` or
@@ -24,9 +26,17 @@ def main() -> None:
         else:
             sys.argv = list(argv)
             runpy.run_path(argv[0], run_name="__main__")
-    except Exception as e:
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except BaseException as e:   # torch's CheckpointException is a BaseException
         from torch.distributed.elastic.multiprocessing.errors import get_error_handler
         get_error_handler().record_exception(e)
+        if type(e) is ValueError and os.environ.get("TPKIT_TRACEBACK", "0").strip().lower() \
+                in ("0", "false", "no", "off", ""):
+            # A user error (tpkit's convention: ValueError naming the value and the fix):
+            # the launcher prints the first failing rank's message as one line instead of
+            # a traceback per rank; the traceback stays in the error file.
+            sys.exit(1)
         raise
 
 

@@ -9,9 +9,12 @@ from Slurm when inside an allocation, and then runs torchrun's own launcher
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import sys
 from typing import Mapping
+
+from .preflight import LaunchInfo, PreflightError, find_hook, run_hook
 
 PROG = "tpkit-launch"
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_worker.py")
@@ -23,7 +26,7 @@ class LaunchError(ValueError):
 
 
 def _raise(message: str):
-    raise LaunchError(message)
+    raise LaunchError(f"{message}; see {PROG} --help")  # argparse's own messages
 
 
 # --- command line ------------------------------------------------------------------
@@ -137,6 +140,7 @@ class Plan:
     command: list[str]
     exports: dict[str, str]
     slurm: object = None
+    preflight: list = dataclasses.field(default_factory=list)  # LaunchInfo per node count
 
 
 def _nproc(value: str, config, *, gpus: int, nnodes: int) -> int:
@@ -179,16 +183,18 @@ def _visible_gpus() -> int:
 
 def resolve(args, env: Mapping[str, str]) -> Plan:
     """Check the invocation against the layout, the machine and Slurm; raise LaunchError."""
-    from tpkit.config import ParallelConfig, fused_attn_enabled
+    from tpkit.config import ParallelConfig, env_flag, fused_attn_enabled
     from tpkit.shm import shm_allreduce_enabled
     from .slurm import slurm_info
     try:
         shm_allreduce_enabled(env)
         fused_attn_enabled(env)
+        env_flag("TPKIT_TRACEBACK", env, default=False,
+                 fix="use 1 (print every failing rank's traceback) or 0")
         config = ParallelConfig.from_env(
             env, tp=args.tp, cp=args.cp, pp=args.pp, dp=args.dp,
             sequence_parallel=args.sequence_parallel, cp_comm_type=args.cp_comm_type,
-            cp_a2a_size=args.cp_a2a_size, ep=args.ep, etp=args.etp)
+            cp_a2a_size=args.cp_a2a_size, ep=args.ep, etp=args.etp, given_as="tpkit-launch --{flag}")
         slurm = slurm_info(env)
     except ValueError as e:
         raise LaunchError(str(e)) from None
@@ -218,6 +224,10 @@ def resolve(args, env: Mapping[str, str]) -> Plan:
     if rdzv_backend == "c10d" and hi == 1 and not endpoint:
         endpoint = "localhost:0"  # one node: c10d store on a free port (torchrun --standalone)
         rdzv_id = rdzv_id or f"tpkit-{os.getpid()}"
+    if node_rank is not None and not 0 <= node_rank < hi:
+        raise LaunchError(f"--node-rank={node_rank} is out of range for {hi} node(s); pass a "
+                          f"different node rank 0..{hi - 1} on each node")
+    _check_torchrun_flags(args, rdzv_backend, endpoint)
     if rdzv_backend == "static" and hi > 1 and node_rank is None:
         raise LaunchError("--rdzv-backend static with several nodes needs --node-rank on "
                           "every node (or use the default c10d rendezvous)")
@@ -252,23 +262,77 @@ def resolve(args, env: Mapping[str, str]) -> Plan:
         cpus = (slurm.cpus_per_task if slurm and slurm.cpus_per_task
                 else len(os.sched_getaffinity(0)))
         exports["OMP_NUM_THREADS"] = str(max(1, cpus // nproc))
+    infos = [LaunchInfo(config=config.validate(n * nproc), world_size=n * nproc,
+                        nproc_per_node=nproc, nnodes=n, env={**env, **exports},
+                        dry_run=args.dry_run) for n in range(lo, hi + 1)]
     return Plan(config=config, nproc_per_node=nproc, min_nodes=lo, max_nodes=hi,
                 node_rank=node_rank, rdzv_backend=rdzv_backend, rdzv_endpoint=endpoint or "",
                 rdzv_id=rdzv_id or "none", backend=backend, command=command,
-                exports=exports, slurm=slurm)
+                exports=exports, slurm=slurm, preflight=infos)
 
 
 def _command(args, env: Mapping[str, str]) -> list[str]:
     """The worker command line; scripts and modules run under the error-recording wrapper."""
     script = args.training_script
+    if args.no_python and args.module:
+        raise LaunchError("--no-python and -m cannot be combined: -m runs a Python module; "
+                          "drop one of them")
     if args.no_python or args.run_path:
         return [script, *args.training_script_args]  # torchrun's own handling, unwrapped
-    if not args.module and not os.path.isfile(script):
-        raise LaunchError(f"training script {script!r} does not exist (looked in "
-                          f"{os.getcwd()}); pass the path of a .py file")
     python = env.get("PYTHON_EXEC", sys.executable)
     target = ["-m", script] if args.module else [script]
     return [python, "-u", WORKER, *target, *args.training_script_args]
+
+
+def preflight(args, plan: Plan) -> str | None:
+    """The script's file checks, then its ``tpkit_preflight`` hook if it has one
+    (tpkit.cli.preflight); PreflightError when it refuses, its text when it answered."""
+    if args.no_python or args.run_path:
+        return None
+    source = find_hook(args)
+    return None if source is None else run_hook(args, source, plan.preflight)
+
+
+def _check_torchrun_flags(args, rdzv_backend: str, endpoint: str | None) -> None:
+    """The values torchrun itself would refuse only after starting (with a traceback)."""
+    from torch.distributed.elastic.multiprocessing.api import Std
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+    if args.max_restarts < 0:
+        raise LaunchError(f"--max-restarts={args.max_restarts} must be >= 0 (0: no restarts)")
+    if not args.monitor_interval > 0:
+        raise LaunchError(f"--monitor-interval={args.monitor_interval} must be > 0 seconds; "
+                          "e.g. 0.1 (the default)")
+    for flag in ("redirects", "tee"):
+        try:
+            Std.from_str(getattr(args, flag))
+        except ValueError:
+            raise LaunchError(f"--{flag}={getattr(args, flag)!r} is not a stream number: pass "
+                              "0 (none), 1 (stdout), 2 (stderr) or 3 (both), or per local "
+                              "rank like 0:1,1:3") from None
+    known = sorted(getattr(rendezvous_handler_registry, "_registry", None) or ())
+    if known and rdzv_backend not in known:
+        raise LaunchError(f"--rdzv-backend={rdzv_backend!r} is unknown; use one of {known}")
+    if endpoint:
+        try:
+            parse_rendezvous_endpoint(endpoint, default_port=29400)
+        except ValueError as e:
+            raise LaunchError(f"--rdzv-endpoint={endpoint!r}: {e}; pass HOST:PORT, e.g. "
+                              "node0:29400") from None
+    if args.master_port is not None and not 0 <= args.master_port <= 65535:
+        raise LaunchError(f"--master-port={args.master_port} is not a port; pass 0..65535")
+    if args.log_dir:
+        from tpkit._dcp_verify import dir_problem
+        problem = dir_problem(args.log_dir)
+        if problem:
+            raise LaunchError(f"--log-dir={args.log_dir!r} cannot be used ({problem}); pass "
+                              "a writable directory")
+    if args.local_ranks_filter:
+        try:
+            [int(r) for r in args.local_ranks_filter.split(",")]
+        except ValueError:
+            raise LaunchError(f"--local-ranks-filter={args.local_ranks_filter!r} is not a "
+                              "comma-separated list of local ranks; pass e.g. 0,1") from None
 
 
 # --- running -----------------------------------------------------------------------
@@ -288,35 +352,80 @@ def _launch(args, plan: Plan) -> int:
         args.module = False
         args.training_script = WORKER
         args.training_script_args = plan.command[3:]
+    quiet = _DropFailureLog()
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(quiet)
     try:
         run(args)
     except ChildFailedError as e:
         e.name = script  # torchrun would name the wrapper module
-        print(e.format_msg(), file=sys.stderr)
-        print(f"{PROG}: {describe_failure(e)}", file=sys.stderr, flush=True)
+        line = describe_failure(e)
+        if user_error(line):  # a user's ValueError: the one line says it all
+            from tpkit.config import env_flag
+            if not env_flag("TPKIT_TRACEBACK", default=False):   # checked by resolve()
+                line += " [TPKIT_TRACEBACK=1 shows the traceback]"
+        else:
+            print(e.format_msg(), file=sys.stderr)
+        print(f"{PROG}: {line}", file=sys.stderr, flush=True)
         return 1
     except SignalException as e:
         print(f"{PROG}: stopped by {e.sigval.name}; the workers were sent it too",
               file=sys.stderr, flush=True)
         return 128 + int(e.sigval)
+    finally:
+        logging.getLogger("torch.distributed.elastic.multiprocessing.api").removeFilter(quiet)
     return 0
+
+
+class _DropFailureLog(logging.Filter):
+    """Drops torch's routine failure records ("failed (exitcode: N) local_rank: ...",
+    "Sending process P closing signal SIGTERM"): the line tpkit-launch prints after them
+    names the failing rank, its exit code, its error and how many others were stopped."""
+    ROUTINE = ("failed (exitcode:", "Sending process ", "Closing process ")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.ROUTINE)
+
+
+# A rank's error that only says a peer went away (the peer's own error is the cause; the
+# error files' timestamps are whole seconds, so both often carry the same one).
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+              "communicator was aborted")
+
+
+def _collateral(message) -> bool:
+    text = str(message.get("message", message) if isinstance(message, dict) else message)
+    return any(p in text for p in _PEER_GONE)
 
 
 def describe_failure(e) -> str:
     """One line naming the rank that failed first and its error (from torchrun's per-rank
     error file); ranks the agent then stopped with a signal are only counted."""
-    own = [(f.timestamp, r) for r, f in e.failures.items() if f.exitcode > 0]
-    rank = min(own)[1] if own else e.get_first_failure()[0]
+    own = [(_collateral(f.message), f.timestamp, r) for r, f in e.failures.items()
+           if f.exitcode > 0]
+    rank = min(own)[2] if own else e.get_first_failure()[0]
     f = e.failures[rank]
     msg = f.message
     if isinstance(msg, dict):
         msg = msg.get("message", msg)
-    if f.exitcode > 0 and not f.error_file_data.get("message"):
+    # One line: a message with tracebacks in it (torch's CheckpointException gathers every
+    # rank's) keeps its unindented lines but the "Traceback" headers, each once.
+    lines = [ln.strip() for ln in str(msg).splitlines()
+             if ln.strip() and not ln.startswith((" ", "\t", "Traceback (most recent call"))]
+    msg = "; ".join(dict.fromkeys(lines))
+    if f.exitcode > 0 and f.error_file_data.get("message") in (None, "", "<NONE>"):
+        # no error file: torch's placeholder record is {"message": "<NONE>"}
         msg = "exited without a Python exception (sys.exit or a crash); see its output above"
     others = len(e.failures) - 1
-    more = f" ({others} other rank{'s' * (others > 1)} failed or were stopped)" if others else ""
+    more = (f" ({others} other rank{'s' * (others > 1)} failed or "
+            f"{'were' if others > 1 else 'was'} stopped)" if others else "")
     return (f"rank {rank} (local rank {f.local_rank}, exit code {f.exitcode}) failed: "
             f"{str(msg).strip()}{more}")
+
+
+def user_error(line: str) -> bool:
+    """Whether describe_failure's ``line`` reports a plain ValueError, which the worker
+    wrapper records without printing a traceback (tpkit.cli._worker)."""
+    return ") failed: ValueError: " in line
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -327,9 +436,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         plan = resolve(args, os.environ)
-    except LaunchError as e:
+        answer = preflight(args, plan)
+    except (LaunchError, PreflightError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
         return 2
+    if answer is not None:  # the script answered by itself (its --help): nothing to start
+        print(answer, end="", flush=True)
+        return 0
     if args.dry_run:
         from .plan import report
         print(report(plan, limit=DRY_RUN_ROWS), flush=True)

@@ -79,7 +79,8 @@ class TPKitStrategy(ParallelStrategy):
         # Validate the sizes now (clear errors before any process starts); dp later.
         self._config = ParallelConfig.from_env(
             tp=tp, cp=cp, pp=pp, sequence_parallel=sequence_parallel,
-            cp_comm_type=cp_comm_type, cp_a2a_size=cp_a2a_size, ep=ep, etp=etp)
+            cp_comm_type=cp_comm_type, cp_a2a_size=cp_a2a_size, ep=ep, etp=etp,
+            given_as="TPKitStrategy's {name} argument")
         if self._config.pp != 1:
             raise ValueError(f"pp={self._config.pp}: TPKitStrategy has no pipeline schedule; "
                              "use pp=1 (pipeline stages need their own training loop)")

@@ -61,17 +61,28 @@ def resolve_sp(sequence_parallel, state) -> bool:
     return bool(state.sequence_parallel if sequence_parallel is None else sequence_parallel)
 
 
+def _choices(n: int, d: int) -> tuple[str, str]:
+    """The multiples of ``d`` nearest ``n``, and the divisors of ``n``, as text."""
+    near = [m for m in (n // d * d, n // d * d + d) if m > 0]
+    divisors = [k for k in range(1, n + 1) if n % k == 0]
+    if len(divisors) > 8:
+        divisors = divisors[:4] + ["..."] + divisors[-2:]
+    return " or ".join(map(str, near)), ", ".join(map(str, divisors))
+
+
 def divide(n: int, d: int, what: str, by: str | None = None) -> int:
     """``n // d``, or a ValueError naming ``what`` and the fix: the one divisibility check of
     tpkit.nn. ``d`` is the tensor-parallel size unless ``by`` names it."""
     if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
         raise ValueError(f"{what}={n!r} must be a positive integer")
     if n % d:
+        near, divisors = _choices(n, d)
         if by is None:
             raise ValueError(f"{what}={n} is not divisible by the tensor-parallel size {d}; "
-                             f"choose a multiple of {d} or another tp")
-        raise ValueError(f"{what}={n} is not divisible by {by}={d}; make {what} a multiple "
-                         f"of {by}")
+                             f"use {what}={near} (a multiple of {d}), or a tp that divides "
+                             f"{n} ({divisors})")
+        raise ValueError(f"{what}={n} is not divisible by {by}={d}; use {what}={near} (a "
+                         f"multiple of {d}), or {by} dividing {n} ({divisors})")
     return n // d
 
 

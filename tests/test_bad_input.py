@@ -1,0 +1,601 @@
+"""The bad-input table (issue 15): every mistake a user makes on the way to a worker gets
+one clear error that names the bad value and the fix, before any worker starts wherever
+the information is there, and none hangs.
+
+Rows, by where the mistake is caught (docs/testing.md, "The bad-input table", says how to
+add one):
+
+- ``LAUNCH``: a ``tpkit-launch`` command line (layout, torchrun flags, environment,
+  Slurm, the script or module, and a script's own arguments through its pre-flight hook:
+  launch/train.py's). Run in this process through ``tpkit.cli.launch.main``, the console
+  script's function, with worker starts forbidden: exit 2, nothing on stdout, exactly one
+  line on stderr (``tpkit-launch: error: ...``), no traceback.
+- ``API``: a call of the public API that raises ValueError before any process group or
+  collective (layouts, ``init_parallel``, layers, Fabric, checkpoints' paths).
+- ``FAILURES``: what tpkit-launch's last line says about a worker that failed (torch's
+  own failure records, built here).
+- ``CHECKPOINTS``: damaged checkpoints refused on 2 ranks (tests/dist.py pool) by
+  ``tpkit.checkpoint.load``, Fabric's ``load`` and ``launch/train.py --resume``, with the
+  file named, the checkpoint to use instead, and the model and optimizer unchanged.
+- ``test_worker_side_value_error_is_one_line``: a mistake only the workers see, launched:
+  one line for the job, no traceback per rank.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import sys
+from typing import Callable
+
+import pytest
+import torch
+
+from dist import run
+from test_launch import clean_env, fake_scontrol, no_workers, slurm_env  # noqa: F401
+from test_launch_run import finish, launch as start_launch
+from tpkit.cli import launch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPTS = os.path.join(ROOT, "tests", "launch_scripts")
+SCRIPT = os.path.join(SCRIPTS, "check_layout.py")
+TRAIN = os.path.join(ROOT, "launch", "train.py")
+SMALL = ["--steps", "2", "--hidden", "64", "--layers", "1", "--heads", "4", "--gqa-groups",
+         "2", "--ffn", "128", "--seq-len", "16", "--global-batch", "2", "--log-every", "1"]
+
+
+@dataclasses.dataclass
+class Row:
+    id: str
+    value: str                          # the bad value, as the message must name it
+    fix: str                            # what the message must say to do
+    argv: list | None = None            # LAUNCH: tpkit-launch's arguments
+    call: Callable | None = None        # API: call(tmp_path) must raise ValueError
+    env: dict = dataclasses.field(default_factory=dict)
+    slurm: dict | None = None           # LAUNCH inside a fake Slurm step: slurm_env kwargs
+    hosts: list | None = None           # ... and what the fake scontrol prints (None: fails)
+    setup: Callable | None = None       # setup(tmp_path) before the command
+    absent: str | None = None           # a text the message must not contain
+    skip: str | None = None             # "te": only where TE cannot run (no TE or no CUDA)
+
+
+def T(*args):   # a launch/train.py command line on 2 ranks
+    return ["--nproc-per-node", "2", TRAIN, *SMALL, *args]
+
+
+def _write(name: str, text: str):
+    def setup(tmp):
+        (tmp / name).write_text(text)
+    return setup
+
+
+# --- tpkit-launch command lines ------------------------------------------------------------
+LAUNCH = [
+    # the layout, checked against the world
+    Row("tp-vs-world", "tp*cp*pp = 3*1*1", "use a world size that is a multiple of 3",
+        ["--tp", "3", "--nproc-per-node", "4", SCRIPT]),
+    Row("dp-vs-world", "dp=3", "pass dp=2 or leave dp unset",
+        ["--tp", "2", "--dp", "3", "--nproc-per-node", "4", SCRIPT]),
+    Row("sp-without-tp", "sequence_parallel=True", "set tp >= 2 or sequence_parallel=False",
+        ["--sequence-parallel", SCRIPT]),
+    Row("cp-comm-type", "cp_comm_type='ring'", "use one of", ["--cp", "2", "--cp-comm-type",
+                                                             "ring", SCRIPT]),
+    Row("a2a-size-without-a2a", "cp_a2a_size=2", "drop it or change the comm type",
+        ["--cp", "4", "--cp-a2a-size", "2", SCRIPT]),
+    Row("a2a-without-size", "cp_comm_type='a2a+p2p'", "a divisor of cp=4",
+        ["--cp", "4", "--cp-comm-type", "a2a+p2p", SCRIPT]),
+    Row("tp-zero", "tp=0", "use tp=1", ["--tp", "0", SCRIPT]),
+    Row("tp-not-int", "invalid int value: 'two'", "see tpkit-launch --help",
+        ["--tp", "two", SCRIPT]),
+    Row("backend-choice", "invalid choice: 'mpi'", "choose from", ["--backend", "mpi", SCRIPT]),
+    Row("nccl-without-gpu", "--backend nccl", "use --backend gloo",
+        ["--backend", "nccl", SCRIPT]),
+    Row("unknown-flag", "--bogus", "see tpkit-launch --help", ["--bogus", "1", SCRIPT]),
+    Row("no-script", "training_script", "see tpkit-launch --help", ["--tp", "2"]),
+    Row("nproc-zero", "--nproc-per-node=0", "must be >= 1",
+        ["--nproc-per-node", "0", SCRIPT]),
+    Row("nproc-word", "--nproc-per-node='many'", "pass N or auto",
+        ["--nproc-per-node", "many", SCRIPT]),
+    Row("nnodes-no-endpoint", "--nnodes=2", "needs --rdzv-endpoint HOST:PORT",
+        ["--nnodes", "2", "--nproc-per-node", "2", SCRIPT]),
+    Row("nnodes-range", "--nnodes='3:2'", "1 <= MIN <= MAX", ["--nnodes", "3:2", SCRIPT]),
+    Row("tp-across-nodes", "tp=4", "choose tp dividing --nproc-per-node=6",
+        ["--nnodes", "2", "--nproc-per-node", "6", "--tp", "4", "--rdzv-endpoint", "h:1",
+         SCRIPT]),
+    Row("dp-elastic", "--dp=2", "drop --dp for elastic launches",
+        ["--nnodes", "1:4", "--dp", "2", "--rdzv-endpoint", "h:1", SCRIPT]),
+    Row("elastic-world", "world size 3", "multiple of 2",
+        ["--nnodes", "1:3", "--tp", "2", "--nproc-per-node", "3", "--rdzv-endpoint", "h:1",
+         SCRIPT]),
+    # torchrun's flags (issue 15, defects 1 and 6: a hang, raw tracebacks)
+    Row("node-rank-static", "--node-rank=5", "0..1",
+        ["--nnodes", "2", "--node-rank", "5", "--rdzv-backend", "static", "--master-addr",
+         "localhost", "--nproc-per-node", "1", SCRIPT]),
+    Row("node-rank-negative", "--node-rank=-1", "0..1",
+        ["--nnodes", "2", "--node-rank", "-1", "--rdzv-endpoint", "h:1", SCRIPT]),
+    Row("rdzv-endpoint-port", "--rdzv-endpoint='localhost:notaport'", "pass HOST:PORT",
+        ["--rdzv-endpoint", "localhost:notaport", SCRIPT]),
+    Row("rdzv-backend", "--rdzv-backend='etcdx'", "use one of",
+        ["--rdzv-backend", "etcdx", SCRIPT]),
+    Row("max-restarts", "--max-restarts=-1", "must be >= 0", ["--max-restarts", "-1", SCRIPT]),
+    Row("redirects", "--redirects='9'", "pass 0 (none)", ["--redirects", "9", SCRIPT]),
+    Row("tee", "--tee='7'", "pass 0 (none)", ["--tee", "7", SCRIPT]),
+    Row("monitor-interval", "--monitor-interval=0.0", "must be > 0",
+        ["--monitor-interval", "0", SCRIPT]),
+    Row("log-dir", "--log-dir=", "pass a writable directory",
+        ["--log-dir", "{tmp}/file/logs", SCRIPT], setup=_write("file", "")),
+    Row("local-ranks-filter", "--local-ranks-filter='x'", "pass e.g. 0,1",
+        ["--local-ranks-filter", "x", SCRIPT]),
+    Row("master-port", "--master-port=70000", "pass 0..65535",
+        ["--master-port", "70000", SCRIPT]),
+    Row("no-python-and-m", "--no-python and -m", "drop one of them",
+        ["--no-python", "-m", "json.tool"]),
+    # the script or module
+    Row("missing-script", "'missing_script.py' does not exist", "pass the path of a .py file",
+        ["--tp", "2", "missing_script.py"]),
+    Row("script-is-directory", "is a directory without __main__.py",
+        "pass the .py file inside it", [SCRIPTS]),
+    Row("script-syntax-error", "broken.py line 2: SyntaxError", "fix the script",
+        ["{tmp}/broken.py"], setup=_write("broken.py", "x = 1\nif x\n")),
+    Row("no-such-module", "no module named 'no_such_module'", "add that directory to PYTHONPATH",
+        ["-m", "no_such_module"]),
+    Row("no-such-submodule", "no module named 'tpkit.no_such'", "check the name",
+        ["-m", "tpkit.no_such"]),
+    Row("package-without-main", "'tpkit' is a package without __main__.py",
+        "pass the module inside it", ["-m", "tpkit"]),
+    # the environment
+    Row("env-shm-switch", "TPKIT_SHM_ALLREDUCE='sometimes'", "use 0", ["--tp", "2", SCRIPT],
+        env={"TPKIT_SHM_ALLREDUCE": "sometimes"}),
+    Row("env-fused-attn-switch", "TPKIT_FUSED_ATTN='sometimes'", "or 0 (reference kernels)",
+        ["--tp", "2", SCRIPT],
+        env={"TPKIT_FUSED_ATTN": "sometimes"}),
+    Row("env-traceback-switch", "TPKIT_TRACEBACK='maybe'", "use 1", [SCRIPT],
+        env={"TPKIT_TRACEBACK": "maybe"}),
+    Row("env-tp-not-int", "TPKIT_TP='x'", "set e.g. TPKIT_TP=1", [SCRIPT],
+        env={"TPKIT_TP": "x"}),
+    Row("env-tp-vs-world", "tp=3 from $TPKIT_TP", "multiple of 3",
+        ["--nproc-per-node", "4", SCRIPT], env={"TPKIT_TP": "3"}),
+    # Slurm
+    Row("slurm-nnodes", "--nnodes=3", "drop --nnodes inside Slurm",
+        ["--nnodes", "3", "--nproc-per-node", "2", SCRIPT], slurm={}, hosts=["node07", "node08"]),
+    Row("slurm-node-rank", "--node-rank=0", "drop --node-rank inside Slurm",
+        ["--node-rank", "0", "--nproc-per-node", "2", SCRIPT], slurm={},
+        hosts=["node07", "node08"]),
+    Row("slurm-batch-script", "2-node job", "srun --ntasks-per-node=1",
+        ["--nproc-per-node", "2", SCRIPT], slurm={"step": None}, hosts=["node07", "node08"]),
+    Row("slurm-tasks", "runs 4 tasks on 2 node(s)", "--ntasks-per-node=1",
+        ["--nproc-per-node", "2", SCRIPT], slurm={"tasks": 4}, hosts=["node07", "node08"]),
+    Row("slurm-nodelist", "'node[07-08]'", "pass --rdzv-endpoint HOST:PORT",
+        ["--nproc-per-node", "2", SCRIPT], slurm={}, hosts=None, absent="localhost"),
+    # launch/train.py's arguments, checked by its tpkit_preflight (issue 15, defect 4)
+    Row("train-batch-vs-dp", "--global-batch=3", "use a multiple of 2",
+        T("--global-batch", "3")),
+    Row("train-seq-vs-cp", "--seq-len=6", "multiple of 4", T("--cp", "2", "--seq-len", "6")),
+    Row("train-seq-vs-sp", "--seq-len=15", "multiple of 2",
+        T("--tp", "2", "--sequence-parallel", "--seq-len", "15")),
+    Row("train-resume-missing", "--resume='{tmp}/nope'", "pass a checkpoint written by --save",
+        T("--resume", "{tmp}/nope")),
+    Row("train-tp-vs-launch", "tp=4 from train.py --tp", "smaller tp/cp/pp",
+        ["--tp", "2", TRAIN, *SMALL, "--tp", "4"]),
+    Row("train-log-every", "--log-every=0", "must be >= 1", T("--log-every", "0")),
+    Row("train-steps", "--steps=0", "must be >= 1", T("--steps", "0")),
+    Row("train-lr", "--lr=-1.0", "must be > 0", T("--lr", "-1")),
+    Row("train-heads-vs-tp", "num_attention_heads=6", "use num_attention_heads=4 or 8",
+        ["--nproc-per-node", "4", TRAIN, *SMALL, "--tp", "4", "--heads", "6",
+         "--gqa-groups", "6", "--hidden", "48"]),
+    Row("train-hidden-vs-heads", "hidden_size=10", "use hidden_size=8 or 12",
+        T("--hidden", "10", "--heads", "4")),
+    Row("train-precision", "invalid choice: 'bf16'", "see " + TRAIN + " --help",
+        T("--precision", "bf16")),
+    Row("train-save-every", "--save-every=5", "needs --save DIR", T("--save-every", "5")),
+    Row("train-fp8-dtype", "--fp8-compute-dtype=bfloat16", "needs --precision fp8",
+        T("--fp8-compute-dtype", "bfloat16")),
+    Row("train-save-file", "--save='{tmp}/file'", "pass a directory", T("--save", "{tmp}/file"),
+        setup=_write("file", "")),
+    Row("train-backend-te", "--backend te", "use backend='torch'", T("--backend", "te"),
+        skip="te"),
+    # issue 22: mixture of experts
+    Row("ep-vs-stage", "etp*ep = 2*4 = 8 does not divide tp*cp*dp = 2*1*3 = 6",
+        "choose ep and etp whose product divides 6",
+        ["--nproc-per-node", "6", "--tp", "2", "--ep", "4", SCRIPT]),
+    Row("train-moe-topk", "top_k=5", "choose top_k <= num_experts",
+        T("--moe-experts", "4", "--moe-topk", "5")),
+    Row("train-moe-experts-vs-ep", "--moe-experts=6 is not divisible by ep=4",
+        "use a multiple of 4", T("--moe-experts", "6", "--ep", "4")),
+    Row("train-moe-capacity", "capacity_factor=0.0", "must be > 0",
+        T("--moe-experts", "4", "--moe-capacity-factor", "0")),
+    Row("train-resume-damaged", "{train_ckpt}/step000002/__1_0.distcp",
+        "resume from the previous checkpoint: {train_ckpt}/step000001",
+        ["--tp", "2", TRAIN, *SMALL, "--resume", "{train_ckpt}"]),
+    Row("train-resume-other-model", "'model.embedding.weight'", "load a checkpoint of this model",
+        ["--tp", "2", TRAIN, *SMALL, "--hidden", "32", "--resume",
+         "{train_ckpt}/step000001"]),
+]
+
+
+@pytest.mark.parametrize("row", LAUNCH, ids=lambda r: r.id)
+def test_launch_mistake_is_one_line_exit_2(row, capsys, no_workers, monkeypatch,  # noqa: F811
+                                           tmp_path, request):
+    if row.skip == "te":
+        from tpkit.te import te_available
+        if te_available():
+            pytest.skip("TE runs here: --backend te is valid")
+    paths = {"tmp": str(tmp_path)}
+    if any("{train_ckpt}" in a for a in row.argv):
+        paths["train_ckpt"] = request.getfixturevalue("damaged")["train_ckpt"]
+    if row.setup:
+        row.setup(tmp_path)
+    for k, v in row.env.items():
+        monkeypatch.setenv(k, v)
+    if row.slurm is not None:
+        slurm_env(monkeypatch, **row.slurm)
+        fake_scontrol(tmp_path, monkeypatch, row.hosts)
+    assert launch.main([a.format(**paths) for a in row.argv]) == 2
+    out, err = capsys.readouterr()
+    assert out == "", out
+    assert err.count("\n") == 1 and err.startswith("tpkit-launch: error: "), err
+    assert "Traceback" not in err
+    assert row.value.format(**paths) in err, err
+    assert row.fix.format(**paths) in err, err
+    if row.absent:
+        assert row.absent not in err, err
+
+
+# --- the public API -----------------------------------------------------------------------
+def _at(tp: int, build, *, cp: int = 1, sp: bool = False):
+    """``build(state)`` on the state rank 0 of a tp*cp world would build (fake group)."""
+    from tpkit.config import ParallelConfig
+    from tpkit.planning import fake_state
+
+    def call(tmp):
+        with fake_state(ParallelConfig(tp=tp, cp=cp, sequence_parallel=sp), tp * cp) as state:
+            build(state)
+    return call
+
+
+def _cfg(**kw):
+    from tpkit.config import ParallelConfig
+    return lambda tmp: ParallelConfig(**kw)
+
+
+def _nn(name):
+    import tpkit.nn
+    return getattr(tpkit.nn, name)
+
+
+def _fabric(name):
+    import tpkit.fabric
+    return getattr(tpkit.fabric, name)
+
+
+def _touch(path):
+    path.write_text("")
+    return path
+
+
+def _load(path_of):
+    def call(tmp):
+        from tpkit.checkpoint import load
+        load(path_of(tmp), {"model": torch.nn.Linear(2, 2)})
+    return call
+
+
+API = [
+    Row("config-tp-zero", "tp=0", "use tp=1", call=_cfg(tp=0)),
+    Row("config-ep-zero", "ep=0", "use ep=1", call=_cfg(ep=0)),
+    Row("moe-topk", "top_k=3", "choose top_k <= num_experts",
+        call=lambda tmp: __import__("tpkit.nn.moe").nn.moe.check_moe_args(2, 3, None)),
+    Row("config-dp-zero", "dp=0", "use dp=1", call=_cfg(dp=0)),
+    Row("config-sp", "sequence_parallel=True", "set tp >= 2", call=_cfg(sequence_parallel=True)),
+    Row("config-comm-type", "cp_comm_type='ring'", "use one of",
+        call=_cfg(cp=2, cp_comm_type="ring")),
+    Row("config-world", "3*1*1", "multiple of 3",
+        call=lambda tmp: _cfg(tp=3)(tmp).validate(8)),
+    Row("config-env-int", "TPKIT_TP='x'", "set e.g. TPKIT_TP=1",
+        call=lambda tmp: __import__("tpkit.config").config.ParallelConfig.from_env(
+            {"TPKIT_TP": "x"})),
+    # issue 15, defect 2: the message says where a value came from
+    Row("config-env-dp", "dp=2 from $TPKIT_DP", "leave dp unset",
+        call=lambda tmp: __import__("tpkit.config").config.ParallelConfig.from_env(
+            {"TPKIT_TP": "1", "TPKIT_DP": "2"}).validate(1)),
+    Row("init-tp-vs-world", "tp=3 from init_parallel's tp argument", "smaller tp/cp/pp",
+        call=lambda tmp: __import__("tpkit").init_parallel(tp=3)),
+    Row("init-backend", "backend='mpi'", "use 'nccl' or 'gloo'",
+        call=lambda tmp: __import__("tpkit").init_parallel(backend="mpi")),
+    Row("init-config-and-sizes", "config=", "not both",
+        call=lambda tmp: __import__("tpkit").init_parallel(
+            tp=1, config=__import__("tpkit.config").config.ParallelConfig())),
+    # issue 15, defect 7: the layers say what to use instead
+    Row("attention-hidden-vs-heads", "hidden_size=10", "use hidden_size=8 or 12",
+        call=_at(1, lambda s: _nn("ParallelSelfAttention")(10, 4, state=s))),
+    Row("attention-heads-vs-tp", "num_attention_heads=6", "or a tp that divides 6",
+        call=_at(4, lambda s: _nn("ParallelSelfAttention")(48, 6, state=s))),
+    Row("column-vs-tp", "out_features=6", "use out_features=4 or 8",
+        call=_at(4, lambda s: _nn("ColumnParallelLinear")(16, 6, state=s))),
+    Row("row-vs-tp", "in_features=6", "use in_features=4 or 8",
+        call=_at(4, lambda s: _nn("RowParallelLinear")(6, 16, state=s))),
+    Row("embedding-vs-tp", "num_embeddings (vocab size)=10", "use num_embeddings (vocab size)=8",
+        call=_at(4, lambda s: _nn("VocabParallelEmbedding")(10, 8, state=s))),
+    Row("mlp-vs-tp", "ffn_hidden_size=6", "use ffn_hidden_size=4 or 8",
+        call=_at(4, lambda s: _nn("ParallelMLP")(16, 6, state=s))),
+    Row("layer-backend", "backend='tpu'", "use one of",
+        call=_at(1, lambda s: _nn("TransformerLayer")(16, 32, 2, state=s, backend="tpu"))),
+    Row("attention-mask", "attn_mask_type='padding'", "use one of",
+        call=_at(1, lambda s: _nn("DotProductAttention")(2, 8, attn_mask_type="padding",
+                                                         state=s))),
+    Row("sequence-vs-cp", "sequence length 12", "pad the sequence to a multiple of 8",
+        call=_at(1, lambda s: __import__("tpkit.data").data.check_sequence_length(12, s),
+                 cp=4)),
+    Row("strategy-pp", "pp=2", "use pp=1", call=lambda tmp: _fabric("TPKitStrategy")(pp=2)),
+    Row("strategy-data-parallel", "data_parallel='zero'", "use one of",
+        call=lambda tmp: _fabric("TPKitStrategy")(data_parallel="zero")),
+    Row("precision", "precision='fp4'", "use one of",
+        call=lambda tmp: _fabric("TPKitPrecision")("fp4")),
+    Row("load-missing-path", "{tmp}/nope", "pass the directory tpkit.checkpoint.save",
+        call=_load(lambda tmp: tmp / "nope")),
+    Row("load-file", "{tmp}/x.pt is a file", "pass the directory tpkit.checkpoint.save",
+        call=_load(lambda tmp: _touch(tmp / "x.pt"))),
+    Row("save-under-file", "{tmp}/x.pt is a file, not a directory",
+        "pass a path in a writable directory",
+        call=lambda tmp: __import__("tpkit.checkpoint").checkpoint.save(
+            _touch(tmp / "x.pt") / "ck", {"model": torch.nn.Linear(2, 2)})),
+    Row("load-empty-dir", "{tmp}/.metadata is missing", "load another checkpoint",
+        call=_load(lambda tmp: tmp)),
+]
+
+
+@pytest.mark.parametrize("row", API, ids=lambda r: r.id)
+def test_api_mistake_names_value_and_fix(row, tmp_path):
+    import torch.distributed as dist
+    with pytest.raises(ValueError) as e:
+        row.call(tmp_path)
+    msg = str(e.value)
+    assert row.value.format(tmp=tmp_path) in msg, msg
+    assert row.fix.format(tmp=tmp_path) in msg, msg
+    assert not dist.is_initialized()   # refused before any process group existed
+
+
+# --- what tpkit-launch says about a failed worker -------------------------------------------
+def _failure(tmp, exitcode: int, error=None, name="error.json"):
+    """tpkit-launch's last line for a rank that exited with ``exitcode`` after raising
+    ``error`` (recorded the way the worker wrapper records it) or without an exception."""
+    from torch.distributed.elastic.multiprocessing.errors import (ChildFailedError,
+                                                                  ProcessFailure,
+                                                                  get_error_handler)
+    error_file = str(tmp / name)
+    if error is not None:
+        os.environ["TORCHELASTIC_ERROR_FILE"] = error_file
+        try:
+            get_error_handler().record_exception(error)
+        finally:
+            del os.environ["TORCHELASTIC_ERROR_FILE"]
+    failure = ProcessFailure(local_rank=1, pid=1, exitcode=exitcode, error_file=error_file)
+    return launch.describe_failure(ChildFailedError("script.py", {1: failure}))
+
+
+def test_failed_worker_line(tmp_path):
+    # issue 15, defect 5: sys.exit(3) / a crash leaves no error file, and torch's
+    # placeholder record {"message": "<NONE>"} must not read as a message
+    line = _failure(tmp_path, 3)
+    assert line == ("rank 1 (local rank 1, exit code 3) failed: exited without a Python "
+                    "exception (sys.exit or a crash); see its output above"), line
+    assert not launch.user_error(line)
+    line = _failure(tmp_path, 1, ValueError("x=3 is odd; use x=4"), "value.json")
+    assert line.endswith("failed: ValueError: x=3 is odd; use x=4") and launch.user_error(line)
+    line = _failure(tmp_path, 1, RuntimeError("boom"), "runtime.json")
+    assert "failed: RuntimeError: boom" in line and not launch.user_error(line)
+    # torch's CheckpointException (a BaseException) carries every rank's traceback: one
+    # line, naming each rank's error once
+    import traceback
+
+    from torch.distributed.checkpoint.api import CheckpointException
+    try:
+        raise NotADirectoryError(20, "Not a directory", "/x/s.py/step2.tmp")
+    except OSError as e:
+        trace = traceback.extract_tb(e.__traceback__)
+        error = CheckpointException("save", {0: (e, trace), 1: (e, trace)})
+    line = _failure(tmp_path, 1, error, "checkpoint.json")
+    assert "\n" not in line and line.endswith(
+        "failed: CheckpointException: CheckpointException ranks:dict_keys([0, 1]); "
+        "NotADirectoryError: [Errno 20] Not a directory: '/x/s.py/step2.tmp'"), line
+
+
+# --- damaged checkpoints, on 2 ranks ----------------------------------------------------------
+DAMAGES = {   # name -> what is done to the newest checkpoint (step000020)
+    "metadata-missing": lambda d: os.remove(d / ".metadata"),
+    "metadata-truncated": lambda d: os.truncate(d / ".metadata", 40),
+    "shard-missing": lambda d: os.remove(d / "__1_0.distcp"),
+    "shard-truncated": lambda d: os.truncate(d / "__1_0.distcp",
+                                             os.path.getsize(d / "__1_0.distcp") // 2),
+    "shard-size": lambda d: open(d / "__0_0.distcp", "ab").write(b"\0" * 16),
+    "empty-dir": lambda d: [os.remove(d / f) for f in os.listdir(d)],
+}
+CHECKPOINTS = [   # (id, value the message names, fix), results from _damage_on_2_ranks
+    Row("metadata-missing", "step000020/.metadata is missing", "{prev}"),
+    Row("metadata-truncated", "step000020/.metadata cannot be read", "{prev}"),
+    Row("shard-missing", "step000020/__1_0.distcp is missing", "{prev}"),
+    Row("shard-truncated", "step000020/__1_0.distcp has", "{prev}"),
+    Row("shard-size", "step000020/__0_0.distcp has", "{prev}"),
+    Row("empty-dir", "step000020/.metadata is missing", "{prev}"),
+    Row("other-model-shape", "'model.0.weight' has global shape (16, 8) but the target "
+        "expects (32, 8)",
+        "load a checkpoint of this model"),
+    Row("other-model-keys", "key 'net' that does not exist in the loaded checkpoint",
+        "strict=False"),
+    Row("fabric-shard-truncated", "step000020/__1_0.distcp has", "{prev}"),
+    Row("train-resume-shard-truncated", "step000002/__1_0.distcp has",
+        "resume from the previous checkpoint: {train_ckpt}/step000001"),
+]
+
+
+def _snapshot(model, opt):
+    return (copy.deepcopy({k: v.detach().clone() for k, v in model.state_dict().items()}),
+            copy.deepcopy(opt.state_dict()))
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _refused(load, model, opt) -> tuple[str, bool]:
+    """load()'s ValueError and whether model and optimizer are as before the call."""
+    before = _snapshot(model, opt)
+    try:
+        load()
+    except ValueError as e:
+        return str(e), _same(before, _snapshot(model, opt))
+    return "LOADED", False
+
+
+def _damage_on_2_ranks(base: str) -> dict:
+    """On 2 ranks at tp=2: each damage of DAMAGES refused by tpkit.checkpoint.load (an
+    optimizer with state and a fresh one), checkpoints of other models, Fabric's load and
+    launch/train.py --resume. Returns {case: (message, unchanged)}."""
+    import pathlib
+
+    import torch.distributed as dist
+
+    import tpkit
+    from tpkit.checkpoint import load, save
+    from tpkit.nn import ColumnParallelLinear, RowParallelLinear
+    base = pathlib.Path(base)
+    rank, out = dist.get_rank(), {}
+
+    def build(h=16, seed=0):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(ColumnParallelLinear(8, h), RowParallelLinear(h, 8))
+        return model, torch.optim.AdamW(model.parameters(), lr=0.1)
+
+    def trained(seed):
+        model, opt = build(seed=seed)
+        model(torch.randn(4, 2, 8, generator=torch.Generator().manual_seed(seed))
+              ).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return model, opt
+
+    def damage(path, how):
+        if rank == 0:
+            how(path)
+        dist.barrier()
+
+    tpkit.init_parallel(tp=2)
+    model, opt = trained(1)
+    ck = base / "ckpt"
+    save(ck / "step000010", {"model": model, "optimizer": opt})
+    for name, how in DAMAGES.items():
+        save(ck / "step000020", {"model": model, "optimizer": opt})
+        damage(ck / "step000020", how)
+        for fresh in (False, True):   # an optimizer with state, and one without
+            m2, o2 = build(seed=2) if fresh else trained(2)
+            res = _refused(lambda: load(ck / "step000020", {"model": m2, "optimizer": o2}),
+                           m2, o2)
+            out[name] = out.get(name, ()) + res if fresh else res
+        dist.barrier()
+    m3, o3 = trained(3)
+    big = build(h=32)
+    out["other-model-shape"] = _refused(
+        lambda: load(ck / "step000010", {"model": big[0], "optimizer": big[1]}), *big)
+    out["other-model-keys"] = _refused(lambda: load(ck / "step000010", {"net": m3}), m3, o3)
+    tpkit.destroy_parallel()
+
+    from fabric_helpers import Block, full_model, launch_fabric, shard_into
+    fabric, state = launch_fabric(tp=2)
+    model = fabric.setup_module(shard_into(Block(state), full_model(0), state))
+    opt = fabric.setup_optimizers(torch.optim.Adam(model.parameters(), lr=0.1))
+    x = torch.randn(8, 4, 8, generator=torch.Generator().manual_seed(0))
+    fabric.backward(model(x).pow(2).mean())
+    opt.step()
+    fck = base / "fabric"
+    fabric.save(fck / "step000010", {"model": model, "optimizer": opt})
+    fabric.save(fck / "step000020", {"model": model, "optimizer": opt})
+    damage(fck / "step000020", DAMAGES["shard-truncated"])
+    out["fabric-shard-truncated"] = _refused(
+        lambda: fabric.load(fck / "step000020", {"model": model, "optimizer": opt}), model, opt)
+    fabric.strategy.teardown()
+
+    sys.path.insert(0, os.path.join(ROOT, "launch"))
+    import train
+    tck = base / "train"
+    train.main(SMALL + ["--tp", "2", "--save", str(tck), "--save-every", "1"])
+    tpkit.destroy_parallel()
+    damage(tck / "step000002", DAMAGES["shard-truncated"])
+    try:
+        train.main(SMALL + ["--tp", "2", "--resume", str(tck)])
+        out["train-resume-shard-truncated"] = ("LOADED", False)
+    except ValueError as e:   # the model is built inside; nothing to compare it with
+        out["train-resume-shard-truncated"] = (str(e), True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def damaged(tmp_path_factory):
+    base = tmp_path_factory.mktemp("damaged")
+    results = run(_damage_on_2_ranks, 2, str(base))
+    return {"results": results, "base": str(base), "train_ckpt": str(base / "train")}
+
+
+@pytest.mark.parametrize("row", CHECKPOINTS, ids=lambda r: r.id)
+def test_damaged_checkpoint_is_refused_unchanged(row, damaged):
+    base = damaged["base"]
+    series = "fabric" if row.id.startswith("fabric") else "ckpt"
+    fix = row.fix.format(prev=f"resume from the previous checkpoint: {base}/{series}/step000010",
+                         train_ckpt=damaged["train_ckpt"])
+    per_rank = [r[row.id] for r in damaged["results"]]
+    for res in per_rank:
+        assert res[0] == per_rank[0][0], per_rank   # every rank raises the same message
+        for msg, unchanged in zip(res[::2], res[1::2]):
+            assert row.value in msg and fix in msg, msg
+            assert unchanged, f"{row.id}: the model or optimizer changed before the error"
+
+
+# --- launched: a mistake only the workers can see ------------------------------------------
+@pytest.mark.slow
+def test_worker_side_value_error_is_one_line():
+    """init_parallel(tp=4) in a world of 2 (no pre-flight can know the script's sizes):
+    every rank raises; the job reports one line, rank 0's or the first failing rank's,
+    and no traceback. Before it, init_parallel(tp=2) under tpkit-launch's exported
+    TPKIT_DP=2 builds tp=2 x dp=1 (issue 15, defect 2)."""
+    rc, out, err = finish(start_launch("--nproc-per-node", "2",
+                                       os.path.join(SCRIPTS, "worker_errors.py")))
+    assert rc == 1, err[-3000:]
+    assert out.count("TP2 OK") == 2, out
+    assert "Traceback" not in err, err[-3000:]
+    assert len([ln for ln in err.splitlines() if ln.strip()]) == 1, err[-3000:]
+    msg = "world size 2 is not divisible by tp*cp*pp = 4*1*1 = 4"
+    assert err.count(msg) == 1, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("tpkit-launch: rank ") and msg in last, err[-3000:]
+    assert "tp=4 from init_parallel's tp argument" in last and "smaller tp/cp/pp" in last
+    assert "TPKIT_TRACEBACK=1" in last
+
+
+def test_worker_wrapper_records_every_exception(tmp_path, monkeypatch):
+    """tpkit-launch's worker wrapper writes torchrun's error file for what the script
+    raises: a ValueError (exit 1, no traceback printed) and torch's CheckpointException,
+    which is a BaseException (else the launcher's line reads "exited without a Python
+    exception")."""
+    import json
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from tpkit.cli import _worker
+    script = tmp_path / "s.py"
+    for raise_, expect in (("ValueError('x=3 is odd; use x=4')", SystemExit),
+                           ("CheckpointException('save', {})", CheckpointException)):
+        script.write_text("from torch.distributed.checkpoint.api import CheckpointException\n"
+                          f"raise {raise_}\n")
+        error_file = tmp_path / f"{expect.__name__}.json"
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+        monkeypatch.delenv("TPKIT_TRACEBACK", raising=False)
+        monkeypatch.setattr(sys, "argv", [_worker.__file__, str(script)])
+        with pytest.raises(expect):
+            _worker.main()
+        message = json.loads(error_file.read_text())["message"]["message"]
+        assert message.startswith(raise_.split("(")[0] + ": "), message
