@@ -26,6 +26,13 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _tagged_grads(module_or_params, tagged) -> list[torch.Tensor]:
+    """The local gradients of the parameters (of a module, or an iterable) ``tagged``."""
+    params = module_or_params.parameters() if isinstance(module_or_params, nn.Module) \
+        else module_or_params
+    return [_local(p.grad) for p in params if tagged(p) and p.grad is not None]
+
+
 def sync_sequence_parallel_grads(module_or_params: nn.Module | Iterable[nn.Parameter],
                                  state=None) -> int:
     """Sum over TP the gradients of the parameters tagged ``sequence_parallel=True``
@@ -35,9 +42,7 @@ def sync_sequence_parallel_grads(module_or_params: nn.Module | Iterable[nn.Param
     flattened all-reduce per dtype; call after backward, before clipping or the optimizer
     step. Returns the number of gradients reduced."""
     state = resolve_state(state)
-    params = module_or_params.parameters() if isinstance(module_or_params, nn.Module) \
-        else module_or_params
-    grads = [_local(p.grad) for p in params if is_sequence_parallel(p) and p.grad is not None]
+    grads = _tagged_grads(module_or_params, is_sequence_parallel)
     if state.tp_size > 1:
         all_reduce_flat(grads, state.tp_group)
     return len(grads)
@@ -52,9 +57,7 @@ def reduce_expert_grads(module_or_params: nn.Module | Iterable[nn.Parameter], st
     of DDP/FSDP over dp x cp, which would mix different experts' gradients. One
     flattened all-reduce per dtype; returns the number of gradients reduced."""
     state = resolve_state(state)
-    params = module_or_params.parameters() if isinstance(module_or_params, nn.Module) \
-        else module_or_params
-    grads = [_local(p.grad) for p in params if is_expert(p) and p.grad is not None]
+    grads = _tagged_grads(module_or_params, is_expert)
     if state.edp_size > 1:
         all_reduce_flat(grads, state.edp_group)
     if average and state.dp_cp_size > 1 and grads:

@@ -28,7 +28,7 @@ def report(plan, *, limit: int) -> str:
         f"layout      tp={c.tp} cp={c.cp} pp={c.pp} dp={world // c.model_size} "
         f"sequence_parallel={c.sequence_parallel} cp_comm_type={c.cp_comm_type}"
         + (f" cp_a2a_size={c.cp_a2a_size}" if c.cp_a2a_size else "")
-        + (f" ep={c.ep} etp={c.expert_tp} edp={c.tp * c.cp * (world // c.model_size) // (c.ep * c.expert_tp)}"
+        + (f" ep={c.ep} etp={c.expert_tp} edp={c.validate(world).edp}"
            if c.has_experts else ""),
         f"world       {world} = {nodes} node(s) x {plan.nproc_per_node} processes",
         f"backend     {plan.backend}",
