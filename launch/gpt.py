@@ -104,7 +104,8 @@ class GPT(nn.Module):
     def moe_layers(self) -> list:
         """The MoE layers of this model (their ``aux_loss``/``last_routing`` after a
         forward)."""
-        return [layer.mlp for layer in self.layers if hasattr(layer.mlp, "aux_loss")]
+        from tpkit.nn import MoE
+        return [m for m in self.modules() if isinstance(m, MoE)]   # a pipeline stage's own
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """``tokens``/``targets``: ``[b, s]`` over the full sequence of this DP slice; the
