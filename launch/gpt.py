@@ -5,6 +5,11 @@ load-balanced sequence shard (tpkit.data.shard_sequence) with matching RoPE posi
 ``forward`` returns the mean next-token loss over this rank's tokens; every rank holds
 the same number of tokens, so averaging gradients over the dp×cp group (what
 TPKitStrategy's DDP does) gives exactly the gradient of the global mean loss.
+
+Packed documents (``train.py --pack``): ``forward(tokens, labels, position_ids,
+**cu_seqlens...)`` takes this rank's shard of one packed row (``tpkit.data.PackedBatch``)
+and returns the *sum* of its token losses (padding and document ends carry
+``ignore_index``); the caller divides by the global batch's count of labelled tokens.
 """
 from __future__ import annotations
 
@@ -107,10 +112,27 @@ class GPT(nn.Module):
         from tpkit.nn import MoE
         return [m for m in self.modules() if isinstance(m, MoE)]   # a pipeline stage's own
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor,
+                position_ids: torch.Tensor | None = None, **packed) -> torch.Tensor:
         """``tokens``/``targets``: ``[b, s]`` over the full sequence of this DP slice; the
-        CP shard is taken here. Returns the mean loss over this rank's tokens."""
+        CP shard is taken here. Returns the mean loss over this rank's tokens. With
+        ``packed`` (TE's cu_seqlens arguments): see the module docstring."""
+        if packed:
+            return self._packed_loss(tokens, targets, position_ids, packed)
         x = self.pp_stem(tokens)
         for layer in self.layers:
             x = self.pp_block(layer, x)
         return self.pp_loss(self.pp_head(x), targets)
+
+    def _packed_loss(self, tokens, labels, position_ids, packed) -> torch.Tensor:
+        if self._te_blocks:
+            raise ValueError("packed documents need tpkit's torch blocks (backend='torch'); "
+                             "TE's TransformerLayer would need attn_input_format='thd'")
+        x = self.embedding(tokens[:, None])                      # [t(/tp under SP), 1, h]
+        freqs = self.rope(position_ids)                          # restart per document
+        for layer in self.layers:
+            if self.cfg.recompute and self.training:
+                x = checkpoint(layer, x, rotary_pos_emb=freqs, use_reentrant=False, **packed)
+            else:
+                x = layer(x, rotary_pos_emb=freqs, **packed)
+        return vocab_parallel_cross_entropy(self.pp_head(x), labels[:, None]).sum()

@@ -76,6 +76,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "it may have been written at any layout")
     add_hf_args(ap)
     add_moe_args(ap)
+    add_pack_args(ap)
     args = ap.parse_args(argv)
     check_moe_args(args, ap)
     for name in ("steps", "global_batch", "seq_len", "hidden", "layers", "heads", "gqa_groups",
@@ -89,6 +90,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(f"--lr={args.lr} must be > 0, e.g. 3e-3")
     if not 0.0 <= args.dropout < 1.0:
         ap.error(f"--dropout={args.dropout} must be in [0, 1)")
+    check_pack_args(ap, args)
     check_hf_args(ap, args)
     if args.fp8_recipe is not None and args.precision != "fp8":
         ap.error(f"--fp8-recipe={args.fp8_recipe} needs --precision fp8 (got --precision "
@@ -102,6 +104,41 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(f"--fp8-compute-dtype={args.fp8_compute_dtype} needs --precision fp8 (got "
                  f"--precision {args.precision}); drop it")
     return args
+
+
+# --- packed documents (tpkit.data.pack_sequences, THD attention) ---------------------------
+def add_pack_args(ap: argparse.ArgumentParser) -> None:
+    p = ap.add_argument_group("packed documents")
+    p.add_argument("--pack", action="store_true",
+                   help="train on whole corpus documents packed into one row per rank "
+                        "(--global-batch documents of at most --seq-len tokens per step); "
+                        "attention stays inside each document, positions restart per "
+                        "document, the loss is the mean over the global batch's tokens")
+
+
+def check_pack_args(ap: argparse.ArgumentParser, args) -> None:
+    if args.pack and args.backend == "te":
+        ap.error("--pack needs --backend torch or auto (TE's TransformerLayer is built with "
+                 "attn_input_format='sbhd'); drop --pack or --backend te")
+    if args.pack and args.init_from_hf:
+        ap.error("--pack trains the reference GPT; drop --init-from-hf or --pack")
+
+
+def packed_loss(model, data, docs, step: int, args, state, device) -> torch.Tensor:
+    """This rank's share of the global token-mean loss of packed step ``step``: its DP slice
+    of the documents packed into one row, its CP shard of that row; the summed loss is
+    scaled so that DDP's average over dp x cp is the global mean over labelled tokens."""
+    from tpkit.data import pack_sequences
+    batch = corpus.doc_batch(data, docs, step, args.global_batch, args.seq_len, args.seed)
+    labelled = sum(len(d) - 1 for d in batch)          # the same number on every rank
+    per = args.global_batch // state.dp_size
+    row = pack_sequences(batch[state.dp_rank * per:(state.dp_rank + 1) * per], state=state)
+    local = row.shard(state)
+    kw = {k: v.to(device) if torch.is_tensor(v) else v
+          for k, v in local.attention_kwargs().items()}
+    loss_sum = model(local.tokens.to(device), local.labels.to(device),
+                     local.position_ids.to(device), **kw)
+    return loss_sum * (state.dp_cp_size / max(1, labelled))
 
 
 # --- Hugging Face checkpoints (tpkit.models.llama) -----------------------------------------
@@ -160,6 +197,8 @@ def check_job(args, state) -> None:
     if args.global_batch % state.dp_size:
         raise ValueError(f"--global-batch={args.global_batch} is not divisible by dp="
                          f"{state.dp_size}; use a multiple of {state.dp_size}")
+    if getattr(args, "pack", False):
+        return   # --pack pads every document to the layout's multiple itself
     try:
         check_sequence_length(args.seq_len, state)
     except ValueError as e:
@@ -285,6 +324,9 @@ def check_moe_args(args, ap) -> None:
             if getattr(args, name) is not None:
                 ap.error(f"--{name.replace('_', '-')} needs --moe-experts > 0")
         return
+    if getattr(args, "pack", False):
+        ap.error("--moe-experts with --pack is not supported yet (packed rows hold unequal "
+                 "token counts, which the aux loss's share assumes equal); drop one of them")
     from tpkit.config import ParallelConfig
     from tpkit.nn.moe import check_moe_args as check
     try:
@@ -370,15 +412,19 @@ def train(args) -> list[float]:
         extra = fabric.load(resolve_resume(args.resume), {"model": model, "optimizer": optimizer})
         start = int(extra["step"]) + 1
     data, _ = corpus.split(corpus.tokens())
+    docs = corpus.documents(data) if args.pack else None
     local_batch = args.global_batch // state.dp_size
     losses, t_last, tokens_since = [], time.perf_counter(), 0
     for step in range(start, args.steps):
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, args)
-        x, y = corpus.batch(data, step, args.global_batch, args.seq_len, seed=args.seed)
-        rows = slice(state.dp_rank * local_batch, (state.dp_rank + 1) * local_batch)
-        x, y = x[rows].to(fabric.device), y[rows].to(fabric.device)
-        loss = model(x, y)
+        if args.pack:
+            loss = packed_loss(model, data, docs, step, args, state, fabric.device)
+        else:
+            x, y = corpus.batch(data, step, args.global_batch, args.seq_len, seed=args.seed)
+            rows = slice(state.dp_rank * local_batch, (state.dp_rank + 1) * local_batch)
+            x, y = x[rows].to(fabric.device), y[rows].to(fabric.device)
+            loss = model(x, y)
         fabric.backward(loss)
         if args.clip > 0:
             fabric.clip_gradients(model, optimizer, max_norm=args.clip)

@@ -361,6 +361,7 @@ def test_train_moe_same_curve_at_every_ep():
     (["--ep", "2"], "--ep needs --moe-experts > 0"),
     (["--moe-experts", "4", "--ep", "0"], "ep=0"),
     (["--moe-experts", "4", "--moe-every", "3"], "--moe-every=3"),
+    (["--moe-experts", "4", "--pack"], "--moe-experts with --pack is not supported"),
 ])
 def test_train_moe_bad_input(argv, words, capsys):
     """train.py's MoE options: exit 2 naming the value, before any process group."""
