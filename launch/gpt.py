@@ -36,6 +36,14 @@ class GPTConfig:
     dropout: float = 0.0
     recompute: bool = False
     backend: str = "torch"   # the blocks' backend: "torch", "te" or "auto" (tpkit.nn)
+    # Mixture of experts (docs/moe.md): 0 experts = dense MLPs everywhere; else every
+    # moe_every-th block's MLP is a tpkit.nn.MoE of moe_experts experts of width ffn, its
+    # load-balancing loss over the global batch (the same curve at every layout).
+    moe_experts: int = 0
+    moe_topk: int = 2
+    moe_every: int = 1
+    moe_aux_coeff: float = 1e-2
+    moe_capacity_factor: float | None = None
 
 
 class GPT(nn.Module):
@@ -52,6 +60,14 @@ class GPT(nn.Module):
                              hidden_dropout=cfg.dropout, attention_dropout=cfg.dropout,
                              bias=False, backend=cfg.backend, **kw)
             for _ in range(cfg.num_layers))
+        if cfg.moe_experts:
+            from tpkit.nn import MoE
+            for i, layer in enumerate(self.layers):
+                if (i + 1) % cfg.moe_every == 0:
+                    layer.mlp = MoE(cfg.hidden_size, cfg.ffn_hidden_size, cfg.moe_experts,
+                                    cfg.moe_topk, aux_loss_coeff=cfg.moe_aux_coeff,
+                                    capacity_factor=cfg.moe_capacity_factor,
+                                    aux_loss_scope="global", **kw)
         from tpkit.te import is_te_module
         # TE's TransformerLayer takes the full sequence's RoPE angles and picks this CP
         # rank's chunks itself; tpkit's takes the angles of this rank's positions.
@@ -89,7 +105,16 @@ class GPT(nn.Module):
 
     def pp_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         targets = shard_sequence(targets, 1, self.state).t().contiguous()
-        return vocab_parallel_cross_entropy(logits, targets).mean()
+        loss = vocab_parallel_cross_entropy(logits, targets).mean()
+        for moe in self.moe_layers():   # the router losses (this rank's share, docs/moe.md)
+            loss = loss + moe.aux_loss
+        return loss
+
+    def moe_layers(self) -> list:
+        """The MoE layers of this model (their ``aux_loss``/``last_routing`` after a
+        forward)."""
+        from tpkit.nn import MoE
+        return [m for m in self.modules() if isinstance(m, MoE)]   # a pipeline stage's own
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor,
                 position_ids: torch.Tensor | None = None, **packed) -> torch.Tensor:

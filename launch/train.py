@@ -76,10 +76,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="a checkpoint (SAVE/stepNNNNNN) or a --save directory (its latest); "
                         "it may have been written at any layout")
     add_hf_args(ap)
+    add_moe_args(ap)
     add_pack_args(ap)
     add_recovery_args(ap)
     add_pipeline_args(ap)
     args = ap.parse_args(argv)
+    check_moe_args(args, ap)
     for name in ("steps", "global_batch", "seq_len", "hidden", "layers", "heads", "gqa_groups",
                  "ffn", "log_every"):
         if getattr(args, name) < 1:
@@ -138,11 +140,12 @@ def check_pipeline(args, state) -> None:
                              "add --pp N (N > 1) or drop them")
         return
     for flag, bad in (("--init-from-hf", args.init_from_hf), ("--pack", args.pack),
+                      (f"--moe-experts {args.moe_experts}", args.moe_experts),
                       ("--data-parallel fsdp", args.data_parallel == "fsdp"),
                       (f"--precision {args.precision}", args.precision != "32-true")):
         if bad:
-            raise ValueError(f"{flag} with --pp {pp}: pipelined training runs the reference "
-                             "GPT in float32 with DDP so far; drop it or use --pp 1")
+            raise ValueError(f"{flag} with --pp {pp}: pipelined training runs the dense "
+                             "reference GPT in float32 with DDP so far; drop it or use --pp 1")
     m = microbatches(args, state)
     try:
         plan_pipeline(pp=pp, num_blocks=args.layers, microbatches=m,
@@ -363,7 +366,7 @@ def model_config(args, backend=None) -> GPTConfig:
                      num_layers=args.layers, num_heads=args.heads,
                      num_gqa_groups=args.gqa_groups, ffn_hidden_size=args.ffn,
                      dropout=args.dropout, recompute=args.recompute,
-                     backend=backend or args.backend)
+                     backend=backend or args.backend, **moe_config(args))
 
 
 def tpkit_preflight(argv, launch) -> None:
@@ -378,8 +381,8 @@ def tpkit_preflight(argv, launch) -> None:
     args = parse_args(argv)
     config = ParallelConfig.from_env(
         launch.env, tp=args.tp, cp=args.cp, pp=args.pp,
-        sequence_parallel=args.sequence_parallel,
-        cp_comm_type=args.cp_comm_type, given_as="train.py --{flag}")
+        sequence_parallel=args.sequence_parallel, cp_comm_type=args.cp_comm_type,
+        ep=args.ep, etp=args.etp, given_as="train.py --{flag}")
     try:
         config = config.validate(launch.world_size)
     except ValueError as e:
@@ -454,6 +457,63 @@ def resolve_resume(path: str) -> str:
     return os.path.join(path, steps[-1]) if steps else path
 
 
+def add_moe_args(ap) -> None:
+    """Mixture of experts (docs/moe.md): the option group, checked by check_moe_args."""
+    g = ap.add_argument_group("mixture of experts (docs/moe.md)")
+    g.add_argument("--moe-experts", type=int, default=0,
+                   help="experts per MoE layer (0: dense MLPs)")
+    g.add_argument("--moe-topk", type=int, default=2, help="experts per token")
+    g.add_argument("--moe-every", type=int, default=1, help="every k-th block is MoE")
+    g.add_argument("--moe-aux-coeff", type=float, default=1e-2,
+                   help="load-balancing loss coefficient")
+    g.add_argument("--moe-capacity-factor", type=float, default=None,
+                   help="drop tokens beyond this capacity (default: dropless)")
+    g.add_argument("--ep", type=int, default=None, help="expert-parallel size")
+    g.add_argument("--etp", type=int, default=None, help="expert-tensor-parallel size")
+
+
+def check_moe_args(args, ap) -> None:
+    """The MoE options against each other and the layout, before any process group."""
+    if not args.moe_experts:
+        for name in ("ep", "etp", "moe_capacity_factor"):
+            if getattr(args, name) is not None:
+                ap.error(f"--{name.replace('_', '-')} needs --moe-experts > 0")
+        return
+    if getattr(args, "pack", False):
+        ap.error("--moe-experts with --pack is not supported yet (packed rows hold unequal "
+                 "token counts, which the aux loss's share assumes equal); drop one of them")
+    from tpkit.config import ParallelConfig
+    from tpkit.nn.moe import check_moe_args as check
+    try:
+        check(args.moe_experts, args.moe_topk, args.moe_capacity_factor)
+        ep = ParallelConfig.from_env(ep=args.ep, etp=args.etp).ep
+    except ValueError as e:
+        ap.error(f"--moe-*/--ep: {e}")
+    if args.moe_experts % ep:
+        ap.error(f"--moe-experts={args.moe_experts} is not divisible by ep={ep}; use a "
+                 f"multiple of {ep}")
+    if not 1 <= args.moe_every <= args.layers:
+        ap.error(f"--moe-every={args.moe_every} must be between 1 and --layers={args.layers}")
+
+
+def moe_config(args) -> dict:
+    """GPTConfig's MoE fields from the options."""
+    return dict(moe_experts=args.moe_experts, moe_topk=args.moe_topk,
+                moe_every=args.moe_every, moe_aux_coeff=args.moe_aux_coeff,
+                moe_capacity_factor=args.moe_capacity_factor)
+
+
+def moe_report(model) -> str:
+    """The aux loss and per-expert token load (min / max over experts, summed over the
+    MoE layers) of the last step's micro-batch on this rank's data-parallel replica."""
+    layers = model.moe_layers() if hasattr(model, "moe_layers") else []
+    if not layers:
+        return ""
+    aux = sum(float(m.aux_loss.detach()) for m in layers)
+    load = torch.stack([m.last_routing.tokens_per_expert for m in layers]).sum(0)
+    return f"  aux {aux:.4f}  load {int(load.min())}-{int(load.max())}"
+
+
 def lr_at(step: int, args) -> float:
     if step < args.warmup:
         return args.lr * (step + 1) / args.warmup
@@ -479,7 +539,8 @@ def make_fabric(args):
                              sequence_parallel=args.sequence_parallel,
                              cp_comm_type=args.cp_comm_type, data_parallel=args.data_parallel,
                              seed=args.seed, microbatches=args.microbatches,
-                             pp_schedule=args.pp_schedule, virtual_stages=args.virtual_stages)
+                             pp_schedule=args.pp_schedule, virtual_stages=args.virtual_stages,
+                             ep=args.ep, etp=args.etp)
     # Lightning takes precision plugin objects through plugins=, not precision=.
     fallback = {"float32": None, "bfloat16": torch.bfloat16}[args.fp8_compute_dtype]
     precision = _precision(args, fallback)
@@ -538,7 +599,7 @@ def train(args) -> list[float]:
         if state.rank == 0 and (step % args.log_every == 0 or last):
             dt = time.perf_counter() - t_last
             print(f"step {step:5d}  loss {losses[-1]:.6f}  lr {lr_at(step, args):.2e}  "
-                  f"{tokens_since / dt:,.0f} tokens/s", flush=True)
+                  f"{tokens_since / dt:,.0f} tokens/s" + moe_report(raw_model), flush=True)
             t_last, tokens_since = time.perf_counter(), 0
         if rec.step_end(step, saved, last=last, seconds=own_time):
             break

@@ -67,6 +67,10 @@ def _add_tpkit_options(parser) -> None:
                    help="p2p (default), all_gather, a2a or a2a+p2p")
     g.add_argument("--cp-a2a-size", "--cp_a2a_size", type=int, default=None, metavar="N",
                    help="inner all-to-all level size for --cp-comm-type a2a+p2p")
+    g.add_argument("--ep", type=int, default=None, metavar="N",
+                   help="expert-parallel size: experts sharded over N ranks (docs/moe.md)")
+    g.add_argument("--etp", type=int, default=None, metavar="N",
+                   help="expert-tensor-parallel size (default: tp); etp*ep divides tp*cp*dp")
     g = parser.add_argument_group("tpkit launch")
     g.add_argument("--backend", choices=("nccl", "gloo"), default=None,
                    help="process-group backend the workers use (default: nccl with GPUs, "
@@ -195,7 +199,7 @@ def resolve(args, env: Mapping[str, str]) -> Plan:
         config = ParallelConfig.from_env(
             env, tp=args.tp, cp=args.cp, pp=args.pp, dp=args.dp,
             sequence_parallel=args.sequence_parallel, cp_comm_type=args.cp_comm_type,
-            cp_a2a_size=args.cp_a2a_size, given_as="tpkit-launch --{flag}")
+            cp_a2a_size=args.cp_a2a_size, ep=args.ep, etp=args.etp, given_as="tpkit-launch --{flag}")
         slurm = slurm_info(env)
     except ValueError as e:
         raise LaunchError(str(e)) from None

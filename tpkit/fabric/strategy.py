@@ -53,10 +53,10 @@ from torch import nn
 
 from .. import checkpoint, grads, parallel_state, topology
 from ..config import ParallelConfig
-from ..param_tags import set_tags, tags_of
+from ..param_tags import is_expert, set_tags, tags_of
 from ..random import MODEL_PARALLEL_RNG, get_rng_tracker, model_parallel_seed
 from ..te import is_te_module, wire_parallel_groups
-from .sync import SequenceParallelSum, TPKitBackwardSyncControl
+from .sync import ExpertGradSum, SequenceParallelSum, TPKitBackwardSyncControl
 
 DATA_PARALLEL = ("ddp", "fsdp")
 
@@ -67,7 +67,8 @@ class TPKitStrategy(ParallelStrategy):
 
     def __init__(self, tp: int | None = None, cp: int | None = None, pp: int | None = None, *,
                  sequence_parallel: bool | None = None, cp_comm_type: str | None = None,
-                 cp_a2a_size: int | None = None, data_parallel: str = "ddp",
+                 cp_a2a_size: int | None = None, ep: int | None = None,
+                 etp: int | None = None, data_parallel: str = "ddp",
                  microbatches: int | None = None, pp_schedule: str = "1F1B",
                  virtual_stages: int | None = None,
                  parallelize_fn: Callable | None = None, seed: int | None = None,
@@ -80,7 +81,7 @@ class TPKitStrategy(ParallelStrategy):
         # Validate the sizes now (clear errors before any process starts); dp later.
         self._config = ParallelConfig.from_env(
             tp=tp, cp=cp, pp=pp, sequence_parallel=sequence_parallel,
-            cp_comm_type=cp_comm_type, cp_a2a_size=cp_a2a_size,
+            cp_comm_type=cp_comm_type, cp_a2a_size=cp_a2a_size, ep=ep, etp=etp,
             given_as="TPKitStrategy's {name} argument")
         self._pipeline_args = _pipeline_args(self._config.pp, microbatches, pp_schedule,
                                              virtual_stages, data_parallel)
@@ -104,9 +105,10 @@ class TPKitStrategy(ParallelStrategy):
         self._owns_state = False
         self._modules: list[nn.Module] = []
         self._sp_sum = SequenceParallelSum()
+        self._expert_sum = ExpertGradSum()
         self._replaced: dict[int, weakref.ref] = {}   # parameters FSDP2 replaced
         self._optimizers: list[weakref.ref] = []
-        self._backward_sync_control = TPKitBackwardSyncControl(self._sp_sum)
+        self._backward_sync_control = TPKitBackwardSyncControl(self._sp_sum, self._expert_sum)
 
     # --- layout ----------------------------------------------------------------------
     @property
@@ -215,7 +217,15 @@ class TPKitStrategy(ParallelStrategy):
             model_parallel_seed(1234 if self._seed is None else self._seed, state)
         if hasattr(self.precision, "attach"):
             self.precision.attach(state, self.root_device)
+        experts = [n for n, p in module.named_parameters() if is_expert(p)]
+        if experts and self._data_parallel == "fsdp":
+            raise ValueError("data_parallel='fsdp' does not shard expert weights (tpkit.nn."
+                             f"MoE: {experts[0]}, ...) yet; use data_parallel='ddp'")
         if state.pp_size > 1:
+            if experts:
+                raise ValueError(f"pp={state.pp_size} with expert weights (tpkit.nn.MoE: "
+                                 f"{experts[0]}, ...): TPKitStrategy does not pipeline MoE "
+                                 "models yet; use pp=1")
             return self._setup_pipeline(module, state)
         if self._data_parallel == "fsdp":
             self._check_optimizers_after(module)
@@ -228,10 +238,15 @@ class TPKitStrategy(ParallelStrategy):
             # DDP over a group of one would only copy every gradient into its buckets and
             # back (measured on an H100: ~3 % of a 0.7B-parameter step); nothing to average.
             ids = None if self.root_device.type == "cpu" else [self.root_device.index]
+            # Expert weights are reduced over edp by the expert sum (docs/moe.md), never
+            # averaged over dp x cp, which would mix different experts' gradients.
+            nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+                module, experts)
             module = nn.parallel.DistributedDataParallel(
                 module, device_ids=ids, process_group=state.dp_cp_group, **self._ddp_kwargs)
         self._modules.append(module)
         self._sp_sum.add(module)
+        self._expert_sum.add(module)
         return module
 
     # --- pipeline parallelism (pp > 1; docs/pipeline.md "Fabric") ---------------------
@@ -307,11 +322,14 @@ class TPKitStrategy(ParallelStrategy):
         """Sum over TP what was added to the sequence-parallel gradients since the last sum
         (tpkit.fabric.sync; idempotent). Public for loops that call backward themselves."""
         self._sp_sum.finalize(self.parallel_state)
+        self._expert_sum.finalize(self.parallel_state)
 
     def backward(self, tensor: torch.Tensor, module: nn.Module | None, *args, **kwargs) -> None:
         self._sp_sum.before_backward(self.parallel_state)
+        self._expert_sum.before_backward(self.parallel_state)
         super().backward(tensor, module, *args, **kwargs)
         self._sp_sum.after_backward(self.parallel_state)
+        self._expert_sum.after_backward(self.parallel_state)
 
     def optimizer_step(self, optimizer, **kwargs: Any) -> Any:
         self.finalize_gradients()
@@ -365,6 +383,14 @@ class TPKitStrategy(ParallelStrategy):
             raise TypeError("TPKitStrategy.save_checkpoint(storage_options=...) is not "
                             "supported: it writes torch.distributed.checkpoint directories, "
                             "not through a CheckpointIO plugin")
+        s = self.parallel_state
+        if s.ep_size * s.etp_size > 1 and any(
+                is_expert(p) for m in self._modules for p in m.parameters()):
+            raise ValueError(f"sharded checkpoints of expert weights at ep={s.ep_size}, "
+                             f"etp={s.etp_size} are not supported yet (each rank holds "
+                             "other experts); save a full state dict instead: "
+                             "tpkit.checkpoint.full_state_dict(model) on every rank, "
+                             "torch.save on rank 0 (it loads at any ep through fabric.load_raw)")
         checkpoint.save(self.broadcast(str(path)), state, filter=filter)
 
     def load_checkpoint(self, path, state=None, strict: bool = True,
@@ -409,6 +435,7 @@ class TPKitStrategy(ParallelStrategy):
         self._modules = []
         self._pipeline = None
         self._sp_sum.clear()
+        self._expert_sum.clear()
         self._optimizers, self._replaced = [], {}
         if self._owns_state and topology.is_initialized() \
                 and topology.get_parallel_state() is self._state:
