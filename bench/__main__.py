@@ -3,7 +3,7 @@ import importlib
 import sys
 
 # Each module has main() that measures and calls bench.common.write_section.
-BENCHMARKS = ["tp_layers", "context_parallel", "launch", "train", "hf"]
+BENCHMARKS = ["tp_layers", "context_parallel", "launch", "train", "hf", "recovery", "pipeline"]
 
 
 def main(argv=None) -> None:

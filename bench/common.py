@@ -88,3 +88,35 @@ def write_section(name: str, title: str, body: str) -> None:
         text = text.rstrip() + "\n\n" + block + "\n"
     with open(BENCHMARKS_MD, "w") as f:
         f.write(text)
+
+
+def _tp2_rank(rank: int, port: int, queue, fn, args) -> None:
+    import sys
+    sys.path.insert(0, ROOT)
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      OMP_NUM_THREADS="1")
+    import torch
+    torch.set_num_threads(1)
+    import tpkit
+    tpkit.init_parallel(tp=2, backend="gloo", seed=1234)
+    try:
+        res = fn(*args)
+    finally:
+        tpkit.destroy_parallel()
+    if rank == 0:
+        queue.put(res)
+
+
+def run_tp2(fn, *args):
+    """``fn(*args)`` on 2 spawned gloo processes (1 thread each) at tp=2; rank 0's result.
+    ``fn`` must be a module-level function (it is pickled)."""
+    import socket
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    queue = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(_tp2_rank, args=(port, queue, fn, args), nprocs=2,
+                       start_method="spawn")
+    return queue.get()

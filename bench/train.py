@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
-import socket
 import statistics
 import time
 import warnings
@@ -179,12 +178,6 @@ def to_tpkit_names(sd: dict) -> dict:
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _measure(cfg, seq, batch, quick):
     import torch.distributed as dist
     from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
@@ -257,35 +250,20 @@ def _measure(cfg, seq, batch, quick):
                 loss_diff=max(diffs), steps=len(times["tpkit"]), peer_calls=peer_calls)
 
 
-def _worker(rank: int, port: int, queue, quick: bool) -> None:
-    import sys
-    sys.path.insert(0, ROOT)
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
-    import tpkit
+def _all(quick: bool) -> dict:
     from launch.gpt import GPTConfig
-    tpkit.init_parallel(tp=2, backend="gloo", seed=1234)
-    try:
-        res = {}
-        for name, sizes, seq, batch, _ in SIZES:
-            res[name] = _measure(GPTConfig(**sizes), seq, batch, quick)
-        cfg = GPTConfig(**SIZES[0][1])
-        res["collectives"] = {sp: count_step_collectives(cfg, SIZES[0][2], SIZES[0][3], sp)
-                              for sp in (False, True)}
-    finally:
-        tpkit.destroy_parallel()
-    if rank == 0:
-        queue.put(res)
+    res = {}
+    for name, sizes, seq, batch, _ in SIZES:
+        res[name] = _measure(GPTConfig(**sizes), seq, batch, quick)
+    cfg = GPTConfig(**SIZES[0][1])
+    res["collectives"] = {sp: count_step_collectives(cfg, SIZES[0][2], SIZES[0][3], sp)
+                          for sp in (False, True)}
+    return res
 
 
 def measure(quick: bool = False) -> dict:
-    import torch.multiprocessing as mp
-    queue = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(_worker, args=(_free_port(), queue, quick), nprocs=2,
-                       start_method="spawn")
-    return queue.get()
+    from bench.common import run_tp2
+    return run_tp2(_all, quick)
 
 
 def main(quick: bool = False) -> dict:

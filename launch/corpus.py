@@ -68,3 +68,21 @@ def batch(data: torch.Tensor, step: int, global_batch: int, seq_len: int,
     idx = starts[:, None] + torch.arange(seq_len + 1)
     chunk = data[idx]
     return chunk[:, :-1], chunk[:, 1:]
+
+
+def documents(data: torch.Tensor) -> list[tuple[int, int]]:
+    """``(start, stop)`` of every document of the corpus: the text between blank lines
+    (two newlines: the docstrings and their paragraphs), empty ones dropped."""
+    nl = (data[:-1] == 10) & (data[1:] == 10)
+    cuts = [0] + (nl.nonzero().flatten() + 2).tolist() + [len(data)]
+    return [(a, b - 2 if b < len(data) else b) for a, b in zip(cuts[:-1], cuts[1:])
+            if (b - 2 if b < len(data) else b) > a]
+
+
+def doc_batch(data: torch.Tensor, docs: list[tuple[int, int]], step: int, global_batch: int,
+              max_len: int, seed: int = 0) -> list[torch.Tensor]:
+    """Deterministic global batch ``step`` of ``global_batch`` whole documents (each cut to
+    at most ``max_len`` tokens); every rank computes the same list and keeps its DP slice."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    picks = torch.randint(0, len(docs), (global_batch,), generator=g).tolist()
+    return [data[docs[i][0]:min(docs[i][1], docs[i][0] + max_len)] for i in picks]

@@ -5,6 +5,11 @@ load-balanced sequence shard (tpkit.data.shard_sequence) with matching RoPE posi
 ``forward`` returns the mean next-token loss over this rank's tokens; every rank holds
 the same number of tokens, so averaging gradients over the dp×cp group (what
 TPKitStrategy's DDP does) gives exactly the gradient of the global mean loss.
+
+Packed documents (``train.py --pack``): ``forward(tokens, labels, position_ids,
+**cu_seqlens...)`` takes this rank's shard of one packed row (``tpkit.data.PackedBatch``)
+and returns the *sum* of its token losses (padding and document ends carry
+``ignore_index``); the caller divides by the global batch's count of labelled tokens.
 """
 from __future__ import annotations
 
@@ -31,6 +36,14 @@ class GPTConfig:
     dropout: float = 0.0
     recompute: bool = False
     backend: str = "torch"   # the blocks' backend: "torch", "te" or "auto" (tpkit.nn)
+    # Mixture of experts (docs/moe.md): 0 experts = dense MLPs everywhere; else every
+    # moe_every-th block's MLP is a tpkit.nn.MoE of moe_experts experts of width ffn, its
+    # load-balancing loss over the global batch (the same curve at every layout).
+    moe_experts: int = 0
+    moe_topk: int = 2
+    moe_every: int = 1
+    moe_aux_coeff: float = 1e-2
+    moe_capacity_factor: float | None = None
 
 
 class GPT(nn.Module):
@@ -47,6 +60,14 @@ class GPT(nn.Module):
                              hidden_dropout=cfg.dropout, attention_dropout=cfg.dropout,
                              bias=False, backend=cfg.backend, **kw)
             for _ in range(cfg.num_layers))
+        if cfg.moe_experts:
+            from tpkit.nn import MoE
+            for i, layer in enumerate(self.layers):
+                if (i + 1) % cfg.moe_every == 0:
+                    layer.mlp = MoE(cfg.hidden_size, cfg.ffn_hidden_size, cfg.moe_experts,
+                                    cfg.moe_topk, aux_loss_coeff=cfg.moe_aux_coeff,
+                                    capacity_factor=cfg.moe_capacity_factor,
+                                    aux_loss_scope="global", **kw)
         from tpkit.te import is_te_module
         # TE's TransformerLayer takes the full sequence's RoPE angles and picks this CP
         # rank's chunks itself; tpkit's takes the angles of this rank's positions.
@@ -59,6 +80,10 @@ class GPT(nn.Module):
     pp_blocks = "layers"
     pp_stem_modules = ("embedding",)
     pp_head_modules = ("final_norm", "output")
+
+    @property
+    def pp_recompute(self) -> bool:
+        return self.cfg.recompute
 
     def pp_stem(self, tokens: torch.Tensor) -> torch.Tensor:
         """``[b, s]`` tokens of the full sequence -> ``[s_cp(/tp under SP), b, h]``."""
@@ -80,12 +105,38 @@ class GPT(nn.Module):
 
     def pp_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         targets = shard_sequence(targets, 1, self.state).t().contiguous()
-        return vocab_parallel_cross_entropy(logits, targets).mean()
+        loss = vocab_parallel_cross_entropy(logits, targets).mean()
+        for moe in self.moe_layers():   # the router losses (this rank's share, docs/moe.md)
+            loss = loss + moe.aux_loss
+        return loss
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def moe_layers(self) -> list:
+        """The MoE layers of this model (their ``aux_loss``/``last_routing`` after a
+        forward)."""
+        from tpkit.nn import MoE
+        return [m for m in self.modules() if isinstance(m, MoE)]   # a pipeline stage's own
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor,
+                position_ids: torch.Tensor | None = None, **packed) -> torch.Tensor:
         """``tokens``/``targets``: ``[b, s]`` over the full sequence of this DP slice; the
-        CP shard is taken here. Returns the mean loss over this rank's tokens."""
+        CP shard is taken here. Returns the mean loss over this rank's tokens. With
+        ``packed`` (TE's cu_seqlens arguments): see the module docstring."""
+        if packed:
+            return self._packed_loss(tokens, targets, position_ids, packed)
         x = self.pp_stem(tokens)
         for layer in self.layers:
             x = self.pp_block(layer, x)
         return self.pp_loss(self.pp_head(x), targets)
+
+    def _packed_loss(self, tokens, labels, position_ids, packed) -> torch.Tensor:
+        if self._te_blocks:
+            raise ValueError("packed documents need tpkit's torch blocks (backend='torch'); "
+                             "TE's TransformerLayer would need attn_input_format='thd'")
+        x = self.embedding(tokens[:, None])                      # [t(/tp under SP), 1, h]
+        freqs = self.rope(position_ids)                          # restart per document
+        for layer in self.layers:
+            if self.cfg.recompute and self.training:
+                x = checkpoint(layer, x, rotary_pos_emb=freqs, use_reentrant=False, **packed)
+            else:
+                x = layer(x, rotary_pos_emb=freqs, **packed)
+        return vocab_parallel_cross_entropy(self.pp_head(x), labels[:, None]).sum()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import signal
 import sys
 import time
 
@@ -75,7 +76,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="a checkpoint (SAVE/stepNNNNNN) or a --save directory (its latest); "
                         "it may have been written at any layout")
     add_hf_args(ap)
+    add_moe_args(ap)
+    add_pack_args(ap)
+    add_recovery_args(ap)
+    add_pipeline_args(ap)
     args = ap.parse_args(argv)
+    check_moe_args(args, ap)
     for name in ("steps", "global_batch", "seq_len", "hidden", "layers", "heads", "gqa_groups",
                  "ffn", "log_every"):
         if getattr(args, name) < 1:
@@ -87,7 +93,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(f"--lr={args.lr} must be > 0, e.g. 3e-3")
     if not 0.0 <= args.dropout < 1.0:
         ap.error(f"--dropout={args.dropout} must be in [0, 1)")
+    check_pack_args(ap, args)
     check_hf_args(ap, args)
+    check_recovery_args(ap, args)
     if args.fp8_recipe is not None and args.precision != "fp8":
         ap.error(f"--fp8-recipe={args.fp8_recipe} needs --precision fp8 (got --precision "
                  f"{args.precision}); add --precision fp8 or drop --fp8-recipe")
@@ -100,6 +108,192 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(f"--fp8-compute-dtype={args.fp8_compute_dtype} needs --precision fp8 (got "
                  f"--precision {args.precision}); drop it")
     return args
+
+
+# --- pipeline parallelism (tpkit.pipeline; docs/pipeline.md) -----------------------------
+def add_pipeline_args(ap: argparse.ArgumentParser) -> None:
+    from tpkit.pipeline import SCHEDULES
+    p = ap.add_argument_group("pipeline parallelism (docs/pipeline.md)")
+    p.add_argument("--pp", type=int, default=None,
+                   help="pipeline stages (default: tpkit-launch's --pp, else 1)")
+    p.add_argument("--microbatches", type=int, default=None,
+                   help="micro-batches per step and dp rank (default 2 x pp); the local "
+                        "batch (global batch / dp) must split into them")
+    p.add_argument("--pp-schedule", default="1F1B", choices=list(SCHEDULES),
+                   help="torch.distributed.pipelining schedule")
+    p.add_argument("--virtual-stages", type=int, default=None,
+                   help="stages per rank for the interleaved schedules (default 2)")
+
+
+def check_pipeline(args, state) -> None:
+    """The pipeline options against the layout ``state``: ValueError naming the flag and
+    the fix (tpkit.pipeline.plan_pipeline's checks, in train.py's words)."""
+    from tpkit.pipeline import plan_pipeline
+    pp = state.pp_size
+    if pp == 1:
+        given = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
+                 ("microbatches", "virtual_stages") if getattr(args, k) is not None]
+        if args.pp_schedule != "1F1B":
+            given.append(f"--pp-schedule={args.pp_schedule}")
+        if given:
+            raise ValueError(f"{', '.join(given)} only apply with pipeline stages (pp=1 here); "
+                             "add --pp N (N > 1) or drop them")
+        return
+    for flag, bad in (("--init-from-hf", args.init_from_hf), ("--pack", args.pack),
+                      (f"--moe-experts {args.moe_experts}", args.moe_experts),
+                      ("--data-parallel fsdp", args.data_parallel == "fsdp"),
+                      (f"--precision {args.precision}", args.precision != "32-true")):
+        if bad:
+            raise ValueError(f"{flag} with --pp {pp}: pipelined training runs the dense "
+                             "reference GPT in float32 with DDP so far; drop it or use --pp 1")
+    m = microbatches(args, state)
+    try:
+        plan_pipeline(pp=pp, num_blocks=args.layers, microbatches=m,
+                      schedule=args.pp_schedule, virtual_stages=args.virtual_stages,
+                      recompute=args.recompute)
+    except ValueError as e:
+        raise ValueError(f"--pp {pp} --layers {args.layers} --microbatches {m} --pp-schedule "
+                         f"{args.pp_schedule}: {e}") from None
+    if (args.global_batch // state.dp_size) % m:
+        raise ValueError(f"--global-batch={args.global_batch} does not split into dp x "
+                         f"microbatches = {state.dp_size} x {m}; use a multiple of "
+                         f"{state.dp_size * m} (or change --microbatches)")
+
+
+def microbatches(args, state) -> int:
+    return args.microbatches if args.microbatches is not None else 2 * state.pp_size
+
+
+def pipeline_stages(args, state) -> list[str]:
+    """The dry run's lines: which stages and blocks every pp rank (and its ranks) runs."""
+    from tpkit.pipeline import plan_pipeline
+    from tpkit.planning import format_ranks
+    plan = plan_pipeline(pp=state.pp_size, num_blocks=args.layers,
+                         microbatches=microbatches(args, state), schedule=args.pp_schedule,
+                         virtual_stages=args.virtual_stages)
+    rows = state.rank_table(nproc_per_node=1)
+    lines = [f"pipeline (train.py): {plan.schedule}, {plan.microbatches} micro-batches, "
+             f"{plan.num_stages} stages of {args.layers // plan.num_stages} block(s)"]
+    for r in range(plan.pp):
+        ranks = [row["rank"] for row in rows if row["pp"] == r]
+        parts = []
+        for st in plan.stages_of(r):
+            blocks = plan.blocks_of(st)
+            what = f"layers {blocks.start}-{blocks.stop - 1}" if len(blocks) > 1 \
+                else f"layer {blocks.start}"
+            if st == 0:
+                what = "embedding + " + what
+            if st == plan.num_stages - 1:
+                what += " + final_norm, output, loss"
+            parts.append(f"stage {st} ({what})")
+        lines.append(f"  pp rank {r} (ranks {format_ranks(ranks)}): " + "; ".join(parts))
+    return lines
+
+
+def setup_model(fabric, model, args):
+    """(model, optimizer) set up by Fabric, the optimizer over the set-up module's
+    parameters (FSDP2's shards; with pipeline stages, this rank's stages only)."""
+    def adamw(params):
+        return torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    # Set the module up first, then build the optimizer from what it holds: FSDP2
+    # replaces the parameters by sharded ones, and pipeline stages keep only theirs.
+    model = fabric.setup_module(model)
+    return model, fabric.setup_optimizers(adamw(model.parameters()))
+
+
+def forward_backward(fabric, model, x, y) -> torch.Tensor:
+    """One batch's forward and backward; the loss of this rank's tokens (pp > 1: every
+    stage gets it from the last, tpkit.pipeline)."""
+    if fabric.strategy.parallel_state.pp_size > 1:
+        return fabric.strategy.pipeline_step(x, target=y)
+    loss = model(x, y)
+    fabric.backward(loss)
+    return loss
+
+
+# --- packed documents (tpkit.data.pack_sequences, THD attention) ---------------------------
+def add_pack_args(ap: argparse.ArgumentParser) -> None:
+    p = ap.add_argument_group("packed documents")
+    p.add_argument("--pack", action="store_true",
+                   help="train on whole corpus documents packed into one row per rank "
+                        "(--global-batch documents of at most --seq-len tokens per step); "
+                        "attention stays inside each document, positions restart per "
+                        "document, the loss is the mean over the global batch's tokens")
+
+
+def check_pack_args(ap: argparse.ArgumentParser, args) -> None:
+    if args.pack and args.backend == "te":
+        ap.error("--pack needs --backend torch or auto (TE's TransformerLayer is built with "
+                 "attn_input_format='sbhd'); drop --pack or --backend te")
+    if args.pack and args.init_from_hf:
+        ap.error("--pack trains the reference GPT; drop --init-from-hf or --pack")
+
+
+def packed_loss(model, data, docs, step: int, args, state, device) -> torch.Tensor:
+    """This rank's share of the global token-mean loss of packed step ``step``: its DP slice
+    of the documents packed into one row, its CP shard of that row; the summed loss is
+    scaled so that DDP's average over dp x cp is the global mean over labelled tokens."""
+    from tpkit.data import pack_sequences
+    batch = corpus.doc_batch(data, docs, step, args.global_batch, args.seq_len, args.seed)
+    labelled = sum(len(d) - 1 for d in batch)          # the same number on every rank
+    per = args.global_batch // state.dp_size
+    row = pack_sequences(batch[state.dp_rank * per:(state.dp_rank + 1) * per], state=state)
+    local = row.shard(state)
+    kw = {k: v.to(device) if torch.is_tensor(v) else v
+          for k, v in local.attention_kwargs().items()}
+    loss_sum = model(local.tokens.to(device), local.labels.to(device),
+                     local.position_ids.to(device), **kw)
+    return loss_sum * (state.dp_cp_size / max(1, labelled))
+
+
+# --- recovery (tpkit.recovery; docs/launch.md#recovery) -----------------------------------
+def add_recovery_args(ap: argparse.ArgumentParser) -> None:
+    r = ap.add_argument_group("recovery (with --save: SIGTERM/SIGUSR1 save a checkpoint after "
+                              "the current step and exit with 128 + the signal)")
+    r.add_argument("--auto-resume", action="store_true",
+                   help="resume from the newest complete checkpoint in --save (written at any "
+                        "layout), else start fresh and say so")
+    r.add_argument("--keep", type=int, default=None, metavar="N",
+                   help="keep the newest N checkpoints in --save (never the one resumed from)")
+    r.add_argument("--hang-timeout", type=float, metavar="S", default=None,
+                   help="no progress for S seconds: dump stacks, name the stuck ranks, exit "
+                        "124 (default $TPKIT_HANG_TIMEOUT, which the Slurm templates set; "
+                        "else off)")
+    r.add_argument("--async-save", action="store_true",
+                   help="write checkpoints in the background (the next save waits for it)")
+
+
+def check_recovery_args(ap: argparse.ArgumentParser, args) -> None:
+    for flag, on in (("--auto-resume", args.auto_resume), ("--keep", args.keep is not None),
+                     ("--async-save", args.async_save)):
+        if on and not args.save:
+            ap.error(f"{flag} needs --save DIR (the checkpoint directory)")
+    if args.auto_resume and args.resume:
+        ap.error(f"--auto-resume and --resume={args.resume} both choose the checkpoint to "
+                 "start from; pass one")
+    if args.keep is not None and args.keep < 1:
+        ap.error(f"--keep={args.keep} must be >= 1 (how many checkpoints to keep); leave "
+                 "--keep out to keep them all")
+    if args.hang_timeout is not None and not args.hang_timeout > 0:
+        ap.error(f"--hang-timeout={args.hang_timeout} must be > 0 seconds (longer than the "
+                 "slowest step or save); leave it out for no watchdog")
+    env = os.environ.get("TPKIT_HANG_TIMEOUT", "").strip()
+    if args.hang_timeout is None and env:
+        try:
+            args.hang_timeout = float(env)
+        except ValueError:
+            args.hang_timeout = -1.0
+        if not args.hang_timeout > 0:
+            ap.error(f"TPKIT_HANG_TIMEOUT={env!r} must be a number of seconds > 0 (e.g. "
+                     "900); unset it to turn the hang watchdog off")
+
+
+def make_recovery(args, world: int):
+    from tpkit.recovery import Recovery
+    return Recovery(args.save, save_every=args.save_every, keep=args.keep,
+                    hang_timeout=args.hang_timeout, async_save=args.async_save,
+                    signals=() if not args.save else (signal.SIGTERM, signal.SIGUSR1),
+                    straggler_every=args.log_every if world > 1 else None)
 
 
 # --- Hugging Face checkpoints (tpkit.models.llama) -----------------------------------------
@@ -158,10 +352,13 @@ def check_job(args, state) -> None:
     if args.global_batch % state.dp_size:
         raise ValueError(f"--global-batch={args.global_batch} is not divisible by dp="
                          f"{state.dp_size}; use a multiple of {state.dp_size}")
+    if getattr(args, "pack", False):
+        return   # --pack pads every document to the layout's multiple itself
     try:
         check_sequence_length(args.seq_len, state)
     except ValueError as e:
         raise ValueError(f"--seq-len={args.seq_len}: {e}") from None
+    check_pipeline(args, state)
 
 
 def model_config(args, backend=None) -> GPTConfig:
@@ -169,7 +366,7 @@ def model_config(args, backend=None) -> GPTConfig:
                      num_layers=args.layers, num_heads=args.heads,
                      num_gqa_groups=args.gqa_groups, ffn_hidden_size=args.ffn,
                      dropout=args.dropout, recompute=args.recompute,
-                     backend=backend or args.backend)
+                     backend=backend or args.backend, **moe_config(args))
 
 
 def tpkit_preflight(argv, launch) -> None:
@@ -183,8 +380,9 @@ def tpkit_preflight(argv, launch) -> None:
     from tpkit.random import get_rng_tracker, model_parallel_seed
     args = parse_args(argv)
     config = ParallelConfig.from_env(
-        launch.env, tp=args.tp, cp=args.cp, sequence_parallel=args.sequence_parallel,
-        cp_comm_type=args.cp_comm_type, given_as="train.py --{flag}")
+        launch.env, tp=args.tp, cp=args.cp, pp=args.pp,
+        sequence_parallel=args.sequence_parallel, cp_comm_type=args.cp_comm_type,
+        ep=args.ep, etp=args.etp, given_as="train.py --{flag}")
     try:
         config = config.validate(launch.world_size)
     except ValueError as e:
@@ -215,6 +413,8 @@ def tpkit_preflight(argv, launch) -> None:
             raise ValueError(f"the model ({what}) does not fit tp={config.tp}: {e}") from None
         finally:
             get_rng_tracker().reset()
+        if launch.dry_run and state.pp_size > 1:
+            print("\n".join(pipeline_stages(args, state)))
         if args.resume and not launch.dry_run:   # a dry run may plan a resume of a future save
             verify(resolve_resume(args.resume), None if model is None else {"model": model},
                    state=state)
@@ -248,10 +448,6 @@ def full_init(model: torch.nn.Module, seed: int) -> None:
     load_full_state_dict(model, new)
 
 
-def checkpoint_path(save_dir: str, steps_done: int) -> str:
-    return os.path.join(save_dir, f"step{steps_done:06d}")
-
-
 def resolve_resume(path: str) -> str:
     """``path`` itself if it is a checkpoint, else the latest SAVE/stepNNNNNN inside it."""
     if not os.path.isdir(path):
@@ -259,6 +455,63 @@ def resolve_resume(path: str) -> str:
                          "--save (SAVE/stepNNNNNN) or the --save directory (its latest)")
     steps = sorted(d for d in os.listdir(path) if d.startswith("step") and d[4:].isdigit())
     return os.path.join(path, steps[-1]) if steps else path
+
+
+def add_moe_args(ap) -> None:
+    """Mixture of experts (docs/moe.md): the option group, checked by check_moe_args."""
+    g = ap.add_argument_group("mixture of experts (docs/moe.md)")
+    g.add_argument("--moe-experts", type=int, default=0,
+                   help="experts per MoE layer (0: dense MLPs)")
+    g.add_argument("--moe-topk", type=int, default=2, help="experts per token")
+    g.add_argument("--moe-every", type=int, default=1, help="every k-th block is MoE")
+    g.add_argument("--moe-aux-coeff", type=float, default=1e-2,
+                   help="load-balancing loss coefficient")
+    g.add_argument("--moe-capacity-factor", type=float, default=None,
+                   help="drop tokens beyond this capacity (default: dropless)")
+    g.add_argument("--ep", type=int, default=None, help="expert-parallel size")
+    g.add_argument("--etp", type=int, default=None, help="expert-tensor-parallel size")
+
+
+def check_moe_args(args, ap) -> None:
+    """The MoE options against each other and the layout, before any process group."""
+    if not args.moe_experts:
+        for name in ("ep", "etp", "moe_capacity_factor"):
+            if getattr(args, name) is not None:
+                ap.error(f"--{name.replace('_', '-')} needs --moe-experts > 0")
+        return
+    if getattr(args, "pack", False):
+        ap.error("--moe-experts with --pack is not supported yet (packed rows hold unequal "
+                 "token counts, which the aux loss's share assumes equal); drop one of them")
+    from tpkit.config import ParallelConfig
+    from tpkit.nn.moe import check_moe_args as check
+    try:
+        check(args.moe_experts, args.moe_topk, args.moe_capacity_factor)
+        ep = ParallelConfig.from_env(ep=args.ep, etp=args.etp).ep
+    except ValueError as e:
+        ap.error(f"--moe-*/--ep: {e}")
+    if args.moe_experts % ep:
+        ap.error(f"--moe-experts={args.moe_experts} is not divisible by ep={ep}; use a "
+                 f"multiple of {ep}")
+    if not 1 <= args.moe_every <= args.layers:
+        ap.error(f"--moe-every={args.moe_every} must be between 1 and --layers={args.layers}")
+
+
+def moe_config(args) -> dict:
+    """GPTConfig's MoE fields from the options."""
+    return dict(moe_experts=args.moe_experts, moe_topk=args.moe_topk,
+                moe_every=args.moe_every, moe_aux_coeff=args.moe_aux_coeff,
+                moe_capacity_factor=args.moe_capacity_factor)
+
+
+def moe_report(model) -> str:
+    """The aux loss and per-expert token load (min / max over experts, summed over the
+    MoE layers) of the last step's micro-batch on this rank's data-parallel replica."""
+    layers = model.moe_layers() if hasattr(model, "moe_layers") else []
+    if not layers:
+        return ""
+    aux = sum(float(m.aux_loss.detach()) for m in layers)
+    load = torch.stack([m.last_routing.tokens_per_expert for m in layers]).sum(0)
+    return f"  aux {aux:.4f}  load {int(load.min())}-{int(load.max())}"
 
 
 def lr_at(step: int, args) -> float:
@@ -282,9 +535,12 @@ def make_fabric(args):
     accelerator = "cuda" if torch.cuda.is_available() else "cpu"
     local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     nodes = max(1, int(os.environ.get("WORLD_SIZE", local)) // local)
-    strategy = TPKitStrategy(tp=args.tp, cp=args.cp, sequence_parallel=args.sequence_parallel,
+    strategy = TPKitStrategy(tp=args.tp, cp=args.cp, pp=args.pp,
+                             sequence_parallel=args.sequence_parallel,
                              cp_comm_type=args.cp_comm_type, data_parallel=args.data_parallel,
-                             seed=args.seed)
+                             seed=args.seed, microbatches=args.microbatches,
+                             pp_schedule=args.pp_schedule, virtual_stages=args.virtual_stages,
+                             ep=args.ep, etp=args.etp)
     # Lightning takes precision plugin objects through plugins=, not precision=.
     fallback = {"float32": None, "bfloat16": torch.bfloat16}[args.fp8_compute_dtype]
     precision = _precision(args, fallback)
@@ -306,30 +562,35 @@ def train(args) -> list[float]:
         model = GPT(model_config(args), state)
         full_init(model, args.seed)
     raw_model = model
-    # FSDP2 replaces the parameters: set the module up first, then build the optimizer
-    # from the sharded ones (the order is right for DDP too).
-    model = fabric.setup_module(model)
-    optimizer = fabric.setup_optimizers(torch.optim.AdamW(
-        model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0))
+    model, optimizer = setup_model(fabric, model, args)
     start = 0
     if args.resume:
         extra = fabric.load(resolve_resume(args.resume), {"model": model, "optimizer": optimizer})
         start = int(extra["step"]) + 1
+    rec, saved = make_recovery(args, state.world_size), {"model": model, "optimizer": optimizer}
+    if args.auto_resume:
+        start = rec.resume(saved)
     data, _ = corpus.split(corpus.tokens())
+    docs = corpus.documents(data) if args.pack else None
     local_batch = args.global_batch // state.dp_size
     losses, t_last, tokens_since = [], time.perf_counter(), 0
     for step in range(start, args.steps):
+        t_step = time.perf_counter()
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, args)
-        x, y = corpus.batch(data, step, args.global_batch, args.seq_len, seed=args.seed)
-        rows = slice(state.dp_rank * local_batch, (state.dp_rank + 1) * local_batch)
-        x, y = x[rows].to(fabric.device), y[rows].to(fabric.device)
-        loss = model(x, y)
-        fabric.backward(loss)
+        if args.pack:
+            loss = packed_loss(model, data, docs, step, args, state, fabric.device)
+            fabric.backward(loss)
+        else:
+            x, y = corpus.batch(data, step, args.global_batch, args.seq_len, seed=args.seed)
+            rows = slice(state.dp_rank * local_batch, (state.dp_rank + 1) * local_batch)
+            x, y = x[rows].to(fabric.device), y[rows].to(fabric.device)
+            loss = forward_backward(fabric, model, x, y)
         if args.clip > 0:
             fabric.clip_gradients(model, optimizer, max_norm=args.clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        own_time = time.perf_counter() - t_step  # before the step's last wait (stragglers)
         report = loss.detach().float().clone()
         dist.all_reduce(report, group=state.dp_cp_group)
         losses.append(report.item() / state.dp_cp_size)
@@ -337,12 +598,14 @@ def train(args) -> list[float]:
         last = step == args.steps - 1
         if state.rank == 0 and (step % args.log_every == 0 or last):
             dt = time.perf_counter() - t_last
-            print(f"step {step:5d}  loss {losses[-1]:.4f}  lr {lr_at(step, args):.2e}  "
-                  f"{tokens_since / dt:,.0f} tokens/s", flush=True)
+            print(f"step {step:5d}  loss {losses[-1]:.6f}  lr {lr_at(step, args):.2e}  "
+                  f"{tokens_since / dt:,.0f} tokens/s" + moe_report(raw_model), flush=True)
             t_last, tokens_since = time.perf_counter(), 0
-        if args.save and ((args.save_every and (step + 1) % args.save_every == 0) or last):
-            fabric.save(checkpoint_path(args.save, step + 1),
-                        {"model": model, "optimizer": optimizer, "step": step})
+        if rec.step_end(step, saved, last=last, seconds=own_time):
+            break
+    rec.close()
+    if rec.stopped_by:
+        raise SystemExit(rec.exit_code)
     if args.export_hf:
         raw_model.save_hf(args.export_hf)
     return losses

@@ -444,7 +444,9 @@ class Run:
         expect_error(ValueError, "is not a file", self.fabric.load_raw, ckpt, model)
         expect_error(TypeError, "storage_options", self.fabric.strategy.save_checkpoint,
                      ckpt + "-x", {"model": model}, storage_options={})
-        expect_error(ValueError, "no pipeline schedule", TPKitStrategy, pp=2)
+        expect_error(ValueError, "only apply with pp > 1", TPKitStrategy, pp=1, microbatches=4)
+        expect_error(ValueError, "data_parallel='fsdp' with pp=2", TPKitStrategy, pp=2,
+                     data_parallel="fsdp")
 
     def load_raw_optimizer(self):
         _, ref_at_save, ref_osd = self.saved

@@ -46,6 +46,9 @@ SIGNATURES = {
     "DotProductAttention.set_context_parallel_group": (
         PT + "attention/dot_product_attention/dot_product_attention.py",
         "DotProductAttention.set_context_parallel_group"),
+    "DotProductAttention.forward": (
+        PT + "attention/dot_product_attention/dot_product_attention.py",
+        "DotProductAttention.forward"),
     "TransformerLayer.__init__": (PT + "transformer.py", "TransformerLayer.__init__"),
     "TransformerLayer.set_tensor_parallel_group": (
         PT + "transformer.py", "TransformerLayer.set_tensor_parallel_group"),
@@ -98,6 +101,11 @@ TPKIT_PASSES = {
                    "use_reentrant"},
     "DotProductAttention.set_context_parallel_group": (
         "cp_group", "cp_global_ranks", "cp_stream", "cp_comm_type"),
+    # ParallelSelfAttention's packed/padded call of its core (TE's DotProductAttention)
+    "DotProductAttention.forward": (
+        "query_layer", "key_layer", "value_layer", "attention_mask", "qkv_format",
+        "cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded",
+        "max_seqlen_q", "max_seqlen_kv", "attn_mask_type"),
     "TransformerLayer.set_context_parallel_group": (
         "cp_group", "cp_global_ranks", "cp_stream", "cp_comm_type"),
     "_TPModule.set_tensor_parallel_group": ("tp_group",),

@@ -161,8 +161,8 @@ def _block_input_checks(st):
         ParallelMLP(8, 5, state=st)
     with pytest.raises(ValueError, match="activation='tanh'"):
         ParallelMLP(8, 8, activation="tanh", state=st)
-    with pytest.raises(ValueError, match="attn_mask_type='padding'"):
-        ParallelSelfAttention(16, 4, attn_mask_type="padding", state=st)
+    with pytest.raises(ValueError, match="attn_mask_type='arbitrary'"):
+        ParallelSelfAttention(16, 4, attn_mask_type="arbitrary", state=st)
     with pytest.raises(ValueError, match="normalization='BatchNorm'"):
         TransformerLayer(16, 32, 4, normalization="BatchNorm", state=st)
     attn = ParallelSelfAttention(16, 4, state=st)

@@ -185,7 +185,7 @@ def _errors():
         st.cp_group, st.cp_global_ranks, None, "a2a+p2p"))
     catch("lb_strategy", lambda: DotProductAttention(HEADS, D).set_context_parallel_group(
         st.cp_group, st.cp_global_ranks, None, "p2p", "striped"))
-    catch("mask_padding", lambda: DotProductAttention(HEADS, D, attn_mask_type="padding"))
+    catch("mask_arbitrary", lambda: DotProductAttention(HEADS, D, attn_mask_type="arbitrary"))
     catch("attention_mask", lambda: DotProductAttention(HEADS, D)(
         *_qkv(8), attention_mask=torch.ones(1, dtype=torch.bool)))
     catch("bad_comm", lambda: DotProductAttention(HEADS, D, cp_comm_type="ring"))
@@ -283,7 +283,7 @@ def test_clear_errors(results):
     assert "cp_a2a_size" in e["a2a+p2p_no_hier"]
     assert "[a2a_group, p2p_group]" in e["a2a+p2p_one_group"]
     assert "'striped'" in e["lb_strategy"] and "dual_chunk_swap" in e["lb_strategy"]
-    assert "'padding'" in e["mask_padding"]
+    assert "'arbitrary'" in e["mask_arbitrary"]
     assert "attention_mask" in e["attention_mask"]
     assert "'ring'" in e["bad_comm"]
 

@@ -34,7 +34,7 @@ CHECKS = [
     "load_into_state",              # resume: model + optimizer + plain values, next step
     "load_strict",                  # KeyError, as Fabric's own strategies
     "load_raw_optimizer",
-    "refused",                      # README's list: load_raw(directory), storage_options, pp>1
+    "refused",                      # load_raw(directory), storage_options, pp options at pp=1
     "load_full_file",               # fabric.load of a single-file full checkpoint
     "fsdp_optimizer_order",         # data_parallel="fsdp": optimizer built too early
     "fsdp_load_raw_and_resume",

@@ -26,9 +26,12 @@ checkpoint written at one layout loads at any other (tp, cp, dp change freely):
 
 Saves are atomic: ranks write into ``<path>.tmp-<id>``; after a barrier rank 0 swaps it
 into place, so a crash mid-save leaves the previous checkpoint at ``path`` untouched.
+``async_save`` keeps the guarantee: rank 0 renames only after the background write
+finished on every rank.
 """
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 import uuid
@@ -283,22 +286,47 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _staging_name(path: str) -> str:
+    """``<path>.tmp-<id>``, chosen by rank 0 and the same on every rank. Collective."""
+    name = [f"{path}.tmp-{uuid.uuid4().hex[:8]}" if _rank() == 0 else None]
+    if dist.is_initialized():
+        dist.broadcast_object_list(name, src=0)
+    return name[0]
+
+
+def _prepare(path, state_dict: dict, filter: dict | None):
+    """What ``save`` and ``async_save`` both do before writing: check the filter and the
+    target directory (on every rank, together), pick the staging name, build DCP's views.
+    Returns (absolute path, staging path, views). Collective."""
+    _check_filter(filter, state_dict)
+    path = os.path.abspath(os.fspath(path))
+    problem = dir_problem(os.path.dirname(path))   # before any rank writes a byte
+    agree(None if problem is None else ValueError(
+        f"cannot save checkpoint {path}: {problem}; pass a path in a writable directory"))
+    tmp = _staging_name(path)
+    views, _ = _build(state_dict, for_load=False, filter=filter)
+    return path, tmp, views
+
+
+def _commit(tmp: str, path: str) -> None:
+    """Rank 0: swap the finished ``tmp`` into place (two renames; a crash between them
+    leaves the old checkpoint at ``<path>.old-<id>``, never a partial one at ``path``)."""
+    old = None
+    if os.path.lexists(path):
+        old = f"{path}.old-{uuid.uuid4().hex[:8]}"
+        os.rename(path, old)
+    os.rename(tmp, path)
+    if old is not None:
+        shutil.rmtree(old) if os.path.isdir(old) else os.remove(old)
+
+
 def save(path: str | os.PathLike, state_dict: dict[str, Any], *,
          filter: dict | None = None) -> None:
     """Write ``state_dict`` (modules, optimizers, objects with ``state_dict()``, plain
     values) as a sharded checkpoint directory at ``path``, atomically. Collective.
     ``filter``: as Fabric's ``save(filter=...)`` (see ``_build``); load a filtered
     checkpoint with ``strict=False``."""
-    _check_filter(filter, state_dict)
-    path = os.path.abspath(os.fspath(path))
-    problem = dir_problem(os.path.dirname(path))   # before any rank writes a byte
-    agree(None if problem is None else ValueError(
-        f"cannot save checkpoint {path}: {problem}; pass a path in a writable directory"))
-    name = [f"{path}.tmp-{uuid.uuid4().hex[:8]}" if _rank() == 0 else None]
-    if dist.is_initialized():
-        dist.broadcast_object_list(name, src=0)
-    tmp = name[0]
-    views, _ = _build(state_dict, for_load=False, filter=filter)
+    path, tmp, views = _prepare(path, state_dict, filter)
     try:
         dcp.save(views, storage_writer=dcp.FileSystemWriter(tmp))
     except BaseException:
@@ -308,14 +336,109 @@ def save(path: str | os.PathLike, state_dict: dict[str, Any], *,
         raise
     _barrier()
     if _rank() == 0:
-        old = None
-        if os.path.lexists(path):
-            old = f"{path}.old-{uuid.uuid4().hex[:8]}"
-            os.rename(path, old)
-        os.rename(tmp, path)
-        if old is not None:
-            shutil.rmtree(old) if os.path.isdir(old) else os.remove(old)
+        _commit(tmp, path)
     _barrier()
+
+
+class PendingSave:
+    """A checkpoint being written in the background by :func:`async_save`. Rank 0 moves
+    it to its final path once DCP's write finished everywhere (rank 0's part ends with
+    the metadata file, written after every rank reported its files), so ``path`` only
+    ever holds a complete checkpoint. Not collective: each rank waits for its own part."""
+
+    def __init__(self, future, tmp: str, path: str):
+        self.future, self.tmp, self.path = future, tmp, path
+        self.committed = False
+
+    def done(self) -> bool:
+        """Without blocking: whether this rank's part is written (rank 0: and committed)."""
+        if not self.future.done():
+            return False
+        self.wait()
+        return True
+
+    def wait(self) -> None:
+        """Block until this rank's part is written; rank 0 then commits. Re-raises a
+        write failure (rank 0 removes the staging directory first)."""
+        if self.committed:
+            return
+        try:
+            self.future.result()
+        except BaseException:
+            if _rank() == 0:
+                shutil.rmtree(self.tmp, ignore_errors=True)
+            self.committed = True
+            raise
+        if _rank() == 0:
+            _commit(self.tmp, self.path)
+        self.committed = True
+
+
+def _cpu_copy(obj, buffers: dict | None = None, key: tuple = ()):
+    """``obj`` with every tensor (a DTensor's local shard) copied to CPU memory, so the
+    background write sees this step's values while training changes the live ones.
+    (DCP's own stager deep-copies DTensors, which fails for views of parameters.) With
+    ``buffers``, copies go into the buffers of the previous call (same key, shape and
+    dtype): no fresh allocation (and page faults) per save."""
+    if isinstance(obj, dict):
+        return {k: _cpu_copy(v, buffers, (*key, k)) for k, v in obj.items()}
+    if isinstance(obj, _Whole):   # pickled by the write: a copy of this step's value
+        return _Whole(copy.deepcopy(obj.value))
+    if isinstance(obj, DTensor):  # same spec, CPU local shard (from_local costs ~10x more)
+        return DTensor(_cpu_copy(obj.to_local(), buffers, key), obj._spec,
+                       requires_grad=False)
+    if isinstance(obj, torch.Tensor):
+        src = obj.detach()
+        if buffers is None:
+            return src.to("cpu", copy=True)
+        buf = buffers.get(key)
+        if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
+            buf = buffers[key] = torch.empty(src.shape, dtype=src.dtype,
+                                             pin_memory=src.is_cuda)
+        return buf.copy_(src)
+    return obj
+
+
+class _Staged(dcp.staging.AsyncStager):
+    """A stager for a state dict :func:`_cpu_copy` already staged."""
+
+    _synchronize_after_execute = False
+
+    def stage(self, state_dict):
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def async_save(path: str | os.PathLike, state_dict: dict[str, Any], *,
+               process_group=None, buffers: dict | None = None,
+               filter: dict | None = None) -> PendingSave:
+    """Like :func:`save`, but DCP writes in a background thread (``dcp.async_save``) after
+    copying the tensors to CPU here, so training may change them at once. Collective (the
+    copy and the name); the write's own collectives run on ``process_group``, which must be
+    a CPU (gloo) group other than the one training uses, e.g. ``dist.new_group(
+    backend="gloo")`` made once. Call ``wait()`` (or ``done()``) on the result before the
+    next save and before exiting: the checkpoint reaches ``path`` only then. ``buffers``:
+    a dict kept by the caller and passed to every save (each after the previous one's
+    ``wait()``), so that the copies reuse the CPU memory (pinned, from GPUs) of the last.
+    ``filter``, the path check and the format are :func:`save`'s."""
+    if dist.is_initialized() and process_group is None:
+        raise ValueError("async_save needs process_group=: a gloo group of its own (e.g. "
+                         "torch.distributed.new_group(backend='gloo')), since the background "
+                         "write's collectives must not interleave with training's")
+    path, tmp, views = _prepare(path, state_dict, filter)
+    try:
+        future = dcp.async_save(_cpu_copy(views, buffers), storage_writer=dcp.FileSystemWriter(tmp),
+                                process_group=process_group, async_stager=_Staged())
+    except BaseException:
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return PendingSave(future, tmp, path)
 
 
 # --- load ------------------------------------------------------------------------------
@@ -443,9 +566,10 @@ def load(path: str | os.PathLike, state_dict: dict[str, Any], *,
         loaded = unflatten_state_dict(flat, {k: v for k, v in mapping.items() if k in flat})
         for slot in slots:
             slot.write_back()
+        names = _param_names([v for v in live.values() if isinstance(v, nn.Module)])
         for key, obj in live.items():
             if isinstance(obj, torch.optim.Optimizer) and key in loaded:
-                _restore_optimizer_scalars(obj, loaded[key])
+                _restore_optimizer_scalars(obj, loaded[key], names)
     rest = [k for k in state_dict if k in saved and k not in live]
     for key, value in read(path, keys=rest).items():
         obj = state_dict[key]
@@ -456,12 +580,21 @@ def load(path: str | os.PathLike, state_dict: dict[str, Any], *,
     return state_dict
 
 
-def _restore_optimizer_scalars(opt, loaded: dict) -> None:
-    """Hyper-parameters and non-tensor per-param state (tensors were loaded in place)."""
-    by_name = dict(zip([f for g in loaded.get("param_groups", []) for f in g["params"]],
-                       [p for g in opt.param_groups for p in g["params"]]))
-    for g, lg in zip(opt.param_groups, loaded.get("param_groups", [])):
-        for k, v in lg.items():
+def _restore_optimizer_scalars(opt, loaded: dict, names: dict) -> None:
+    """Hyper-parameters and non-tensor per-param state (tensors were loaded in place),
+    paired by parameter name: under pipeline parallelism an optimizer holds one stage's
+    parameters, and the param groups' name lists in the checkpoint are those of the rank
+    that wrote them, so positions do not match. A live group takes the hyper-parameters of
+    the saved group sharing a parameter name with it, else of the saved group at its
+    position (every stage builds its groups the same way). ``names``: _param_names."""
+    by_name = {fqn: p for fqn, p in names.values()}
+    live_names = {id(p): fqn for fqn, p in names.values()}
+    saved = loaded.get("param_groups", [])
+    for i, g in enumerate(opt.param_groups):
+        mine = {live_names.get(id(p)) for p in g["params"]}
+        match = [lg for lg in saved if mine & set(lg.get("params", ()))]
+        lg = match[0] if match else (saved[i] if i < len(saved) else None)
+        for k, v in (lg or {}).items():
             if k != "params":
                 g[k] = v
     for fqn, entry in loaded.get("state", {}).items():

@@ -7,6 +7,11 @@ that dim, e.g. fused q/k/v ``(H*d, G*d, G*d)``), each segment is sharded on its 
 the local shard is the concatenation of this rank's chunk of every segment, so the full
 tensor is ``cat(segment_0, segment_1, ...)`` in the un-interleaved order. Everything else
 (replicated params, buffers) is taken as is.
+
+Expert weights (tagged ``expert_parallel`` by tpkit.nn.MoE) hold this ep rank's slice of
+dim 0 (``num_experts / ep`` experts, in global expert order) and, along
+``etp_partition_dim``, their etp shard: their full tensor has every expert, so a full
+state dict loads at any (ep, etp).
 """
 from __future__ import annotations
 
@@ -17,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from ._dcp import (MissingKeyError, _param_names, fsdp_local, missing_key_error,
                    unwrap_module)
 from .collectives import all_gather, group_size
-from .param_tags import partition_dim, tp_spec
+from .param_tags import is_expert, partition_dim, tp_spec
 from .topology import resolve_state
 
 __all__ = ["full_state_dict", "load_full_state_dict", "load_full_optimizer_state_dict",
@@ -56,7 +61,9 @@ def full_state_dict(model: nn.Module, state=None) -> dict[str, torch.Tensor]:
     for name, t in model.state_dict(keep_vars=True).items():
         p = params.get(name)
         dim = partition_dim(p) if p is not None else None
-        if dim is None:
+        if p is not None and is_expert(p):
+            out[name] = _gather_expert(t, p, state)
+        elif dim is None:
             out[name] = t.detach().clone()
         else:
             out[name] = gather_param(t, dim, getattr(p, "tp_partition_sizes", None),
@@ -76,7 +83,37 @@ def full_shapes(model: nn.Module, state=None) -> dict[str, torch.Size]:
         if dim is not None:
             shape[dim] *= n
         out[name] = torch.Size(shape)
+        if params.get(name) is not None and is_expert(params[name]):
+            out[name] = torch.Size(_expert_full_shape(t, resolve_state(state)))
     return out
+
+
+# --- expert weights (ep slice of dim 0, etp shard) --------------------------------------
+def _expert_full_shape(t, state) -> tuple:
+    shape = list(t.shape)
+    shape[0] *= state.ep_size
+    dim = getattr(t, "etp_partition_dim", None)
+    if dim is not None:
+        shape[dim] *= state.etp_size
+    return tuple(shape)
+
+
+def _gather_expert(t, p, state) -> torch.Tensor:
+    dim = getattr(p, "etp_partition_dim", None)
+    full = t.detach()
+    if dim is not None:
+        full = gather_param(full, dim, getattr(p, "etp_partition_sizes", None), state.etp_group)
+    return all_gather(full.contiguous(), state.ep_group) if state.ep_size > 1 else full.clone()
+
+
+def _expert_local(full: torch.Tensor, t, state) -> torch.Tensor:
+    n = full.shape[0] // state.ep_size
+    local = full.narrow(0, state.ep_rank * n, n)
+    dim = getattr(t, "etp_partition_dim", None)
+    if dim is not None:
+        local = shard_tensor(local, dim, getattr(t, "etp_partition_sizes", None),
+                             state.etp_rank, state.etp_size)
+    return local
 
 
 def _full_shape(t: torch.Tensor, spec, n: int) -> tuple:
@@ -115,6 +152,14 @@ def load_full_state_dict(model: nn.Module, sd: dict[str, torch.Tensor], state=No
             if name not in sd:
                 continue
             src, spec = sd[name], tp_spec(t)
+            if is_expert(t):
+                expect = _expert_full_shape(t, state)
+                if tuple(src.shape) != expect:
+                    raise ValueError(f"{name}: full tensor has shape {tuple(src.shape)}, "
+                                     f"expected {expect} (all experts; ep={state.ep_size}, "
+                                     f"etp={state.etp_size})")
+                t.copy_(_expert_local(src.to(t.device), t, state))
+                continue
             expect = _full_shape(t, spec, n)
             if tuple(src.shape) != expect:
                 how = (f" (shard {tuple(t.shape)} x tp={n} along dim {spec[0]})"
@@ -205,6 +250,7 @@ def _optimizer_value(v, p, spec, state, what: str):
 
 
 # Sharded, reshardable checkpoints with torch.distributed.checkpoint (tpkit/_dcp.py).
-from ._dcp import load, read, read_extras, save, verify  # noqa: E402
+from ._dcp import PendingSave, async_save, load, read, read_extras, save, verify  # noqa: E402
 
-__all__ += ["save", "load", "verify", "read", "read_extras", "unwrap_module", "MissingKeyError"]
+__all__ += ["save", "load", "async_save", "PendingSave", "verify", "read", "read_extras",
+            "unwrap_module", "MissingKeyError"]

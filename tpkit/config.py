@@ -26,6 +26,8 @@ ENV_VARS = {
     "sequence_parallel": "TPKIT_SEQUENCE_PARALLEL",
     "cp_comm_type": "TPKIT_CP_COMM_TYPE",
     "cp_a2a_size": "TPKIT_CP_A2A_SIZE",
+    "ep": "TPKIT_EP",
+    "etp": "TPKIT_ETP",
 }
 
 _TRUE = ("1", "true", "yes", "on")
@@ -50,6 +52,11 @@ class ParallelConfig:
     silently ignore the flag (Megatron silently turns it off). ``cp_a2a_size`` is the
     size of the inner (all-to-all) level of ``cp_comm_type="a2a+p2p"`` and is only
     meaningful there.
+
+    ``ep`` and ``etp`` re-cut the ``tp * cp * dp`` ranks of each pipeline stage for the
+    expert layers (Megatron-Core's "parallel folding"): ``etp`` (expert-tensor, default
+    ``tp``) innermost, then ``ep`` (expert-parallel), then ``edp = tp*cp*dp / (etp*ep)``
+    (expert-data-parallel). Dense layers keep tp/cp/dp.
     """
 
     tp: int = 1
@@ -59,6 +66,8 @@ class ParallelConfig:
     sequence_parallel: bool = False
     cp_comm_type: str = "p2p"
     cp_a2a_size: int | None = None
+    ep: int = 1
+    etp: int | None = None
     #: Where each value came from, for error messages (``from_env`` fills it): field name
     #: -> e.g. "$TPKIT_DP (...)" or "init_parallel's tp argument". Not part of the layout.
     origin: Mapping[str, str] | None = dataclasses.field(
@@ -87,9 +96,10 @@ class ParallelConfig:
                 + ("; tpkit-launch exports $TPKIT_*, or your shell set them" if env else "") + "]")
 
     def _check(self) -> None:
-        for name in ("tp", "cp", "pp"):
+        for name in ("tp", "cp", "pp", "ep"):
             _check_size(name, getattr(self, name))
         _check_size("dp", self.dp, allow_none=True)
+        _check_size("etp", self.etp, allow_none=True)
         if not isinstance(self.sequence_parallel, bool):
             raise ValueError(
                 f"sequence_parallel={self.sequence_parallel!r} must be True or False")
@@ -126,6 +136,23 @@ class ParallelConfig:
         return self.tp * self.cp * self.pp
 
     @property
+    def expert_tp(self) -> int:
+        """The expert-tensor-parallel size: ``etp``, or ``tp`` when etp is unset."""
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def has_experts(self) -> bool:
+        """Do the expert layers have their own decomposition (ep > 1 or etp != tp)?"""
+        return self.ep > 1 or self.expert_tp != self.tp
+
+    @property
+    def edp(self) -> int:
+        """Expert-data-parallel size, ``tp*cp*dp / (etp*ep)`` (dp must be resolved)."""
+        if self.dp is None:
+            raise ValueError("dp is not resolved yet; call validate(world_size) first")
+        return self.tp * self.cp * self.dp // (self.expert_tp * self.ep)
+
+    @property
     def cp_p2p_size(self) -> int | None:
         return None if self.cp_a2a_size is None else self.cp // self.cp_a2a_size
 
@@ -143,6 +170,14 @@ class ParallelConfig:
                 f"dp={self.dp} is inconsistent with world size {world_size} and tp*cp*pp="
                 f"{self.model_size} (which leave dp={dp}); pass dp={dp} or leave dp unset",
                 ("dp", "tp", "cp", "pp")))
+        stage = self.tp * self.cp * dp
+        if stage % (self.expert_tp * self.ep):
+            raise ValueError(self._with_origin(
+                f"etp*ep = {self.expert_tp}*{self.ep} = {self.expert_tp * self.ep} does not "
+                f"divide tp*cp*dp = {self.tp}*{self.cp}*{dp} = {stage} (the ranks of one "
+                "pipeline stage, which the expert layers re-cut as etp x ep x edp); choose ep "
+                f"and etp whose product divides {stage}, or change the world size",
+                ("ep", "etp", "tp", "cp")))
         return dataclasses.replace(self, dp=dp)
 
     @property
@@ -165,6 +200,10 @@ class ParallelConfig:
             env[ENV_VARS["dp"]] = str(self.dp)
         if self.cp_a2a_size is not None:
             env[ENV_VARS["cp_a2a_size"]] = str(self.cp_a2a_size)
+        if self.ep != 1:
+            env[ENV_VARS["ep"]] = str(self.ep)
+        if self.etp is not None:
+            env[ENV_VARS["etp"]] = str(self.etp)
         return env
 
     @classmethod

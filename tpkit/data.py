@@ -10,8 +10,18 @@ Divisibility rule (checked, ``ValueError`` otherwise): with ``cp > 1`` the seque
 must be divisible by ``2*cp``; with sequence parallelism on as well it must be divisible
 by ``2*cp*tp`` (each of the two chunks of a CP shard then splits evenly over the TP
 ranks). With ``cp == 1`` nothing is cut (under SP the length must still divide by tp).
+
+Packed sequences (THD, TE's ``qkv_format="thd"``): several documents in one row, described
+by ``cu_seqlens`` (cumulative real lengths) and ``cu_seqlens_padded`` (cumulative lengths
+after padding every document to the same divisibility rule, applied per document). Under
+CP each *document* is cut into ``2*cp`` chunks and rank ``r`` keeps chunks ``r`` and
+``2*cp-1-r`` of every document, documents in order (TE's per-document DUAL_CHUNK_SWAP):
+``pack_sequences`` builds the row, ``shard_packed`` / ``unshard_packed`` move between the
+row and a rank's shard (``packed_cp_indices`` is the formula).
 """
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -23,7 +33,7 @@ def check_sequence_length(seq_len: int, state=None) -> None:
     """Raise ValueError if ``seq_len`` cannot be sharded under ``state`` (see module doc)."""
     state = resolve_state(state)
     cp, tp, sp = state.cp_size, state.tp_size, state.sequence_parallel
-    div = (2 * cp if cp > 1 else 1) * (tp if sp else 1)
+    div = sequence_multiple(state)
     if seq_len % div != 0:
         rule = (f"2*cp*tp = 2*{cp}*{tp} = {div} (context parallelism cuts the sequence into "
                 f"2*cp chunks and sequence parallelism splits each over tp)" if sp and cp > 1
@@ -32,6 +42,14 @@ def check_sequence_length(seq_len: int, state=None) -> None:
                 else f"tp = {div} (sequence parallelism)")
         raise ValueError(f"sequence length {seq_len} is not divisible by {rule}; pad the "
                          f"sequence to a multiple of {div}")
+
+
+def sequence_multiple(state=None) -> int:
+    """What a sequence length (and, packed, every document's padded length) must divide
+    by under ``state``: ``2*cp`` with CP, times ``tp`` with sequence parallelism."""
+    state = resolve_state(state)
+    cp = state.cp_size
+    return (2 * cp if cp > 1 else 1) * (state.tp_size if state.sequence_parallel else 1)
 
 
 def cp_chunk_ids(cp_rank: int, cp_size: int) -> tuple[int, int]:
@@ -112,3 +130,138 @@ def unshard_sequence(tensor: torch.Tensor, seq_dim: int, state=None) -> torch.Te
                          "shard_sequence produced and the same seq_dim")
     seq_dim = seq_dim % tensor.dim()
     return _Unshard.apply(tensor, seq_dim, state.cp_group, state.cp_rank, cp)
+
+
+# --- packed sequences (THD) ----------------------------------------------------------------
+@dataclasses.dataclass
+class PackedBatch:
+    """One packed row (or a CP rank's shard of it, from :meth:`shard`).
+
+    ``tokens``, ``labels``, ``position_ids``: ``[T]`` (the row) or ``[T / cp]`` (a shard).
+    ``labels`` is the next token inside each document; the last token of a document and
+    every padding token get ``ignore_index`` (no prediction across a boundary, no loss on
+    padding). ``position_ids`` restart at 0 in every document (and run on through its
+    padding, as TE's ``generate_positional_ids_for_cp``). ``cu_seqlens`` /
+    ``cu_seqlens_padded`` (int32, ``[n_docs + 1]``) always describe the *whole* row, also
+    in a shard: TE's attention takes the global ones under CP."""
+    tokens: torch.Tensor
+    labels: torch.Tensor
+    position_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+    cu_seqlens_padded: torch.Tensor
+    max_seqlen: int
+    ignore_index: int = -100
+
+    def attention_kwargs(self) -> dict:
+        """The THD keyword arguments of ``DotProductAttention.forward`` (TE's names)."""
+        return dict(cu_seqlens_q=self.cu_seqlens, cu_seqlens_kv=self.cu_seqlens,
+                    cu_seqlens_q_padded=self.cu_seqlens_padded,
+                    cu_seqlens_kv_padded=self.cu_seqlens_padded,
+                    max_seqlen_q=self.max_seqlen, max_seqlen_kv=self.max_seqlen)
+
+    def shard(self, state=None) -> "PackedBatch":
+        """This CP rank's tokens, labels and positions (per-document load balancing)."""
+        return dataclasses.replace(self, **{
+            name: shard_packed(getattr(self, name), self.cu_seqlens_padded, 0, state)
+            for name in ("tokens", "labels", "position_ids")})
+
+
+def pack_sequences(sequences, *, state=None, multiple: int | None = None, pad_id: int = 0,
+                   ignore_index: int = -100) -> PackedBatch:
+    """Pack documents (1-D integer tensors or lists, any lengths >= 1) into one THD row,
+    each padded at its end to a multiple of ``multiple`` (default: the layout's rule,
+    :func:`sequence_multiple`: ``2*cp``, times ``tp`` under SP) with ``pad_id``."""
+    docs = [torch.as_tensor(d) for d in sequences]
+    if not docs:
+        raise ValueError("pack_sequences got no documents; pass a non-empty list of 1-D "
+                         "token sequences")
+    for i, d in enumerate(docs):
+        if d.dim() != 1 or d.numel() == 0 or d.is_floating_point():
+            raise ValueError(f"document {i} has shape {tuple(d.shape)} and dtype {d.dtype}; "
+                             "every document must be a non-empty 1-D integer sequence")
+    if multiple is None:
+        multiple = sequence_multiple(state)
+    if isinstance(multiple, bool) or not isinstance(multiple, int) or multiple < 1:
+        raise ValueError(f"multiple={multiple!r} must be a positive integer (the padding "
+                         "multiple of every document; default: the layout's 2*cp[*tp])")
+    lens = [d.numel() for d in docs]
+    padded = [-(-n // multiple) * multiple for n in lens]
+    tokens, labels, positions = [], [], []
+    for d, n, p in zip(docs, lens, padded):
+        d = d.long()
+        tokens += [d, d.new_full((p - n,), pad_id)]
+        labels += [d[1:], d.new_full((p - n + 1,), ignore_index)]
+        positions.append(torch.arange(p))
+    cum = lambda xs: torch.tensor([0] + xs, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    return PackedBatch(torch.cat(tokens), torch.cat(labels), torch.cat(positions),
+                       cum(lens), cum(padded), max(padded), ignore_index)
+
+
+def _bounds(cu_seqlens_padded) -> list[int]:
+    return [int(x) for x in torch.as_tensor(cu_seqlens_padded).tolist()]
+
+
+def packed_cp_indices(cu_seqlens_padded, cp_rank: int, cp_size: int,
+                      device=None) -> torch.Tensor:
+    """Row indices (int64) of the tokens CP rank ``cp_rank`` holds, in its order: for every
+    document, its chunks ``cp_chunk_ids(cp_rank, cp_size)`` of ``2*cp_size``."""
+    b = _bounds(cu_seqlens_padded)
+    if cp_size == 1:
+        return torch.arange(b[-1], device=device)
+    parts = []
+    for i, (lo, hi) in enumerate(zip(b[:-1], b[1:])):
+        if (hi - lo) % (2 * cp_size):
+            raise ValueError(f"document {i} has padded length {hi - lo}, not a multiple of "
+                             f"2*cp = {2 * cp_size}; pad every document with "
+                             "tpkit.data.pack_sequences (cu_seqlens_padded)")
+        c = (hi - lo) // (2 * cp_size)
+        parts += [torch.arange(lo + j * c, lo + (j + 1) * c, device=device)
+                  for j in cp_chunk_ids(cp_rank, cp_size)]
+    return torch.cat(parts)
+
+
+def _check_rows(tensor, seq_dim, want, what):
+    if tensor.shape[seq_dim] != want:
+        raise ValueError(f"{what} has {tensor.shape[seq_dim]} tokens along dim {seq_dim}, but "
+                         f"cu_seqlens_padded says {want}; pass the tensor and cu_seqlens_padded"
+                         " of the same packed row (PackedBatch)")
+
+
+def shard_packed(tensor: torch.Tensor, cu_seqlens_padded, seq_dim: int = 0,
+                 state=None) -> torch.Tensor:
+    """This CP rank's shard of a packed row (no communication; differentiable)."""
+    state = resolve_state(state)
+    _check_rows(tensor, seq_dim, _bounds(cu_seqlens_padded)[-1], "the packed tensor")
+    if state.cp_size == 1:
+        return tensor
+    idx = packed_cp_indices(cu_seqlens_padded, state.cp_rank, state.cp_size, tensor.device)
+    return tensor.index_select(seq_dim, idx)
+
+
+class _UnshardPacked(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, seq_dim, group, order, mine):
+        ctx.seq_dim, ctx.mine = seq_dim, mine
+        gathered = all_gather(x, group, seq_dim)
+        return torch.empty_like(gathered).index_copy_(seq_dim, order, gathered)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.index_select(ctx.seq_dim, ctx.mine), None, None, None, None
+
+
+def unshard_packed(tensor: torch.Tensor, cu_seqlens_padded, seq_dim: int = 0,
+                   state=None) -> torch.Tensor:
+    """The whole packed row from every CP rank's shard (all-gather over CP, then natural
+    order). Differentiable like :func:`unshard_sequence`: backward keeps this rank's
+    tokens of the gradient."""
+    state = resolve_state(state)
+    cp = state.cp_size
+    seq_dim = seq_dim % tensor.dim()
+    _check_rows(tensor, seq_dim, _bounds(cu_seqlens_padded)[-1] // cp, "the shard")
+    if cp == 1:
+        return tensor
+    order = torch.cat([packed_cp_indices(cu_seqlens_padded, r, cp, tensor.device)
+                       for r in range(cp)])
+    return _UnshardPacked.apply(tensor, seq_dim, state.cp_group, order,
+                                order.view(cp, -1)[state.cp_rank])

@@ -15,14 +15,22 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .collectives import all_reduce_flat, all_reduce_max, all_reduce_sum
-from .param_tags import is_sequence_parallel, tp_spec
+from .param_tags import is_expert, is_sequence_parallel, tp_spec
 from .topology import resolve_state
 
-__all__ = ["sync_sequence_parallel_grads", "grad_norm", "clip_grad_norm", "clip_grad_value"]
+__all__ = ["sync_sequence_parallel_grads", "reduce_expert_grads", "grad_norm",
+           "clip_grad_norm", "clip_grad_value"]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _tagged_grads(module_or_params, tagged) -> list[torch.Tensor]:
+    """The local gradients of the parameters (of a module, or an iterable) ``tagged``."""
+    params = module_or_params.parameters() if isinstance(module_or_params, nn.Module) \
+        else module_or_params
+    return [_local(p.grad) for p in params if tagged(p) and p.grad is not None]
 
 
 def sync_sequence_parallel_grads(module_or_params: nn.Module | Iterable[nn.Parameter],
@@ -34,36 +42,63 @@ def sync_sequence_parallel_grads(module_or_params: nn.Module | Iterable[nn.Param
     flattened all-reduce per dtype; call after backward, before clipping or the optimizer
     step. Returns the number of gradients reduced."""
     state = resolve_state(state)
-    params = module_or_params.parameters() if isinstance(module_or_params, nn.Module) \
-        else module_or_params
-    grads = [_local(p.grad) for p in params if is_sequence_parallel(p) and p.grad is not None]
+    grads = _tagged_grads(module_or_params, is_sequence_parallel)
     if state.tp_size > 1:
         all_reduce_flat(grads, state.tp_group)
+    return len(grads)
+
+
+def reduce_expert_grads(module_or_params: nn.Module | Iterable[nn.Parameter], state=None, *,
+                        average: bool = True) -> int:
+    """Sum the gradients of expert weights (tagged ``expert_parallel``, tpkit.nn.MoE) over
+    the expert-data-parallel group, where each replica holds the gradient of the tokens it
+    processed; with ``average`` divide by dp*cp, the factor DDP applies to the dense
+    parameters (Megatron-Core's expert gradient scaling). Expert weights must stay out
+    of DDP/FSDP over dp x cp, which would mix different experts' gradients. One
+    flattened all-reduce per dtype; returns the number of gradients reduced."""
+    state = resolve_state(state)
+    grads = _tagged_grads(module_or_params, is_expert)
+    if state.edp_size > 1:
+        all_reduce_flat(grads, state.edp_group)
+    if average and state.dp_cp_size > 1 and grads:
+        torch._foreach_mul_(grads, 1.0 / state.dp_cp_size)
     return len(grads)
 
 
 def grad_norm(params: Iterable[torch.nn.Parameter], state, norm_type: float = 2.0) -> torch.Tensor:
     """The global gradient norm of a TP(/FSDP)-sharded model, as if computed on the full
     parameters in one process: TP-sharded gradients contribute every shard, replicated ones
-    once (not ``tp`` times). One all-reduce over TP (plus one over dp(x cp) under FSDP)."""
+    once (not ``tp`` times); expert weights (tpkit.nn.MoE) count every (etp, ep) shard
+    once. One all-reduce over TP (plus one over dp(x cp) under FSDP, and one over etp x ep
+    when the model has expert weights and ep*etp > 1).
+    Under pipeline parallelism (``pp > 1``) ``params`` are this rank's stages' (tpkit.pipeline:
+    every parameter lives on exactly one pp rank) and the norm is all-reduced over
+    ``pp_group`` too, so every stage sees the whole model's norm, each parameter counted once.
+    Every pp rank must call it (it is collective over ``pp_group``)."""
     params = [p for p in params if p.grad is not None]
     norm_type = float(norm_type)
-    if not params:
+    pp = getattr(state, "pp_size", 1) > 1
+    if not params and not pp:
         return torch.tensor(0.0)
-    device = _local(params[0].grad).device
+    device = _local(params[0].grad).device if params else _device(state)
     tp = state.tp_size
     inf = math.isinf(norm_type)
     fsdp = any(isinstance(p.grad, DTensor) for p in params)
     # Replicated gradients are identical on every TP rank: their p-th powers are pre-divided
     # by tp so the TP sum below counts them once (one collective instead of two).
-    sharded = [_local(p.grad).detach() for p in params if tp_spec(p) is not None]
-    replicated = [_local(p.grad).detach() for p in params if tp_spec(p) is None]
-    acc = torch.zeros((), dtype=torch.float32, device=device)
+    experts = [_local(p.grad).detach() for p in params if is_expert(p)]
+    dense = [p for p in params if not is_expert(p)]
+    sharded = [_local(p.grad).detach() for p in dense if tp_spec(p) is not None]
+    replicated = [_local(p.grad).detach() for p in dense if tp_spec(p) is None]
+    # fp32 accumulation (fp64 when a gradient is fp64: norms never narrow)
+    acc_dtype = torch.float64 if any(_local(p.grad).dtype == torch.float64 for p in params) \
+        else torch.float32
+    acc = torch.zeros((), dtype=acc_dtype, device=device)
     for grads, weight in ((sharded, 1.0), (replicated, 1.0 / tp)):
         grads = [g for g in grads if g.numel()]
         if not grads:
             continue
-        norms = torch.stack(torch._foreach_norm(grads, norm_type, dtype=torch.float32))
+        norms = torch.stack(torch._foreach_norm(grads, norm_type, dtype=acc_dtype))
         if inf:
             acc = torch.maximum(acc, norms.max())
         else:
@@ -73,7 +108,21 @@ def grad_norm(params: Iterable[torch.nn.Parameter], state, norm_type: float = 2.
         acc = reduce(acc, state.dp_cp_group)
     if tp > 1:
         acc = reduce(acc, state.tp_group)
+    if experts:
+        norms = torch.stack(torch._foreach_norm(experts, norm_type, dtype=acc_dtype))
+        e_acc = norms.max() if inf else norms.pow(norm_type).sum()
+        if state.etp_size * state.ep_size > 1:
+            e_acc = reduce(e_acc.contiguous(), state.etp_ep_group)
+        acc = torch.maximum(acc, e_acc) if inf else acc + e_acc
+    if pp:   # stages hold disjoint parameters: their sums (maxima) add up once each
+        acc = reduce(acc, state.pp_group)
     return acc if inf else acc.pow(1.0 / norm_type)
+
+
+def _device(state) -> torch.device:
+    """The device of the layout's collectives (a rank without gradients still joins them)."""
+    dev = getattr(state, "device", None)
+    return torch.device(dev) if dev is not None else torch.device("cpu")
 
 
 def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float, state, *,

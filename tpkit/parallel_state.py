@@ -91,6 +91,7 @@ def _destroy_default_group() -> None:
 def init_parallel(tp: int | None = None, cp: int | None = None, pp: int | None = None,
                   dp: int | None = None, *, sequence_parallel: bool | None = None,
                   cp_comm_type: str | None = None, cp_a2a_size: int | None = None,
+                  ep: int | None = None, etp: int | None = None,
                   config: ParallelConfig | None = None, backend: str | None = None,
                   seed: int | None = 1234) -> ParallelState:
     """Build the layout's groups and make it the current state; call it again after
@@ -98,7 +99,8 @@ def init_parallel(tp: int | None = None, cp: int | None = None, pp: int | None =
     exists (torchrun's env://, Lightning's, your own: then ``backend`` must match it);
     otherwise it is created (env://, or a world of one) and kept until the process exits.
     Arguments left ``None`` come from ``TPKIT_*`` variables (what tpkit-launch exports),
-    then from ParallelConfig's defaults. ``seed`` seeds the RNG tracker
+    then from ParallelConfig's defaults. ``ep``/``etp`` re-cut each stage's tp*cp*dp
+    ranks for the expert layers (docs/moe.md). ``seed`` seeds the RNG tracker
     (tpkit.random.model_parallel_seed); None skips it."""
     if is_initialized():
         raise RuntimeError("a parallel state is already initialised; call "
@@ -106,10 +108,10 @@ def init_parallel(tp: int | None = None, cp: int | None = None, pp: int | None =
     if config is None:
         config = ParallelConfig.from_env(
             tp=tp, cp=cp, pp=pp, dp=dp, sequence_parallel=sequence_parallel,
-            cp_comm_type=cp_comm_type, cp_a2a_size=cp_a2a_size,
+            cp_comm_type=cp_comm_type, cp_a2a_size=cp_a2a_size, ep=ep, etp=etp,
             given_as="init_parallel's {name} argument")
     elif any(v is not None for v in (tp, cp, pp, dp, sequence_parallel, cp_comm_type,
-                                      cp_a2a_size)):
+                                      cp_a2a_size, ep, etp)):
         raise ValueError("pass either config= or individual sizes to init_parallel, not both")
     if backend is None and os.environ.get("TPKIT_BACKEND"):
         backend = os.environ["TPKIT_BACKEND"]  # exported by tpkit-launch
@@ -277,3 +279,44 @@ def get_model_parallel_group():
 def get_amax_reduction_group():
     """tp x cp x dp of this pipeline stage: Megatron's default fp8 amax group."""
     return get_parallel_state().amax_group
+
+
+# --- expert parallel (Megatron-Core's names; docs/moe.md) -------------------------------
+def get_expert_model_parallel_group():
+    return get_parallel_state().ep_group
+
+
+def get_expert_model_parallel_rank() -> int:
+    return get_parallel_state().ep_rank
+
+
+def get_expert_model_parallel_world_size() -> int:
+    return get_parallel_state().ep_size
+
+
+def get_expert_tensor_parallel_group():
+    return get_parallel_state().etp_group
+
+
+def get_expert_tensor_parallel_rank() -> int:
+    return get_parallel_state().etp_rank
+
+
+def get_expert_tensor_parallel_world_size() -> int:
+    return get_parallel_state().etp_size
+
+
+def get_expert_tensor_and_model_parallel_group():
+    return get_parallel_state().etp_ep_group
+
+
+def get_expert_data_parallel_group():
+    return get_parallel_state().edp_group
+
+
+def get_expert_data_parallel_rank() -> int:
+    return get_parallel_state().edp_rank
+
+
+def get_expert_data_parallel_world_size() -> int:
+    return get_parallel_state().edp_size

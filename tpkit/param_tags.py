@@ -15,6 +15,12 @@ tag                     meaning
                         rank holds its own tokens' share of the gradient (a TP sum is due)
 ``tensor_model_parallel``, ``partition_dim``, ``partition_stride``
                         Transformer Engine / Megatron / DeepSpeed's names for a TP shard
+``expert_parallel``     an expert weight (tpkit.nn.MoE): dim 0 holds this ep rank's
+                        experts of ``num_experts``; its gradient is summed over the
+                        expert-data-parallel group, not dp x cp
+``etp_partition_dim``, ``etp_partition_sizes``
+                        like the tp_* tags, over the expert-tensor-parallel group
+``num_experts``         the global expert count of an expert weight
 ======================  ==============================================================
 
 No torch import: the tags are plain attributes.
@@ -24,12 +30,14 @@ from __future__ import annotations
 from typing import Iterable
 
 TP_PARAM_ATTRS = ("tp_partition_dim", "tp_partition_sizes", "sequence_parallel")
+EXPERT_ATTRS = ("expert_parallel", "num_experts", "etp_partition_dim", "etp_partition_sizes")
 FOREIGN_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride")
-ALL_TAGS = TP_PARAM_ATTRS + FOREIGN_ATTRS
+ALL_TAGS = TP_PARAM_ATTRS + FOREIGN_ATTRS + EXPERT_ATTRS
 
 __all__ = ["TP_PARAM_ATTRS", "FOREIGN_ATTRS", "ALL_TAGS", "set_tp_attrs", "tp_spec",
            "partition_dim", "is_sequence_parallel", "tags_of",
-           "set_tags", "mark_tensor_model_parallel"]
+           "set_tags", "mark_tensor_model_parallel", "EXPERT_ATTRS", "set_expert_attrs",
+           "is_expert"]
 
 
 def set_tp_attrs(param, partition_dim: int | None,
@@ -88,3 +96,19 @@ def mark_tensor_model_parallel(params: Iterable) -> int:
             p.tensor_model_parallel = True
             n += 1
     return n
+
+
+def set_expert_attrs(param, *, num_experts: int, etp_partition_dim: int | None = None,
+                     etp_partition_sizes: tuple[int, ...] | None = None):
+    """Tag an expert weight (dim 0: this ep rank's experts) and return it."""
+    param.expert_parallel = True
+    param.num_experts = int(num_experts)
+    if etp_partition_dim is not None:
+        param.etp_partition_dim = etp_partition_dim
+        if etp_partition_sizes is not None:
+            param.etp_partition_sizes = tuple(etp_partition_sizes)
+    return param
+
+
+def is_expert(p) -> bool:
+    return bool(getattr(p, "expert_parallel", False))

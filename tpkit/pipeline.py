@@ -10,7 +10,9 @@ small protocol (docs/pipeline.md):
   / the last stage holds (embedding; final norm and output layer). Any other child must
   hold no parameters (RoPE's angles): every stage keeps it;
 - ``pp_stem(*inputs) -> hidden``, ``pp_block(block, hidden) -> hidden``,
-  ``pp_head(hidden) -> output`` and ``pp_loss(output, target) -> scalar mean loss``.
+  ``pp_head(hidden) -> output`` and ``pp_loss(output, target) -> scalar mean loss``;
+- optionally ``pp_recompute``: True when ``pp_block`` recomputes activations (the
+  zero-bubble schedules refuse it).
 
 Inside a stage the tpkit layers keep TP/SP/CP exactly as without pipelining: what travels
 between stages is the stage's local activation (``[s/cp(/tp), b, h]``), sent between the
@@ -84,17 +86,24 @@ class PipelinePlan:
 
 
 def plan_pipeline(*, pp: int, num_blocks: int, microbatches: int, schedule: str = "1F1B",
-                  virtual_stages: int | None = None, batch_size: int | None = None
-                  ) -> PipelinePlan:
+                  virtual_stages: int | None = None, batch_size: int | None = None,
+                  recompute: bool = False) -> PipelinePlan:
     """Check a pipeline layout before anything runs; every user error is a ValueError
     naming the value and the fix. ``virtual_stages=None`` means 1 for single-stage
-    schedules and 2 for the others. ``batch_size``: the local batch the step will see."""
+    schedules and 2 for the others. ``batch_size``: the local batch the step will see.
+    ``recompute``: the blocks recompute their activations (refused with the zero-bubble
+    schedules: torch's split backward fails on checkpointed blocks)."""
     names = {k.lower(): k for k in SCHEDULES}
     if not isinstance(schedule, str) or schedule.lower() not in names:
         raise ValueError(f"pipeline schedule {schedule!r} is unknown; use one of "
                          f"{list(SCHEDULES)}")
     name = names[schedule.lower()]
     style = SCHEDULES[name][1]
+    if recompute and name in ZERO_BUBBLE:
+        raise ValueError(f"schedule {name!r} with recompute: torch's zero-bubble schedules "
+                         "split the backward into input and weight gradients, which fails on "
+                         "recomputed (checkpointed) blocks; use 1F1B or Interleaved1F1B with "
+                         "recompute, or drop recompute")
     for label, v in (("pp", pp), ("microbatches", microbatches)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{label}={v!r} must be an integer >= 1")
@@ -283,7 +292,8 @@ def build_pipeline(model: nn.Module, *, microbatches: int, schedule: str = "1F1B
     _protocol(model)
     plan = plan_pipeline(pp=state.pp_size, num_blocks=len(getattr(model, model.pp_blocks)),
                          microbatches=microbatches, schedule=schedule,
-                         virtual_stages=virtual_stages)
+                         virtual_stages=virtual_stages,
+                         recompute=bool(getattr(model, "pp_recompute", False)))
     if data_parallel not in DATA_PARALLEL:
         raise ValueError(f"data_parallel={data_parallel!r} is unknown; use one of "
                          f"{DATA_PARALLEL}")
@@ -291,6 +301,10 @@ def build_pipeline(model: nn.Module, *, microbatches: int, schedule: str = "1F1B
         raise ValueError(f"data_parallel='ddp' does not follow the split backward of the "
                          f"zero-bubble schedule {plan.schedule!r} (wrong gradients); use "
                          "data_parallel='allreduce' with it")
+    if data_parallel == "ddp" and state.dp_cp_size > 1 and plan.microbatches <= plan.pp:
+        raise ValueError(f"data_parallel='ddp' with microbatches={plan.microbatches} <= pp="
+                         f"{plan.pp}: torch's DDP reducer fails on the second step (torch "
+                         "2.13); use data_parallel='allreduce', or more micro-batches")
     if device is None:
         device = next(iter(model.parameters())).device
     mine = [PipelineStageModule(model, s, plan.num_stages, plan.blocks_of(s))

@@ -80,6 +80,8 @@ def format_rank_table(rows: list[dict], *, limit: int | None = None) -> str:
     last rows of huge tables."""
     cols = ["rank", "node", "local_rank", "tp", "cp", "dp", "pp",
             "tp_group", "cp_group", "dp_group", "pp_group"]
+    if rows and "ep" in rows[0]:   # a layout with an expert decomposition
+        cols += ["etp", "ep", "edp"]
     shown = rows
     if limit is not None and len(rows) > limit:
         shown = rows[: limit // 2] + [None] + rows[-(limit - limit // 2):]

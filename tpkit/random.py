@@ -23,6 +23,9 @@ import torch
 from .topology import resolve_state
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"
+# Megatron-Core's name for the expert weights' stream: distinct per (etp, ep, pp) expert
+# shard, the same across expert-data-parallel replicas.
+EXPERT_PARALLEL_RNG = "expert-parallel-rng"
 _MASK63 = (1 << 63) - 1
 _COORD_BITS = 20
 
@@ -37,7 +40,8 @@ def _mix63(x: int) -> int:
 
 
 def derive_seed(seed: int, stream: int, tp: int = 0, cp: int = 0, pp: int = 0) -> int:
-    """The seed of ``stream`` (0 default, 1 model-parallel) at the given coordinates, in
+    """The seed of ``stream`` (0 default, 1 model-parallel, 2 expert-parallel, whose
+    coordinates are (etp, ep, pp) in the tp, cp, pp slots) at the given coordinates, in
     [0, 2**63) so every generator API accepts it."""
     limit = 1 << _COORD_BITS
     for name, v in (("tp", tp), ("cp", cp), ("pp", pp)):
@@ -140,8 +144,9 @@ def get_rng_tracker() -> RNGStatesTracker:
 
 
 def model_parallel_seed(seed: int, state=None) -> RNGStatesTracker:
-    """Seed the default stream (same on a whole PP stage) and the tracker's
-    model-parallel stream (distinct per tp and pp coordinate). Returns the tracker."""
+    """Seed the default stream (same on a whole PP stage), the tracker's model-parallel
+    stream (distinct per tp and pp coordinate) and its expert-parallel stream (distinct
+    per etp, ep and pp coordinate). Returns the tracker."""
     state = resolve_state(state)
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed={seed!r} must be a non-negative integer")
@@ -153,4 +158,6 @@ def model_parallel_seed(seed: int, state=None) -> RNGStatesTracker:
     tracker.reset()
     tracker.add(MODEL_PARALLEL_RNG,
                 derive_seed(seed, 1, tp=state.tp_rank, pp=state.pp_rank))
+    tracker.add(EXPERT_PARALLEL_RNG,
+                derive_seed(seed, 2, tp=state.etp_rank, cp=state.ep_rank, pp=state.pp_rank))
     return tracker

@@ -28,7 +28,11 @@ from . import shm
 from .config import ParallelConfig
 
 MESH_DIMS = ("pp", "dp", "cp", "tp")
-GROUP_NAMES = ("tp", "cp", "dp", "pp", "dp_cp", "tp_cp", "mp", "amax", "cp_a2a", "cp_p2p")
+GROUP_NAMES = ("tp", "cp", "dp", "pp", "dp_cp", "tp_cp", "mp", "amax", "cp_a2a", "cp_p2p",
+               "etp", "ep", "edp", "etp_ep")
+# The expert layers' decomposition of one stage's tp*cp*dp ranks (Megatron-Core's
+# "parallel folding", order tp-ep-dp): etp innermost, then ep, then edp.
+EXPERT_DIMS = ("edp", "ep", "etp")
 
 _CURRENT: "ParallelState | None" = None
 
@@ -53,6 +57,10 @@ class ParallelState:
     amax_mesh: DeviceMesh
     cp_a2a_mesh: DeviceMesh | None = None
     cp_p2p_mesh: DeviceMesh | None = None
+    etp_mesh: DeviceMesh | None = None
+    ep_mesh: DeviceMesh | None = None
+    edp_mesh: DeviceMesh | None = None
+    etp_ep_mesh: DeviceMesh | None = None
     build_seconds: float = 0.0
 
     # --- groups ----------------------------------------------------------------
@@ -64,6 +72,10 @@ class ParallelState:
     tp_cp_group = property(lambda self: self.tp_cp_mesh.get_group())
     mp_group = property(lambda self: self.mp_mesh.get_group())
     amax_group = property(lambda self: self.amax_mesh.get_group())
+    etp_group = property(lambda self: self.etp_mesh.get_group())
+    ep_group = property(lambda self: self.ep_mesh.get_group())
+    edp_group = property(lambda self: self.edp_mesh.get_group())
+    etp_ep_group = property(lambda self: self.etp_ep_mesh.get_group())
 
     @property
     def cp_a2a_group(self):
@@ -84,6 +96,12 @@ class ParallelState:
     dp_size = property(lambda self: self.config.dp)
     pp_size = property(lambda self: self.config.pp)
     dp_cp_size = property(lambda self: self.config.dp * self.config.cp)
+    etp_rank = property(lambda self: self.etp_mesh.get_local_rank())
+    ep_rank = property(lambda self: self.ep_mesh.get_local_rank())
+    edp_rank = property(lambda self: self.edp_mesh.get_local_rank())
+    etp_size = property(lambda self: self.config.expert_tp)
+    ep_size = property(lambda self: self.config.ep)
+    edp_size = property(lambda self: self.config.edp)
     sequence_parallel = property(lambda self: self.config.sequence_parallel)
     cp_comm_type = property(lambda self: self.config.cp_comm_type)
 
@@ -134,6 +152,13 @@ class ParallelState:
                 row[f"{name}_group"] = columns[f"{name}_group"][i]
             rows.append(row)
         rows.sort(key=lambda row: row["rank"])
+        if self.config.has_experts:
+            c = self.config
+            for row in rows:   # the expert coordinates, from their formula (EXPERT_DIMS)
+                local = row["rank"] % (c.tp * c.cp * c.dp)
+                row["etp"] = local % c.expert_tp
+                row["ep"] = local // c.expert_tp % c.ep
+                row["edp"] = local // (c.expert_tp * c.ep)
         return rows
 
 
@@ -147,6 +172,26 @@ def _sub(mesh: DeviceMesh, config: ParallelConfig, dims: tuple[str, ...], name: 
     if len(real) == 1:
         return mesh[real[0]]
     return mesh[real]._flatten(name)
+
+
+def _expert_meshes(mesh: DeviceMesh, config: ParallelConfig, stage: DeviceMesh) -> dict:
+    """The etp, ep, edp and etp x ep meshes: ``stage`` (the flattened tp*cp*dp ranks of
+    this pipeline stage) unflattened as (edp, ep, etp). Without an expert decomposition
+    (ep = 1, etp = tp) the dense groups are the same rank sets and are reused: etp = tp,
+    edp = dp x cp, etp x ep = tp, and ep is any size-1 mesh of the layout."""
+    if not config.has_experts:
+        one = next((mesh[d] for d in MESH_DIMS if mesh[d].size() == 1), None)
+        if one is not None:
+            return dict(etp_mesh=mesh["tp"], ep_mesh=one,
+                        edp_mesh=_sub(mesh, config, ("dp", "cp"), "dp_cp"),
+                        etp_ep_mesh=mesh["tp"])
+    sizes = {"edp": config.edp, "ep": config.ep, "etp": config.expert_tp}
+    hier = stage._unflatten(0, tuple(sizes[d] for d in EXPERT_DIMS), EXPERT_DIMS)
+    both = [d for d in ("ep", "etp") if sizes[d] > 1]
+    etp_ep = hier["etp"] if not both else hier[both[0]] if len(both) == 1 \
+        else hier[("ep", "etp")]._flatten("etp_ep")
+    return dict(etp_mesh=hier["etp"], ep_mesh=hier["ep"], edp_mesh=hier["edp"],
+                etp_ep_mesh=etp_ep)
 
 
 def build_state(config: ParallelConfig, *, device_type: str | None = None) -> ParallelState:
@@ -166,6 +211,7 @@ def build_state(config: ParallelConfig, *, device_type: str | None = None) -> Pa
         hier = mesh["cp"]._unflatten(0, (config.cp_p2p_size, config.cp_a2a_size),
                                      ("cp_p2p", "cp_a2a"))
         a2a, p2p = hier["cp_a2a"], hier["cp_p2p"]
+    amax = _sub(mesh, config, ("dp", "cp", "tp"), "amax")
     if device_type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
     else:
@@ -177,8 +223,8 @@ def build_state(config: ParallelConfig, *, device_type: str | None = None) -> Pa
         dp_cp_mesh=_sub(mesh, config, ("dp", "cp"), "dp_cp"),
         tp_cp_mesh=_sub(mesh, config, ("cp", "tp"), "tp_cp"),
         mp_mesh=_sub(mesh, config, ("pp", "tp"), "mp"),
-        amax_mesh=_sub(mesh, config, ("dp", "cp", "tp"), "amax"),
-        cp_a2a_mesh=a2a, cp_p2p_mesh=p2p)
+        amax_mesh=amax, cp_a2a_mesh=a2a, cp_p2p_mesh=p2p,
+        **_expert_meshes(mesh, config, amax))
     if backend == "gloo" and device_type == "cpu" and config.tp > 1:
         shm.setup(state.tp_group)   # collective over the TP group; None keeps gloo
     state.build_seconds = time.perf_counter() - t0
@@ -192,7 +238,8 @@ def destroy_groups(state: ParallelState) -> None:
     world = dist.group.WORLD
     groups = {}  # resolve every group first: meshes share groups by name
     for mesh in (state.mesh, state.dp_cp_mesh, state.tp_cp_mesh, state.mp_mesh,
-                 state.amax_mesh, state.cp_a2a_mesh, state.cp_p2p_mesh):
+                 state.amax_mesh, state.cp_a2a_mesh, state.cp_p2p_mesh, state.etp_mesh,
+                 state.ep_mesh, state.edp_mesh, state.etp_ep_mesh):
         if mesh is not None:
             groups.update((id(g), g) for g in mesh.get_all_groups() if g is not world)
     for g in groups.values():

@@ -9,6 +9,10 @@ Torch is imported only when an exception has to be recorded, and tpkit-launch ru
 file by path (``python -u .../tpkit/cli/_worker.py script.py ARGS`` or
 ``... _worker.py -m package.module ARGS``) rather than ``-m tpkit.cli._worker``: a worker
 pays nothing for the wrapper beyond what its own script imports.
+
+Once tpkit.recovery's hang watchdog has fired (``TPKIT_HANG_REPORTED``), an exception of
+the main thread is a consequence of the hang (a peer left a collective): the wrapper does
+not record it over the watchdog's report, which ends the process within seconds.
 """
 import faulthandler
 import os
@@ -29,6 +33,11 @@ def main() -> None:
     except (SystemExit, KeyboardInterrupt):
         raise
     except BaseException as e:   # torch's CheckpointException is a BaseException
+        if os.environ.get("TPKIT_HANG_REPORTED"):
+            # tpkit.recovery's hang watchdog fired and records the hang itself; this is a
+            # consequence (a peer exited under a collective). Let it finish and exit.
+            import time
+            time.sleep(60)
         from torch.distributed.elastic.multiprocessing.errors import get_error_handler
         get_error_handler().record_exception(e)
         if type(e) is ValueError and os.environ.get("TPKIT_TRACEBACK", "0").strip().lower() \

@@ -19,6 +19,11 @@ from .preflight import LaunchInfo, PreflightError, find_hook, run_hook
 PROG = "tpkit-launch"
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_worker.py")
 DRY_RUN_ROWS = 64
+# nccl's flight recorder, on unless the user set these (tpkit.recovery's hang watchdog
+# dumps it; NCCL dumps it itself on a collective timeout).
+NCCL_FLIGHT_RECORDER = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+SHARED_STORE_OFF = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # torchrun's default; tpkit adds SIGUSR1
 
 
 class LaunchError(ValueError):
@@ -62,6 +67,10 @@ def _add_tpkit_options(parser) -> None:
                    help="p2p (default), all_gather, a2a or a2a+p2p")
     g.add_argument("--cp-a2a-size", "--cp_a2a_size", type=int, default=None, metavar="N",
                    help="inner all-to-all level size for --cp-comm-type a2a+p2p")
+    g.add_argument("--ep", type=int, default=None, metavar="N",
+                   help="expert-parallel size: experts sharded over N ranks (docs/moe.md)")
+    g.add_argument("--etp", type=int, default=None, metavar="N",
+                   help="expert-tensor-parallel size (default: tp); etp*ep divides tp*cp*dp")
     g = parser.add_argument_group("tpkit launch")
     g.add_argument("--backend", choices=("nccl", "gloo"), default=None,
                    help="process-group backend the workers use (default: nccl with GPUs, "
@@ -190,7 +199,7 @@ def resolve(args, env: Mapping[str, str]) -> Plan:
         config = ParallelConfig.from_env(
             env, tp=args.tp, cp=args.cp, pp=args.pp, dp=args.dp,
             sequence_parallel=args.sequence_parallel, cp_comm_type=args.cp_comm_type,
-            cp_a2a_size=args.cp_a2a_size, given_as="tpkit-launch --{flag}")
+            cp_a2a_size=args.cp_a2a_size, ep=args.ep, etp=args.etp, given_as="tpkit-launch --{flag}")
         slurm = slurm_info(env)
     except ValueError as e:
         raise LaunchError(str(e)) from None
@@ -254,6 +263,18 @@ def resolve(args, env: Mapping[str, str]) -> Plan:
                           "--backend gloo")
     command = _command(args, env)
     exports = dict(config.to_env(), TPKIT_BACKEND=backend)
+    if backend == "nccl":
+        exports.update({k: v for k, v in NCCL_FLIGHT_RECORDER.items() if k not in env})
+        if args.log_dir and "TORCH_NCCL_DEBUG_INFO_TEMP_FILE" not in env:
+            exports["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] = os.path.join(
+                os.path.abspath(args.log_dir), "nccl_trace_rank_")
+    if (int(getattr(args, "max_restarts", 0) or 0) > 0 or lo != hi) \
+            and rdzv_backend == "c10d" and SHARED_STORE_OFF not in env:
+        # Restarts (and elastic membership changes) start a new rendezvous round. Workers
+        # that share the agent's store see the previous round's keys (torch issue 135712:
+        # the new gloo/nccl group reads its peers' old addresses and fails to connect, or
+        # hangs): give every round a store of its own.
+        exports[SHARED_STORE_OFF] = "1"
     if "OMP_NUM_THREADS" not in env:
         cpus = (slurm.cpus_per_task if slurm and slurm.cpus_per_task
                 else len(os.sched_getaffinity(0)))
@@ -348,6 +369,9 @@ def _launch(args, plan: Plan) -> int:
         args.module = False
         args.training_script = WORKER
         args.training_script_args = plan.command[3:]
+    if getattr(args, "signals_to_handle", None) == TORCHRUN_SIGNALS:
+        args.signals_to_handle += ",SIGUSR1"  # Slurm's --signal; the workers may save on it
+    _signal_once()
     quiet = _DropFailureLog()
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(quiet)
     try:
@@ -370,6 +394,34 @@ def _launch(args, plan: Plan) -> int:
     finally:
         logging.getLogger("torch.distributed.elastic.multiprocessing.api").removeFilter(quiet)
     return 0
+
+
+def _signal_once() -> None:
+    """torchrun's agent turns a handled signal into SignalException, then sends it to the
+    workers and waits for them (SIGKILL after its shutdown timeout). A repeated signal
+    would abort that wait and leave workers that are still saving behind: after the
+    first, report and ignore them."""
+    import signal
+    from torch.distributed.elastic.multiprocessing import api
+    first, seen = api._terminate_process_handler, []
+
+    def handler(signum, frame):
+        if seen:
+            os.write(2, f"{PROG}: {signal.Signals(signum).name} again: still waiting for "
+                        "the workers to stop\n".encode())
+            return
+        seen.append(signum)
+        first(signum, frame)
+
+    api._terminate_process_handler = handler
+
+
+HANG_PREFIX = "HangError: "  # tpkit.recovery.hang.HangError, as torchrun records it
+
+
+def _message(failure) -> str:
+    msg = failure.message
+    return str(msg.get("message", msg) if isinstance(msg, dict) else msg).strip()
 
 
 class _DropFailureLog(logging.Filter):
@@ -395,17 +447,20 @@ def _collateral(message) -> bool:
 
 def describe_failure(e) -> str:
     """One line naming the rank that failed first and its error (from torchrun's per-rank
-    error file); ranks the agent then stopped with a signal are only counted."""
+    error file); ranks the agent then stopped with a signal are only counted. After a
+    hang, the verdict of tpkit.recovery's watchdog: the stuck ranks and where."""
+    hangs = [m for m in map(_message, e.failures.values()) if m.startswith(HANG_PREFIX)]
+    if hangs:  # every rank recorded rank 0's verdict, unless it never reached them
+        return "hang: " + min(hangs, key=lambda m: "verdict did not reach" in m)[
+            len(HANG_PREFIX):]
     own = [(_collateral(f.message), f.timestamp, r) for r, f in e.failures.items()
            if f.exitcode > 0]
     rank = min(own)[2] if own else e.get_first_failure()[0]
     f = e.failures[rank]
-    msg = f.message
-    if isinstance(msg, dict):
-        msg = msg.get("message", msg)
+    msg = _message(f)
     # One line: a message with tracebacks in it (torch's CheckpointException gathers every
     # rank's) keeps its unindented lines but the "Traceback" headers, each once.
-    lines = [ln.strip() for ln in str(msg).splitlines()
+    lines = [ln.strip() for ln in msg.splitlines()
              if ln.strip() and not ln.startswith((" ", "\t", "Traceback (most recent call"))]
     msg = "; ".join(dict.fromkeys(lines))
     if f.exitcode > 0 and f.error_file_data.get("message") in (None, "", "<NONE>"):
@@ -415,7 +470,7 @@ def describe_failure(e) -> str:
     more = (f" ({others} other rank{'s' * (others > 1)} failed or "
             f"{'were' if others > 1 else 'was'} stopped)" if others else "")
     return (f"rank {rank} (local rank {f.local_rank}, exit code {f.exitcode}) failed: "
-            f"{str(msg).strip()}{more}")
+            f"{msg}{more}")
 
 
 def user_error(line: str) -> bool:

@@ -27,7 +27,9 @@ def report(plan, *, limit: int) -> str:
         "tpkit-launch --dry-run: nothing was started",
         f"layout      tp={c.tp} cp={c.cp} pp={c.pp} dp={world // c.model_size} "
         f"sequence_parallel={c.sequence_parallel} cp_comm_type={c.cp_comm_type}"
-        + (f" cp_a2a_size={c.cp_a2a_size}" if c.cp_a2a_size else ""),
+        + (f" cp_a2a_size={c.cp_a2a_size}" if c.cp_a2a_size else "")
+        + (f" ep={c.ep} etp={c.expert_tp} edp={c.validate(world).edp}"
+           if c.has_experts else ""),
         f"world       {world} = {nodes} node(s) x {plan.nproc_per_node} processes",
         f"backend     {plan.backend}",
         f"rendezvous  {plan.rdzv_backend} {plan.rdzv_endpoint or '<not set>'} "

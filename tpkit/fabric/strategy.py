@@ -53,10 +53,10 @@ from torch import nn
 
 from .. import checkpoint, grads, parallel_state, topology
 from ..config import ParallelConfig
-from ..param_tags import set_tags, tags_of
+from ..param_tags import is_expert, set_tags, tags_of
 from ..random import MODEL_PARALLEL_RNG, get_rng_tracker, model_parallel_seed
 from ..te import is_te_module, wire_parallel_groups
-from .sync import SequenceParallelSum, TPKitBackwardSyncControl
+from .sync import ExpertGradSum, SequenceParallelSum, TPKitBackwardSyncControl
 
 DATA_PARALLEL = ("ddp", "fsdp")
 
@@ -67,7 +67,10 @@ class TPKitStrategy(ParallelStrategy):
 
     def __init__(self, tp: int | None = None, cp: int | None = None, pp: int | None = None, *,
                  sequence_parallel: bool | None = None, cp_comm_type: str | None = None,
-                 cp_a2a_size: int | None = None, data_parallel: str = "ddp",
+                 cp_a2a_size: int | None = None, ep: int | None = None,
+                 etp: int | None = None, data_parallel: str = "ddp",
+                 microbatches: int | None = None, pp_schedule: str = "1F1B",
+                 virtual_stages: int | None = None,
                  parallelize_fn: Callable | None = None, seed: int | None = None,
                  accelerator=None, parallel_devices=None, cluster_environment=None,
                  checkpoint_io=None, precision=None, process_group_backend: str | None = None,
@@ -78,11 +81,11 @@ class TPKitStrategy(ParallelStrategy):
         # Validate the sizes now (clear errors before any process starts); dp later.
         self._config = ParallelConfig.from_env(
             tp=tp, cp=cp, pp=pp, sequence_parallel=sequence_parallel,
-            cp_comm_type=cp_comm_type, cp_a2a_size=cp_a2a_size,
+            cp_comm_type=cp_comm_type, cp_a2a_size=cp_a2a_size, ep=ep, etp=etp,
             given_as="TPKitStrategy's {name} argument")
-        if self._config.pp != 1:
-            raise ValueError(f"pp={self._config.pp}: TPKitStrategy has no pipeline schedule; "
-                             "use pp=1 (pipeline stages need their own training loop)")
+        self._pipeline_args = _pipeline_args(self._config.pp, microbatches, pp_schedule,
+                                             virtual_stages, data_parallel)
+        self._pipeline = None
         if data_parallel not in DATA_PARALLEL:
             raise ValueError(f"data_parallel={data_parallel!r} is unknown; use one of "
                              f"{DATA_PARALLEL}")
@@ -102,9 +105,10 @@ class TPKitStrategy(ParallelStrategy):
         self._owns_state = False
         self._modules: list[nn.Module] = []
         self._sp_sum = SequenceParallelSum()
+        self._expert_sum = ExpertGradSum()
         self._replaced: dict[int, weakref.ref] = {}   # parameters FSDP2 replaced
         self._optimizers: list[weakref.ref] = []
-        self._backward_sync_control = TPKitBackwardSyncControl(self._sp_sum)
+        self._backward_sync_control = TPKitBackwardSyncControl(self._sp_sum, self._expert_sum)
 
     # --- layout ----------------------------------------------------------------------
     @property
@@ -213,6 +217,16 @@ class TPKitStrategy(ParallelStrategy):
             model_parallel_seed(1234 if self._seed is None else self._seed, state)
         if hasattr(self.precision, "attach"):
             self.precision.attach(state, self.root_device)
+        experts = [n for n, p in module.named_parameters() if is_expert(p)]
+        if experts and self._data_parallel == "fsdp":
+            raise ValueError("data_parallel='fsdp' does not shard expert weights (tpkit.nn."
+                             f"MoE: {experts[0]}, ...) yet; use data_parallel='ddp'")
+        if state.pp_size > 1:
+            if experts:
+                raise ValueError(f"pp={state.pp_size} with expert weights (tpkit.nn.MoE: "
+                                 f"{experts[0]}, ...): TPKitStrategy does not pipeline MoE "
+                                 "models yet; use pp=1")
+            return self._setup_pipeline(module, state)
         if self._data_parallel == "fsdp":
             self._check_optimizers_after(module)
             old = {id(p): weakref.ref(p) for p in module.parameters()}
@@ -224,11 +238,63 @@ class TPKitStrategy(ParallelStrategy):
             # DDP over a group of one would only copy every gradient into its buckets and
             # back (measured on an H100: ~3 % of a 0.7B-parameter step); nothing to average.
             ids = None if self.root_device.type == "cpu" else [self.root_device.index]
+            # Expert weights are reduced over edp by the expert sum (docs/moe.md), never
+            # averaged over dp x cp, which would mix different experts' gradients.
+            nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+                module, experts)
             module = nn.parallel.DistributedDataParallel(
                 module, device_ids=ids, process_group=state.dp_cp_group, **self._ddp_kwargs)
         self._modules.append(module)
         self._sp_sum.add(module)
+        self._expert_sum.add(module)
         return module
+
+    # --- pipeline parallelism (pp > 1; docs/pipeline.md "Fabric") ---------------------
+    def _setup_pipeline(self, module: nn.Module, state) -> nn.Module:
+        """Split ``module`` into this rank's stages and build the schedule
+        (tpkit.pipeline.build_pipeline); returns the stages' PipelineModule."""
+        from ..pipeline import build_pipeline
+        if self._pipeline is not None:
+            raise ValueError("TPKitStrategy(pp > 1) pipelines one model; set up a single "
+                             "module (a second fabric.setup_module call found one already)")
+        precision = getattr(self.precision, "precision", "32-true")
+        if str(precision) not in ("32-true", "32"):
+            raise ValueError(f"precision={precision!r} with pp={state.pp_size}: pipelined "
+                             "models train in float32 only so far; use precision='32-true' "
+                             "or pp=1")
+        self._check_optimizers_after(module, _PP_ORDER)
+        before = {id(p): weakref.ref(p) for p in module.parameters()}
+        # One flattened all-reduce per dtype over dp x cp after the step: right for every
+        # schedule and micro-batch count (DDP inside the stages is not, tpkit.pipeline).
+        pipe = build_pipeline(module, state=state, device=self.root_device,
+                              data_parallel="allreduce", **self._pipeline_args)
+        for p in pipe.module.parameters():
+            before.pop(id(p), None)
+        self._replaced.update(before)   # other stages' parameters: not this rank's to train
+        self._pipeline = pipe
+        self._modules.append(pipe.module)
+        self._sp_sum.add(pipe.module)
+        return pipe.module
+
+    @property
+    def pipeline(self):
+        """The tpkit.pipeline.Pipeline built by setup_module (pp > 1), else None."""
+        return self._pipeline
+
+    def pipeline_step(self, *inputs, target: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of one batch through every pipeline stage (what
+        ``loss = model(x, y); fabric.backward(loss)`` is at pp = 1): gradients accumulate in
+        ``.grad`` (sequence-parallel ones summed over TP, as after fabric.backward), and the
+        batch-mean loss of this dp x cp rank comes back (detached) on every stage."""
+        if self._pipeline is None:
+            raise RuntimeError("pipeline_step needs TPKitStrategy(pp > 1) and a model set up "
+                               "with fabric.setup_module(model); at pp=1 call model(...) and "
+                               "fabric.backward(loss)")
+        state = self.parallel_state
+        self._sp_sum.before_backward(state)
+        loss = self._pipeline.step(*inputs, target=target)
+        self._sp_sum.after_backward(state)
+        return loss
 
     def setup_module_and_optimizers(self, module, optimizers, scheduler=None):
         module = self.setup_module(module)
@@ -240,27 +306,30 @@ class TPKitStrategy(ParallelStrategy):
         stale = self._replaced
         if any(id(p) in stale and stale[id(p)]() is p
                for g in optimizer.param_groups for p in g["params"]):
-            raise ValueError(_FSDP_ORDER)
+            raise ValueError(_PP_ORDER if self._pipeline is not None else _FSDP_ORDER)
         self._optimizers.append(weakref.ref(optimizer))
         return super().setup_optimizer(optimizer)
 
-    def _check_optimizers_after(self, module: nn.Module) -> None:
+    def _check_optimizers_after(self, module: nn.Module, why: str = None) -> None:
         own = {id(p) for p in module.parameters()}
         for ref in self._optimizers:
             opt = ref()
             if opt is not None and any(id(p) in own for g in opt.param_groups
                                        for p in g["params"]):
-                raise ValueError(_FSDP_ORDER)
+                raise ValueError(why or _FSDP_ORDER)
 
     def finalize_gradients(self) -> None:
         """Sum over TP what was added to the sequence-parallel gradients since the last sum
         (tpkit.fabric.sync; idempotent). Public for loops that call backward themselves."""
         self._sp_sum.finalize(self.parallel_state)
+        self._expert_sum.finalize(self.parallel_state)
 
     def backward(self, tensor: torch.Tensor, module: nn.Module | None, *args, **kwargs) -> None:
         self._sp_sum.before_backward(self.parallel_state)
+        self._expert_sum.before_backward(self.parallel_state)
         super().backward(tensor, module, *args, **kwargs)
         self._sp_sum.after_backward(self.parallel_state)
+        self._expert_sum.after_backward(self.parallel_state)
 
     def optimizer_step(self, optimizer, **kwargs: Any) -> Any:
         self.finalize_gradients()
@@ -314,6 +383,14 @@ class TPKitStrategy(ParallelStrategy):
             raise TypeError("TPKitStrategy.save_checkpoint(storage_options=...) is not "
                             "supported: it writes torch.distributed.checkpoint directories, "
                             "not through a CheckpointIO plugin")
+        s = self.parallel_state
+        if s.ep_size * s.etp_size > 1 and any(
+                is_expert(p) for m in self._modules for p in m.parameters()):
+            raise ValueError(f"sharded checkpoints of expert weights at ep={s.ep_size}, "
+                             f"etp={s.etp_size} are not supported yet (each rank holds "
+                             "other experts); save a full state dict instead: "
+                             "tpkit.checkpoint.full_state_dict(model) on every rank, "
+                             "torch.save on rank 0 (it loads at any ep through fabric.load_raw)")
         checkpoint.save(self.broadcast(str(path)), state, filter=filter)
 
     def load_checkpoint(self, path, state=None, strict: bool = True,
@@ -356,7 +433,9 @@ class TPKitStrategy(ParallelStrategy):
         """Free the layout this strategy built (destroy_parallel: its groups, not the
         default process group, which a later Fabric or init_parallel reuses)."""
         self._modules = []
+        self._pipeline = None
         self._sp_sum.clear()
+        self._expert_sum.clear()
         self._optimizers, self._replaced = [], {}
         if self._owns_state and topology.is_initialized() \
                 and topology.get_parallel_state() is self._state:
@@ -376,6 +455,38 @@ _FSDP_ORDER = ("with data_parallel='fsdp' the optimizer must be created after th
                "is sharded (FSDP2 replaces the parameters): call model = "
                "fabric.setup_module(model), then build the optimizer from model.parameters() "
                "and call fabric.setup_optimizers(optimizer)")
+
+
+_PP_ORDER = ("with pp > 1 the optimizer must be created after the module is split into "
+             "pipeline stages (this rank keeps only its stages' parameters): call model = "
+             "fabric.setup_module(model), then build the optimizer from model.parameters() "
+             "and call fabric.setup_optimizers(optimizer)")
+
+
+def _pipeline_args(pp: int, microbatches, schedule, virtual_stages, data_parallel) -> dict:
+    """TPKitStrategy's pipeline arguments, checked before any process starts (the number of
+    blocks is checked by setup_module, which sees the model)."""
+    from ..pipeline import plan_pipeline
+    if pp == 1:
+        given = [f"{k}={v!r}" for k, v, d in (("microbatches", microbatches, None),
+                                               ("pp_schedule", schedule, "1F1B"),
+                                               ("virtual_stages", virtual_stages, None))
+                 if v != d]
+        if given:
+            raise ValueError(f"{', '.join(given)} only apply with pp > 1 (pp=1 here); drop "
+                             "them or set pp")
+        return {}
+    if data_parallel != "ddp":
+        raise ValueError(f"data_parallel={data_parallel!r} with pp={pp}: pipeline stages "
+                         "average their gradients over dp x cp themselves (DDP, or one "
+                         "all-reduce for the zero-bubble schedules); use data_parallel='ddp'")
+    m = 2 * pp if microbatches is None else microbatches
+    vs = virtual_stages if isinstance(virtual_stages, int) and virtual_stages > 0 else 1
+    # Every check that does not need the model (its blocks: setup_module); 2 x pp x vs
+    # blocks fit every default.
+    plan = plan_pipeline(pp=pp, num_blocks=2 * pp * vs, microbatches=m, schedule=schedule,
+                         virtual_stages=virtual_stages)
+    return dict(microbatches=m, schedule=plan.schedule, virtual_stages=virtual_stages)
 
 
 def clear_dtensor_caches() -> None:

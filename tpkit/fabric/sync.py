@@ -22,7 +22,7 @@ from torch import nn
 
 from .. import grads
 from ..grads import _local
-from ..param_tags import is_sequence_parallel
+from ..param_tags import is_expert, is_sequence_parallel
 
 
 class SequenceParallelSum:
@@ -39,10 +39,20 @@ class SequenceParallelSum:
         self._base: list = []   # (param, its gradient when last summed)
 
     def add(self, module: nn.Module) -> None:
-        self.params += [p for p in module.parameters() if is_sequence_parallel(p)]
+        self.params += [p for p in module.parameters() if self._tagged(p)]
+
+    _tagged = staticmethod(is_sequence_parallel)
+
+    @staticmethod
+    def _needed(state) -> bool:
+        return state.tp_size > 1
+
+    @staticmethod
+    def _reduce(params, state) -> None:
+        grads.sync_sequence_parallel_grads(params, state)
 
     def before_backward(self, state) -> None:
-        if not self.pending and state.tp_size > 1:
+        if not self.pending and self._needed(state):
             self._base = [(p, _local(p.grad).detach().clone()) for p in self.params
                           if p.grad is not None]
 
@@ -58,7 +68,7 @@ class SequenceParallelSum:
         deltas = [(g, base) for p, base in self._base if (g := _local(p.grad)) is not None]
         for g, base in deltas:
             g.sub_(base)
-        grads.sync_sequence_parallel_grads(self.params, state)
+        self._reduce(self.params, state)
         for g, base in deltas:
             g.add_(base)
         self._base = []
@@ -74,11 +84,29 @@ class SequenceParallelSum:
             self.deferred = was
 
 
-class TPKitBackwardSyncControl(_BackwardSyncControl):
-    """``no_backward_sync``: skips DDP's/FSDP2's gradient sync and defers the SP sum."""
+class ExpertGradSum(SequenceParallelSum):
+    """The same bookkeeping for expert weights (tpkit.nn.MoE): what a backward added is
+    summed over edp and divided by dp x cp (tpkit.grads.reduce_expert_grads), the
+    reduction DDP would otherwise do, over the wrong group, for them."""
 
-    def __init__(self, sp_sum: SequenceParallelSum):
+    _tagged = staticmethod(is_expert)
+
+    @staticmethod
+    def _needed(state) -> bool:
+        return state.edp_size > 1 or state.dp_cp_size > 1
+
+    @staticmethod
+    def _reduce(params, state) -> None:
+        grads.reduce_expert_grads(params, state)
+
+
+class TPKitBackwardSyncControl(_BackwardSyncControl):
+    """``no_backward_sync``: skips DDP's/FSDP2's gradient sync and defers the SP sum (and
+    the expert-gradient sum)."""
+
+    def __init__(self, sp_sum: SequenceParallelSum, expert_sum: SequenceParallelSum | None = None):
         self._sp_sum = sp_sum
+        self._expert_sum = expert_sum
 
     def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
         if not enabled:
@@ -93,6 +121,8 @@ class TPKitBackwardSyncControl(_BackwardSyncControl):
         else:
             raise TypeError(f"no_backward_sync needs a module set up by TPKitStrategy, got "
                             f"{type(module).__name__}")
+        if self._expert_sum is not None:
+            inner = self._expert_sum.defer(inner)
         return self._sp_sum.defer(inner)
 
 

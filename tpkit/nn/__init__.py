@@ -14,6 +14,7 @@ from .embedding import VocabParallelEmbedding
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .loss import vocab_parallel_cross_entropy
 from .mlp import ParallelMLP
+from .moe import MoE
 from ..grads import sync_sequence_parallel_grads
 from .norm import LayerNorm, RMSNorm
 from .rope import RotaryEmbedding, apply_rotary_pos_emb
@@ -23,4 +24,4 @@ __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding"
            "vocab_parallel_cross_entropy", "LayerNorm", "RMSNorm",
            "sync_sequence_parallel_grads", "ParallelMLP", "ParallelSelfAttention",
            "TransformerLayer", "RotaryEmbedding", "apply_rotary_pos_emb",
-           "DotProductAttention"]
+           "DotProductAttention", "MoE"]

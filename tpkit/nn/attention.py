@@ -17,7 +17,7 @@ from ._backend import TEBackendMixin
 from ._common import ParallelModule, check_sbh, divide, resolve_sp
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .rope import apply_rotary_pos_emb
-from .dot_product_attention import DotProductAttention
+from .dot_product_attention import THD_KWARGS, DotProductAttention
 
 __all__ = ["ParallelSelfAttention"]
 
@@ -64,8 +64,19 @@ class ParallelSelfAttention(TEBackendMixin, ParallelModule):
                                              **kw)
 
     def forward(self, hidden_states: torch.Tensor,
-                rotary_pos_emb: torch.Tensor | None = None) -> torch.Tensor:
+                rotary_pos_emb: torch.Tensor | None = None, attention_mask=None,
+                **packed) -> torch.Tensor:
+        """``attention_mask``: TE's padding mask ``[b, 1, 1, s]`` (the core's mask type must
+        be a padding one). ``packed``: TE's THD arguments (``cu_seqlens_q``, ...,
+        ``PackedBatch.attention_kwargs()``) for one packed row, ``hidden_states``
+        ``[t, 1, h]``; the core then runs ``qkv_format="thd"`` with the padding form of
+        this layer's mask type, and ``rotary_pos_emb`` holds the angles of the row's
+        per-document positions (``RotaryEmbedding(batch.position_ids)``)."""
         check_sbh(hidden_states, self.hidden_size, type(self).__name__)
+        unknown = sorted(set(packed) - set(THD_KWARGS))
+        if unknown:
+            raise TypeError(f"{type(self).__name__}.forward got unexpected arguments {unknown};"
+                            f" packed sequences take {list(THD_KWARGS)}")
         qkv = self.linear_qkv(hidden_states)                   # [s, b, (hl + 2 gl) * d]
         s, b, _ = qkv.shape
         d, hl, gl = self.kv_channels, self.heads_local, self.groups_local
@@ -74,5 +85,15 @@ class ParallelSelfAttention(TEBackendMixin, ParallelModule):
         if rotary_pos_emb is not None:
             q = apply_rotary_pos_emb(q, rotary_pos_emb)
             k = apply_rotary_pos_emb(k, rotary_pos_emb)
-        ctx = self.core_attention(q, k, v)                      # [s, b, hl * d]
+        if packed.get("cu_seqlens_q") is None:
+            args = () if attention_mask is None else (attention_mask,)
+            ctx = self.core_attention(q, k, v, *args)           # [s, b, hl * d]
+        elif b != 1:
+            raise ValueError(f"packed sequences are one row: hidden_states [t, 1, h], got batch "
+                             f"{b}; pack more documents into the row instead")
+        else:
+            causal = "causal" in getattr(self.core_attention, "attn_mask_type", "causal")
+            ctx = self.core_attention(q[:, 0], k[:, 0], v[:, 0], qkv_format="thd",
+                                      attn_mask_type="padding_causal" if causal else "padding",
+                                      **packed).unsqueeze(1)
         return self.linear_proj(ctx)

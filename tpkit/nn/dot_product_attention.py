@@ -10,6 +10,11 @@ device and dtype (``self.kernel`` records the choice) and runs ``tpkit.nn.fused_
 where there is none (CPU dropout, CUDA float64, ``TPKIT_FUSED_ATTN=0``) it runs the
 reference kernels of ``tpkit.nn.context_parallel``.
 
+Packed sequences (``qkv_format="thd"``, TE's ``cu_seqlens_*`` forward arguments) and
+padding masks (``attn_mask_type="padding"/"padding_causal"`` with an ``attention_mask``)
+run ``tpkit.nn.packed_attention`` (plain torch, ``self.kernel == "packed"``), with CP for
+THD on every comm type (TE 2.x's support).
+
 Attention dropout (training mode only) draws from the RNG tracker's model-parallel stream
 for every comm type; the ring kernels replay their masks in backward from that stream.
 """
@@ -20,7 +25,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..collectives import group_size
+from ..collectives import group_rank, group_size
 from ..config import CP_COMM_TYPES
 from ..random import get_rng_tracker
 from ..topology import resolve_state
@@ -29,9 +34,31 @@ from ._common import divide
 from .attention_ops import select
 from .context_parallel import context_parallel_attention
 from .fused_cp import fused_context_parallel_attention
+from .packed_attention import packed_attention, padded_attention
 
-MASK_TYPES = ("causal", "no_mask")
-QKV_FORMATS = ("sbhd", "bshd")
+MASK_TYPES = ("causal", "no_mask", "padding", "padding_causal")
+QKV_FORMATS = ("sbhd", "bshd", "thd")
+# TE's forward arguments of packed sequences (ParallelSelfAttention/TransformerLayer pass them)
+THD_KWARGS = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded",
+              "max_seqlen_q", "max_seqlen_kv")
+
+
+def _mask_type(name: str) -> str:
+    """TE's spellings of a mask type ("padding,causal", "causal,padding") -> one name."""
+    name = name.replace(",", "_")
+    name = "padding_causal" if name == "causal_padding" else name
+    if name not in MASK_TYPES:
+        raise ValueError(f"attn_mask_type={name!r} is not supported by tpkit's torch "
+                         f"DotProductAttention; use one of {MASK_TYPES} (arbitrary masks "
+                         "need the TE backend)")
+    return name
+
+
+def _check_dropout(fmt: str, mask: str, p: float) -> None:
+    if p > 0.0 and (fmt == "thd" or mask.startswith("padding")):
+        raise ValueError(f"attention_dropout={p} with qkv_format={fmt!r} and "
+                         f"attn_mask_type={mask!r} is not supported by tpkit's torch "
+                         "DotProductAttention; use attention_dropout=0 or backend='te'")
 
 
 class DotProductAttention(TEBackendMixin, torch.nn.Module):
@@ -45,15 +72,13 @@ class DotProductAttention(TEBackendMixin, torch.nn.Module):
                  state=None, backend: str = "torch"):
         super().__init__()
         state = resolve_state(state)
-        if attn_mask_type not in MASK_TYPES:
-            raise ValueError(f"attn_mask_type={attn_mask_type!r} is not supported by tpkit's "
-                             f"torch DotProductAttention (any cp_comm_type); use one of "
-                             f"{MASK_TYPES} (padding/arbitrary masks need the TE backend)")
+        attn_mask_type = _mask_type(attn_mask_type)
         if qkv_format not in QKV_FORMATS:
             raise ValueError(f"qkv_format={qkv_format!r} is not supported; use one of "
-                             f"{QKV_FORMATS} ('thd' needs the TE backend)")
+                             f"{QKV_FORMATS}")
         if not 0.0 <= attention_dropout < 1.0:
             raise ValueError(f"attention_dropout={attention_dropout} must be in [0, 1)")
+        _check_dropout(qkv_format, attn_mask_type, attention_dropout)
         num_gqa_groups = num_attention_heads if num_gqa_groups is None else num_gqa_groups
         divide(num_attention_heads, num_gqa_groups, "num_attention_heads", by="num_gqa_groups")
         self.num_heads_local = divide(num_attention_heads, state.tp_size, "num_attention_heads")
@@ -119,33 +144,68 @@ class DotProductAttention(TEBackendMixin, torch.nn.Module):
         self.cp_stream, self.cp_comm_type, self.cp_size = cp_stream, cp_comm_type, size
 
     # --- forward ---------------------------------------------------------------------------
-    def _check(self, q, k, v) -> None:
+    def _check(self, q, k, v, fmt) -> None:
+        dims = 3 if fmt == "thd" else 4
         for name, t, heads in (("query", q, self.num_heads_local), ("key", k, self.num_gqa_local),
                                ("value", v, self.num_gqa_local)):
-            if t.dim() != 4 or t.shape[2] != heads or t.shape[3] != self.kv_channels:
-                raise ValueError(f"{name}_layer has shape {tuple(t.shape)}; expected 4-D "
-                                 f"{self.qkv_format} with {heads} local heads of "
+            if t.dim() != dims or t.shape[-2] != heads or t.shape[-1] != self.kv_channels:
+                raise ValueError(f"{name}_layer has shape {tuple(t.shape)}; expected {dims}-D "
+                                 f"{fmt} with {heads} local heads of "
                                  f"{self.kv_channels} channels")
-        if k.shape != v.shape or q.shape[:2] != k.shape[:2]:
+        if k.shape != v.shape or q.shape[:dims - 2] != k.shape[:dims - 2]:
             raise ValueError(f"query/key/value shapes {tuple(q.shape)}, {tuple(k.shape)}, "
                              f"{tuple(v.shape)} disagree on batch/sequence (self-attention only)")
-        s = q.shape[0] if self.qkv_format == "sbhd" else q.shape[1]
-        if self.cp_size > 1 and s % 2 != 0:
+        s = q.shape[1] if fmt == "bshd" else q.shape[0]
+        if self.cp_size > 1 and fmt != "thd" and s % 2 != 0:
             raise ValueError(f"local sequence length {s} is odd, but a CP shard holds two "
                              "equal chunks; shard with tpkit.data.shard_sequence (the full "
                              f"length must divide by 2*cp = {2 * self.cp_size})")
 
-    def forward(self, query_layer, key_layer, value_layer, attention_mask=None):
-        if attention_mask is not None:
-            raise ValueError("attention_mask is not supported by tpkit's torch "
-                             "DotProductAttention; use attn_mask_type='causal' or 'no_mask'")
-        self._check(query_layer, key_layer, value_layer)
+    def forward(self, query_layer, key_layer, value_layer, attention_mask=None,
+                qkv_format: str | None = None, cu_seqlens_q=None, cu_seqlens_kv=None,
+                cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None, max_seqlen_q=None,
+                max_seqlen_kv=None, attn_mask_type: str | None = None):
+        """TE's forward (the subset tpkit implements): ``qkv_format`` and
+        ``attn_mask_type`` override the constructor's for this call; ``"thd"`` takes
+        ``[t, heads, d]`` tensors (this CP rank's shard of the packed row) and the *global*
+        ``cu_seqlens_*`` of the row (``tpkit.data.PackedBatch.attention_kwargs()``)."""
+        fmt = self.qkv_format if qkv_format is None else qkv_format
+        if fmt not in QKV_FORMATS:
+            raise ValueError(f"qkv_format={fmt!r} is not supported; use one of {QKV_FORMATS}")
+        mask = self.attn_mask_type if attn_mask_type is None else _mask_type(attn_mask_type)
+        _check_dropout(fmt, mask, self.attention_dropout)
+        self._check(query_layer, key_layer, value_layer, fmt)
+        causal = mask in ("causal", "padding_causal")
+        if fmt == "thd":
+            return self._forward_thd(query_layer, key_layer, value_layer, mask, causal,
+                                     cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
+                                     cu_seqlens_kv_padded)
+        if cu_seqlens_q is not None or cu_seqlens_kv is not None:
+            raise ValueError(f"cu_seqlens_q/cu_seqlens_kv describe packed sequences; pass "
+                             f"qkv_format='thd' (got {fmt!r}) with [t, heads, d] tensors")
+        if mask.startswith("padding") != (attention_mask is not None):
+            raise ValueError(f"attention_mask {'is missing' if attention_mask is None else 'is given'}"
+                             f" with attn_mask_type={mask!r}: pass TE's padding mask [b, 1, 1, s]"
+                             " (True: padding) exactly with 'padding'/'padding_causal'")
         # [s, b, h, d] / [b, s, h, d] -> [b, h, s, d]
-        perm = (1, 2, 0, 3) if self.qkv_format == "sbhd" else (0, 2, 1, 3)
+        perm = (1, 2, 0, 3) if fmt == "sbhd" else (0, 2, 1, 3)
         q, k, v = (t.permute(*perm) for t in (query_layer, key_layer, value_layer))
-        causal = self.attn_mask_type == "causal"
         dropout_p = self.attention_dropout if self.training else 0.0
-        if self.cp_size > 1:
+        if attention_mask is not None:
+            b, s = q.shape[0], q.shape[2]
+            if self.cp_size > 1:
+                raise ValueError(f"attn_mask_type={mask!r} with {fmt} under context "
+                                 "parallelism is not supported (nor by TE); pack the "
+                                 "sequences instead: qkv_format='thd' with cu_seqlens")
+            if attention_mask.dtype != torch.bool or attention_mask.numel() != b * s \
+                    or attention_mask.dim() != 4:
+                raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)} and "
+                                 f"dtype {attention_mask.dtype}; expected TE's bool padding "
+                                 f"mask [{b}, 1, 1, {s}] (True: padding)")
+            self.kernel = "packed"
+            out = padded_attention(q, k, v, attention_mask, causal=causal,
+                                   scale=self.softmax_scale)
+        elif self.cp_size > 1:
             kw = dict(comm_type=self.cp_comm_type, group=self.cp_group, causal=causal,
                       scale=self.softmax_scale, dropout_p=dropout_p)
             op = select(q.device, q.dtype, dropout_p)
@@ -161,6 +221,47 @@ class DotProductAttention(TEBackendMixin, torch.nn.Module):
             else:
                 out = F.scaled_dot_product_attention(q, k, v, **kw)
         b, h, s, d = out.shape
-        if self.qkv_format == "sbhd":
+        if fmt == "sbhd":
             return out.permute(2, 0, 1, 3).reshape(s, b, h * d)
         return out.permute(0, 2, 1, 3).reshape(b, s, h * d)
+
+    def _forward_thd(self, q, k, v, mask, causal, cu_q, cu_kv, cup_q, cup_kv):
+        if not mask.startswith("padding"):
+            raise ValueError(f"qkv_format='thd' needs attn_mask_type='padding' or "
+                             f"'padding_causal' (TE's rule), got {mask!r}")
+        if cu_q is None or cu_kv is None:
+            raise ValueError("qkv_format='thd' needs cu_seqlens_q and cu_seqlens_kv (see "
+                             "tpkit.data.pack_sequences)")
+        if self.cp_size > 1 and (cup_q is None or cup_kv is None):
+            raise ValueError("qkv_format='thd' under context parallelism needs "
+                             "cu_seqlens_q_padded and cu_seqlens_kv_padded (TE's rule; "
+                             "tpkit.data.pack_sequences gives them)")
+        cup_q = cu_q if cup_q is None else cup_q
+        cup_kv = cu_kv if cup_kv is None else cup_kv
+        cu, cup = (torch.as_tensor(x).long().cpu() for x in (cu_q, cup_q))
+        if not (torch.equal(cu, torch.as_tensor(cu_kv).long().cpu())
+                and torch.equal(cup, torch.as_tensor(cup_kv).long().cpu())):
+            raise ValueError("cu_seqlens_kv(_padded) differ from cu_seqlens_q(_padded); "
+                             "tpkit's torch DotProductAttention is self-attention only")
+        lens, plens = cu.diff(), cup.diff()
+        if cu.dim() != 1 or cu.shape != cup.shape or len(cu) < 2 or cu[0] != 0 \
+                or cup[0] != 0 or bool((lens < 0).any()) or bool((plens < lens).any()):
+            raise ValueError(f"cu_seqlens={cu.tolist()} / cu_seqlens_padded={cup.tolist()} are "
+                             "not cumulative lengths from 0 with every padded length >= the "
+                             "real one; build them with tpkit.data.pack_sequences")
+        t = q.shape[0]
+        if int(cup[-1]) != t * self.cp_size:
+            raise ValueError(f"the packed row has {int(cup[-1])} tokens (cu_seqlens_padded) "
+                             f"but this rank holds {t} x cp={self.cp_size}; pass this rank's "
+                             "shard (tpkit.data.shard_packed) and the global cu_seqlens")
+        rank = 0 if self.cp_size == 1 else (
+            group_rank(self.cp_group[1]) * group_size(self.cp_group[0])
+            + group_rank(self.cp_group[0]) if self.cp_comm_type == "a2a+p2p"
+            else group_rank(self.cp_group))
+        self.kernel = "packed"
+        qb, kb, vb = (x.permute(1, 0, 2).unsqueeze(0) for x in (q, k, v))  # [1, h, t, d]
+        out = packed_attention(qb, kb, vb, cu_seqlens=cu, cu_seqlens_padded=cup,
+                               comm_type=self.cp_comm_type, group=self.cp_group,
+                               cp_size=self.cp_size, cp_rank=rank, causal=causal,
+                               scale=self.softmax_scale)
+        return out[0].permute(1, 0, 2).reshape(t, -1)

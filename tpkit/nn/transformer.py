@@ -69,9 +69,13 @@ class TransformerLayer(TEBackendMixin, ParallelModule):
         return F.dropout(x, self.hidden_dropout, True)
 
     def forward(self, hidden_states: torch.Tensor,
-                rotary_pos_emb: torch.Tensor | None = None) -> torch.Tensor:
+                rotary_pos_emb: torch.Tensor | None = None, attention_mask=None,
+                **packed) -> torch.Tensor:
+        """``attention_mask`` and ``packed`` (TE's ``cu_seqlens_q``, ... of one packed row)
+        go to ``ParallelSelfAttention.forward``."""
         check_sbh(hidden_states, self.hidden_size, type(self).__name__)
         x = hidden_states
-        x = x + self._dropout(self.self_attention(self.input_layernorm(x), rotary_pos_emb))
+        x = x + self._dropout(self.self_attention(self.input_layernorm(x), rotary_pos_emb,
+                                                  attention_mask, **packed))
         x = x + self._dropout(self.mlp(self.pre_mlp_layernorm(x)))
         return x

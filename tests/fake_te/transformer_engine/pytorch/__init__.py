@@ -3,7 +3,9 @@
 Every constructor records its bound arguments (defaults included) in ``init_args`` and
 every ``set_*_parallel_group`` call in ``calls``; the container setters recurse into
 children the way TE's do. ``tp_size`` follows TE: the group's size when ``tp_group`` is
-given, else the ``tp_size`` argument. No math: ``forward`` raises. ``tests/te_contract.py``
+given, else the ``tp_size`` argument. No math: ``forward`` raises, except
+``DotProductAttention.forward``, which records its bound arguments in ``calls`` (what tpkit
+passes through) and returns zeros of the output's shape. ``tests/te_contract.py``
 compares these signatures with TE's real sources.
 """
 from __future__ import annotations
@@ -180,6 +182,23 @@ class DotProductAttention(_TPModule):
             {})))
         self.cp_group, self.cp_global_ranks = cp_group, cp_global_ranks
         self.cp_stream, self.cp_comm_type = cp_stream, cp_comm_type
+
+    def forward(self, query_layer=None, key_layer=None, value_layer=None, attention_mask=None,
+                qkv_format=None, cu_seqlens_q=None, cu_seqlens_kv=None,
+                cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None, max_seqlen_q=None,
+                max_seqlen_kv=None, attn_mask_type=None, window_size=None,
+                bottom_right_diagonal=None, softcap=None, checkpoint_core_attention=False,
+                core_attention_bias_type='no_bias', core_attention_bias=None,
+                alibi_slopes=None, fast_zero_fill=True, inference_params=None,
+                pad_between_seqs=None, fp8_output=False, bf16_backward=False, num_splits=1,
+                score_mod=None, score_mod_bprop=None, score_mod_tensors=None,
+                score_mod_bprop_tensors=None, qkv_layer=None, kv_layer=None,
+                qkv_interleave_dim=-3, thd_attention_policies=None,
+                thd_attention_policy_dispatch='auto'):
+        args = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
+        self.calls.append(("forward", args))
+        q = query_layer
+        return q.new_zeros(*q.shape[:-2], q.shape[-2] * q.shape[-1])
 
 
 class TransformerLayer(_FakeModule):

@@ -1,0 +1,370 @@
+"""Mixture of experts with expert parallelism (torch backend): ``MoE``.
+
+A top-k router picks ``top_k`` of ``num_experts`` experts per token; the tokens travel to
+the ranks holding their experts and back over the expert groups of the layout
+(``ParallelState.ep_group``/``etp_group``, docs/moe.md): Megatron-Core's all-to-all
+dispatcher. Per forward, on ``[s, b, h]`` hidden states (``[s/tp, b, h]`` under SP; this
+rank's CP shard under CP):
+
+1. *Router* (replicated weight, fp32 or wider): scores (softmax or sigmoid) of every
+   local token; the top-k by score, ties going to the lower expert index (a stable sort);
+   optional normalisation of the k probabilities; the load-balancing loss and z-loss.
+2. *Capacity* (``capacity_factor``): each expert keeps at most
+   ``ceil(top_k * T * capacity_factor / num_experts)`` of the ``T`` tokens of one
+   sequence (the tp x cp ranks that share it), those with the highest probability (ties:
+   the earlier token of the gathered order); the others are dropped for that expert
+   (they contribute zero; the residual carries them). Dropless when None.
+3. *Dispatch*: without SP the TP ranks hold the same tokens, so each keeps its 1/tp
+   slice; the kept (token, expert) pairs are sorted by expert, the per-expert counts are
+   exchanged first over ``ep_group``, then the tokens with ``all_to_all_single``; under
+   etp > 1 they are all-gathered over ``etp_group`` (each expert-tensor shard sees all
+   tokens of its experts).
+4. *Experts*: a grouped GEMM over this rank's ``num_experts/ep`` experts (each ``fc1 ->
+   act -> fc2``, ``ffn_hidden_size/etp`` wide here): ``grouped_mm``, the one place that
+   chooses ``torch._grouped_mm`` or a per-expert loop.
+5. *Combine*: the reverse path (reduce-scatter over etp, all-to-all back), the outputs
+   weighted by their probabilities and summed per token, plus the shared experts.
+
+The layer returns the output; its auxiliary loss (load balancing + z-loss, already
+scaled by their coefficients) is ``moe.aux_loss`` after the forward, as tpkit's models
+use their losses: each rank's value is a share whose mean over the CP ranks is the aux
+loss of the whole sequence (the same on every TP rank), so adding it to the per-rank
+mean loss gives the right gradients when gradients are averaged over dp x cp.
+
+Gradients: expert parameters (tagged ``expert_parallel``, tpkit.param_tags) are summed
+over ``edp_group`` (tpkit.grads.reduce_expert_grads), never over dp x cp; the router
+weight is tagged ``sequence_parallel`` under SP (a TP sum, as norm weights).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from ..collectives import all_gather, group_rank
+from ..param_tags import set_expert_attrs
+from ..random import EXPERT_PARALLEL_RNG, get_rng_tracker
+from ._common import ParallelModule, check_sbh, divide, resolve_sp
+from .mappings import gather_from_tp_region, reduce_from_tp_region, scatter_to_sp_region
+from .mlp import _GATED, _PLAIN, ACTIVATIONS, ParallelMLP
+
+__all__ = ["MoE", "grouped_mm", "SCORE_FUNCTIONS"]
+
+SCORE_FUNCTIONS = ("softmax", "sigmoid")
+# "sequence": the load-balancing loss of each data-parallel replica's micro-batch
+# (Megatron-Core's aux_loss); "global": of the whole global batch (its global_aux_loss),
+# the same at every layout.
+AUX_LOSS_SCOPES = ("sequence", "global")
+
+
+# --- the grouped GEMM (one place chooses) ------------------------------------------------
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """Rows of ``x`` ([sum(counts), k]) in groups of ``counts``, group e times ``w[e]``
+    ([E, k, n]) -> [sum(counts), n]. ``torch._grouped_mm`` on CUDA bf16 (where the
+    installed torch has it), else one matmul per group (any device and dtype)."""
+    if (hasattr(torch, "_grouped_mm") and x.is_cuda and x.dtype == torch.bfloat16
+            and w.dtype == torch.bfloat16 and x.shape[0] > 0):
+        offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+        return torch._grouped_mm(x, w, offs=offs)
+    outs = [xe @ w[e] for e, xe in enumerate(x.split(counts, 0))]
+    return torch.cat(outs, 0) if outs else x.new_zeros(0, w.shape[-1])
+
+
+# --- variable-size all-to-all with autograd ------------------------------------------------
+class _AllToAllV(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        out_splits, in_splits = ctx.splits
+        back = g.new_empty((sum(in_splits),) + tuple(g.shape[1:]))
+        dist.all_to_all_single(back, g.contiguous(), in_splits, out_splits, group=ctx.group)
+        return back, None, None, None
+
+
+def _a2av(x, out_splits, in_splits, group, size):
+    """Send ``in_splits[j]`` rows of ``x`` to group rank j, receive ``out_splits[j]`` from
+    each (in group-rank order). Identity on a group of one."""
+    if size == 1:
+        return x
+    return _AllToAllV.apply(x, list(out_splits), list(in_splits), group)
+
+
+def _int_all_to_all(counts: torch.Tensor, group, size: int) -> torch.Tensor:
+    """``counts`` [size, n] (row j for rank j) -> [size, n] (row j from rank j)."""
+    if size == 1:
+        return counts
+    out = torch.empty_like(counts)
+    dist.all_to_all_single(out, counts.contiguous(), group=group)
+    return out
+
+
+class _RouterState:
+    """What one forward's routing decided (kept for the tests and the load logging)."""
+    __slots__ = ("indices", "probs", "keep", "tokens_per_expert")
+
+
+class MoE(ParallelModule):
+    """Top-k routed experts (plus optional shared experts) on ``[s, b, h]``.
+
+    ``num_experts`` (global) are split over ``ep`` ranks, each expert's ``fc1``/``fc2``
+    over ``etp`` ranks (``ffn_hidden_size`` is one expert's width). ``score_func``:
+    "softmax" or "sigmoid"; ``normalize_topk``: divide the k probabilities by their sum;
+    ``aux_loss_coeff``: the Switch load-balancing loss ``E * sum_e f_e P_e`` (f_e: the
+    share of routed slots taken by e, P_e: e's mean score) times this; ``z_loss_coeff``:
+    the mean squared logsumexp of the logits times this; ``capacity_factor``: None is
+    dropless, else each expert keeps at most ``ceil(top_k*T*cf/E)`` tokens of a sequence;
+    ``shared_ffn_hidden_size``: a ParallelMLP of that width over every token (TP-sharded
+    like the dense MLP). Expert weights: ``experts_fc1`` ``[E/ep, h, ffn/etp (x2 gated)]``
+    and ``experts_fc2`` ``[E/ep, ffn/etp, h]`` (no biases).
+    """
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int,
+                 top_k: int = 2, *, activation: str = "gelu", score_func: str = "softmax",
+                 normalize_topk: bool = False, aux_loss_coeff: float = 0.0,
+                 z_loss_coeff: float = 0.0, aux_loss_scope: str = "sequence",
+                 capacity_factor: float | None = None,
+                 shared_ffn_hidden_size: int | None = None,
+                 sequence_parallel: bool | None = None, init_method=None,
+                 output_layer_init_method=None, state=None, device=None, dtype=None):
+        super().__init__()
+        check_moe_args(num_experts, top_k, capacity_factor, score_func, activation)
+        if aux_loss_scope not in AUX_LOSS_SCOPES:
+            raise ValueError(f"aux_loss_scope={aux_loss_scope!r} is unknown; use one of "
+                             f"{AUX_LOSS_SCOPES}")
+        self.aux_loss_scope = aux_loss_scope
+        s = self._bind_state(state)
+        self.sequence_parallel = resolve_sp(sequence_parallel, s)
+        self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
+        self.num_experts, self.top_k = num_experts, top_k
+        self.local_experts = divide(num_experts, s.ep_size, "num_experts", by="ep")
+        self.first_expert = s.ep_rank * self.local_experts
+        ffn_local = divide(ffn_hidden_size, s.etp_size, "ffn_hidden_size", by="etp")
+        self.score_func, self.normalize_topk = score_func, normalize_topk
+        self.aux_loss_coeff, self.z_loss_coeff = float(aux_loss_coeff), float(z_loss_coeff)
+        self.capacity_factor = capacity_factor
+        self.activation = activation
+        self._gated = activation in _GATED
+        self._act = (_GATED if self._gated else _PLAIN)[activation]
+        kw = dict(device=device, dtype=dtype)
+        self.router_weight = nn.Parameter(torch.empty(num_experts, hidden_size, **kw))
+        width = ffn_local * (2 if self._gated else 1)
+        self.experts_fc1 = nn.Parameter(torch.empty(self.local_experts, hidden_size, width, **kw))
+        self.experts_fc2 = nn.Parameter(torch.empty(self.local_experts, ffn_local, hidden_size,
+                                                    **kw))
+        if self.sequence_parallel:
+            self.router_weight.sequence_parallel = True
+        set_expert_attrs(self.experts_fc1, num_experts=num_experts, etp_partition_dim=2,
+                         etp_partition_sizes=(ffn_hidden_size,) * 2 if self._gated else None)
+        set_expert_attrs(self.experts_fc2, num_experts=num_experts, etp_partition_dim=1)
+        self._init(init_method, output_layer_init_method)
+        self.shared_experts = None
+        if shared_ffn_hidden_size:
+            self.shared_experts = ParallelMLP(
+                hidden_size, shared_ffn_hidden_size, activation=activation, bias=False,
+                sequence_parallel=self.sequence_parallel, init_method=init_method,
+                output_layer_init_method=output_layer_init_method, state=s, **kw)
+        self.aux_loss: torch.Tensor | None = None
+        self.last_routing: _RouterState | None = None
+
+    # --- initialisation -----------------------------------------------------------
+    def _init(self, init_method, output_init_method):
+        """Router: the default stream (replicated on the stage); experts: the tracker's
+        expert-parallel stream, distinct per (etp, ep, pp) shard, shared by edp replicas
+        (tpkit.random). Tests and train.py load full weights instead."""
+        h = self.hidden_size
+
+        def uniform(fan_in):
+            return lambda w: nn.init.uniform_(w, -1 / math.sqrt(fan_in), 1 / math.sqrt(fan_in))
+        with torch.no_grad():
+            (init_method or uniform(h))(self.router_weight)
+        tracker = get_rng_tracker()
+        if EXPERT_PARALLEL_RNG not in tracker.states_:
+            if self.state.ep_size * self.state.etp_size > 1:
+                raise ValueError("the RNG tracker has no expert-parallel stream, so expert "
+                                 "shards would be initialised identically; seed it with "
+                                 "tpkit.init_parallel(seed=...) or "
+                                 "tpkit.random.model_parallel_seed")
+            ctx = torch.no_grad()
+        else:
+            ctx = tracker.fork(EXPERT_PARALLEL_RNG)
+        with torch.no_grad(), ctx:
+            (init_method or uniform(h))(self.experts_fc1)
+            (output_init_method or init_method or uniform(self.ffn_hidden_size))(self.experts_fc2)
+
+    # --- routing --------------------------------------------------------------------
+    def _seq_group(self):
+        """The ranks that hold one sequence's tokens: tp x cp under SP, else cp (the TP
+        ranks then hold the same tokens)."""
+        s = self.state
+        if self.sequence_parallel:
+            return s.tp_cp_group, s.tp_size * s.cp_size
+        return s.cp_group, s.cp_size
+
+    def _aux_group(self):
+        """Where the load-balancing counts are summed: the sequence's ranks, or (scope
+        "global") those of every data-parallel replica too."""
+        s = self.state
+        if self.aux_loss_scope == "sequence":
+            return self._seq_group()
+        if self.sequence_parallel:
+            return s.amax_group, s.tp_size * s.cp_size * s.dp_size
+        return s.dp_cp_group, s.cp_size * s.dp_size
+
+    def route(self, x: torch.Tensor):
+        """Router on tokens ``x`` [T, h] -> (top-k indices [T, k], probabilities [T, k],
+        kept mask [T, k], aux loss share); the router runs in fp32 (or wider)."""
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        logits = x.to(dtype) @ self.router_weight.to(dtype).t()          # [T, E]
+        if self.score_func == "softmax":
+            scores = torch.softmax(logits, dim=-1)
+        else:
+            scores = torch.sigmoid(logits)
+        # Stable sort: among equal scores the lower expert index wins (torch.topk does
+        # not promise an order for ties).
+        idx = torch.sort(scores.detach(), dim=-1, descending=True, stable=True).indices
+        idx = idx[:, : self.top_k]
+        probs = scores.gather(1, idx)
+        if self.normalize_topk:
+            probs = probs / probs.sum(-1, keepdim=True)
+        routed = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, idx, True)
+        group, size = self._aux_group()
+        counts = routed.sum(0).to(dtype)                                  # [E], pre-drop
+        if size > 1:
+            counts = all_gather(counts[None], group).sum(0)
+        total = x.shape[0] * size                                # T of the sequence (batch)
+        aux = logits.new_zeros(())
+        if self.aux_loss_coeff:
+            p = scores if self.score_func == "softmax" else \
+                scores / scores.sum(-1, keepdim=True)
+            share = (p.sum(0) * counts).sum() * (
+                self.num_experts * self.aux_loss_coeff / (self.top_k * total * total))
+            aux = aux + share * size
+        if self.z_loss_coeff:
+            aux = aux + torch.logsumexp(logits, -1).square().mean() * self.z_loss_coeff
+        if self.sequence_parallel and self.state.tp_size > 1:
+            # The TP ranks' shares are summed (identity backward, tpkit's g): every TP
+            # rank reports the value of its CP rank, as the main loss does.
+            aux = reduce_from_tp_region(aux, self.state.tp_group) / self.state.tp_size
+        keep = torch.ones_like(idx, dtype=torch.bool)
+        if self.capacity_factor is not None:
+            group, size = self._seq_group()
+            keep = self._capacity_mask(probs.detach(), idx, routed, x.shape[0] * size, group,
+                                       size)
+        return idx, probs, keep, aux, counts
+
+    def _capacity_mask(self, probs, idx, routed, total, group, size):
+        cap = math.ceil(self.top_k * total * self.capacity_factor / self.num_experts)
+        dense = torch.full(routed.shape, -1.0, dtype=probs.dtype, device=probs.device)
+        dense.scatter_(1, idx, probs)                                      # -1: not routed
+        full = all_gather(dense, group) if size > 1 else dense             # [T_seq, E]
+        order = torch.sort(full, dim=0, descending=True, stable=True).indices
+        kept = torch.zeros_like(full, dtype=torch.bool)
+        kept.scatter_(0, order[:cap], True)
+        kept &= full >= 0
+        mine = kept.chunk(size, 0)[group_rank(group)] if size > 1 else kept
+        return mine.gather(1, idx)
+
+    # --- forward --------------------------------------------------------------------
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        check_sbh(hidden_states, self.hidden_size, type(self).__name__)
+        s = self.state
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])                            # [T, h]
+        idx, probs, keep, aux, counts = self.route(x)
+        self.aux_loss = aux
+        r = _RouterState()
+        r.indices, r.probs, r.keep, r.tokens_per_expert = idx, probs.detach(), keep, counts
+        self.last_routing = r
+        split_tp = not self.sequence_parallel and s.tp_size > 1
+        if split_tp:
+            # The TP ranks hold the same tokens: each dispatches its slice (all-gather of
+            # the input gradient backward); the expert outputs are gathered after, and
+            # combined on all tokens, so the router's gradient is whole on every TP rank.
+            if x.shape[0] % s.tp_size:
+                raise ValueError(f"{x.shape[0]} tokens cannot be split over tp={s.tp_size} "
+                                 "for expert dispatch; make s*b a multiple of tp or use SP")
+            n = x.shape[0] // s.tp_size
+            sl = slice(s.tp_rank * n, (s.tp_rank + 1) * n)
+            slots = self._dispatch_compute(scatter_to_sp_region(x, s.tp_group), idx[sl],
+                                           keep[sl])
+            slots = gather_from_tp_region(slots, s.tp_group, dim=0)
+        else:
+            slots = self._dispatch_compute(x, idx, keep)                  # [T, k, h]
+        weights = (probs * keep).to(slots.dtype)
+        y = (slots * weights[..., None]).sum(1).reshape(shape)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(hidden_states)
+        return y
+
+    def _dispatch_compute(self, x, idx, keep):
+        """Every kept (token, slot)'s expert output, in place: [T, k, h] (zero rows for
+        dropped slots)."""
+        s = self.state
+        E, L = self.num_experts, self.local_experts
+        tok = torch.arange(x.shape[0], device=x.device)[:, None].expand_as(idx)
+        pos = (tok * self.top_k + torch.arange(self.top_k, device=x.device))[keep]
+        flat_e, flat_t = idx[keep], tok[keep]
+        order = torch.sort(flat_e, stable=True).indices       # by expert, then token
+        flat_e, flat_t, pos = flat_e[order], flat_t[order], pos[order]
+        send = torch.bincount(flat_e, minlength=E).view(s.ep_size, L)      # [ep, L]
+        xs = x.index_select(0, flat_t)                                     # permuted tokens
+        # Per-expert counts first (ep), then the tokens; then the etp gather.
+        recv = _int_all_to_all(send, s.ep_group, s.ep_size)                # [ep, L] from j
+        xs = _a2av(xs, recv.sum(1).tolist(), send.sum(1).tolist(), s.ep_group, s.ep_size)
+        if s.etp_size > 1:
+            recv_all = all_gather(recv[None], s.etp_group)                 # [etp, ep, L]
+            mine = xs.shape[0]
+            lens = recv_all.sum((1, 2)).tolist()
+            xs = _a2av(xs.repeat(s.etp_size, 1), lens, [mine] * s.etp_size, s.etp_group,
+                       s.etp_size)
+        else:
+            recv_all = recv[None]
+        # Regroup the received chunks (etp rank, ep source, local expert) by expert.
+        c = recv_all.reshape(-1, L)                                        # [(etp*ep), L]
+        starts = torch.cumsum(c.reshape(-1), 0) - c.reshape(-1)
+        perm = [torch.arange(int(starts[i * L + e]), int(starts[i * L + e] + c[i, e]))
+                for e in range(L) for i in range(c.shape[0])]
+        perm = torch.cat(perm).to(x.device) if perm else torch.zeros(0, dtype=torch.long)
+        per_expert = c.sum(0).tolist()
+        h = grouped_mm(xs.index_select(0, perm), self.experts_fc1.to(x.dtype), per_expert)
+        if self._gated:
+            gate, up = h.chunk(2, dim=-1)
+            h = self._act(gate) * up
+        else:
+            h = self._act(h)
+        out = grouped_mm(h, self.experts_fc2.to(x.dtype), per_expert)
+        out = torch.empty_like(out).index_copy(0, perm, out)               # back to received
+        if s.etp_size > 1:
+            out = _a2av(out, [mine] * s.etp_size, lens, s.etp_group, s.etp_size)
+            out = out.view(s.etp_size, mine, -1).sum(0)                    # partial sums
+        out = _a2av(out, send.sum(1).tolist(), recv.sum(1).tolist(), s.ep_group, s.ep_size)
+        slots = x.new_zeros(x.shape[0] * self.top_k, x.shape[1]).index_copy(0, pos, out)
+        return slots.view(x.shape[0], self.top_k, x.shape[1])
+
+
+def check_moe_args(num_experts, top_k, capacity_factor, score_func="softmax",
+                   activation="gelu") -> None:
+    """The layout-free checks of an MoE's options (ValueError naming the value and the
+    fix): launch/train.py runs them before any process group exists."""
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"num_experts={num_experts!r} must be an integer >= 1")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k={top_k!r} must be an integer between 1 and num_experts="
+                         f"{num_experts}; choose top_k <= num_experts")
+    if capacity_factor is not None and not capacity_factor > 0:
+        raise ValueError(f"capacity_factor={capacity_factor!r} must be > 0 (or None for "
+                         "dropless routing)")
+    if score_func not in SCORE_FUNCTIONS:
+        raise ValueError(f"score_func={score_func!r} is unknown; use one of {SCORE_FUNCTIONS}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation={activation!r} is not supported; use one of "
+                         f"{ACTIVATIONS}")
