@@ -325,15 +325,16 @@ def check_hf_args(ap: argparse.ArgumentParser, args) -> None:
                  f"from {args.init_from_hf}/config.json); drop them")
 
 
-def check_hf_dir(path: str) -> None:
-    """ValueError unless ``path`` holds a model tpkit reads whose vocabulary holds the
-    corpus' byte ids."""
+def check_hf_dir(path: str):
+    """``path``'s LlamaConfig; ValueError unless it is a model tpkit reads whose vocabulary
+    holds the corpus' byte ids."""
     from tpkit.models.hf import read_config
     cfg, _ = read_config(path)
     if cfg.vocab_size < corpus.VOCAB_SIZE:
         raise ValueError(f"--init-from-hf={path}: vocab_size={cfg.vocab_size} cannot hold "
                          f"the corpus' {corpus.VOCAB_SIZE} byte ids; use a model with a "
                          "larger vocabulary")
+    return cfg
 
 
 def hf_model(args, state) -> torch.nn.Module:
@@ -394,17 +395,17 @@ def tpkit_preflight(argv, launch) -> None:
             require_te()
         except (ImportError, RuntimeError) as e:
             raise ValueError(f"--backend te: {e}") from None
-    hf = args.init_from_hf if not launch.dry_run else None   # a dry run may plan a download
-    if hf:
-        check_hf_dir(hf)
+    # a dry run may plan a download: the directory is read only when workers will start
+    hf_cfg = check_hf_dir(args.init_from_hf) if args.init_from_hf and not launch.dry_run \
+        else None
     with fake_state(config, launch.world_size) as state:
         check_job(args, state)
         cfg = model_config(args, backend="torch")   # shapes are backend-independent
         try:
             with torch.random.fork_rng(devices=[]), torch.device("meta"):
                 model_parallel_seed(args.seed, state)   # the layers draw TP shards from it
-                if hf:
-                    _hf_fits(hf, state)
+                if hf_cfg is not None:   # its shapes at this layout, no weights read
+                    hf_cfg.validate().check_tp(state.tp_size)
                 model = None if args.init_from_hf else GPT(cfg, state)
         except ValueError as e:
             what = (f"--init-from-hf {args.init_from_hf}" if args.init_from_hf else
@@ -418,13 +419,6 @@ def tpkit_preflight(argv, launch) -> None:
         if args.resume and not launch.dry_run:   # a dry run may plan a resume of a future save
             verify(resolve_resume(args.resume), None if model is None else {"model": model},
                    state=state)
-
-
-def _hf_fits(path: str, state) -> None:
-    """ValueError unless the Hugging Face model's config fits ``state``'s layout (no
-    weights read, no model built)."""
-    from tpkit.models.hf import read_config
-    read_config(path)[0].validate().check_tp(state.tp_size)
 
 
 def full_init(model: torch.nn.Module, seed: int) -> None:

@@ -513,16 +513,22 @@ def verify(path: str | os.PathLike, state_dict: dict[str, Any] | None = None, *,
     md = verify_files(path)
     if state_dict is None:
         return
+    path = checkpoint_dir(path)
+    saved, live = _entries(path, md, state_dict, strict)
+    if live:
+        views, _ = _build(live, for_load=True, init_optimizers=False, state=state)
+        _check_against(path, md.state_dict_metadata, flatten_state_dict(views)[0], strict)
+
+
+def _entries(path: str, md, state_dict: dict, strict: bool) -> tuple[set, dict]:
+    """The top-level keys the checkpoint holds, and the modules and optimizers of
+    ``state_dict`` among them; with ``strict`` a key it lacks is a MissingKeyError."""
     saved = {p[0] for p in _paths(md).values()}
     absent = [k for k in state_dict if k not in saved]
     if absent and strict:
         raise missing_key_error(absent[0], path, saved)
-    live = {k: v for k, v in state_dict.items()
-            if k in saved and isinstance(v, (nn.Module, torch.optim.Optimizer))}
-    if live:
-        views, _ = _build(live, for_load=True, init_optimizers=False, state=state)
-        _check_against(checkpoint_dir(path), md.state_dict_metadata,
-                       flatten_state_dict(views)[0], strict)
+    return saved, {k: v for k, v in state_dict.items()
+                   if k in saved and isinstance(v, (nn.Module, torch.optim.Optimizer))}
 
 
 def load(path: str | os.PathLike, state_dict: dict[str, Any], *,
@@ -543,12 +549,7 @@ def load(path: str | os.PathLike, state_dict: dict[str, Any], *,
         try:
             md = verify_files(path)
             path = checkpoint_dir(path)
-            saved = {p[0] for p in _paths(md).values()}
-            absent = [k for k in state_dict if k not in saved]
-            if absent and strict:
-                raise missing_key_error(absent[0], path, saved)
-            live = {k: v for k, v in state_dict.items()
-                    if k in saved and isinstance(v, (nn.Module, torch.optim.Optimizer))}
+            saved, live = _entries(path, md, state_dict, strict)
             if live:
                 views, slots = _build(live, for_load=True)
                 flat, mapping = flatten_state_dict(views)
