@@ -1,6 +1,6 @@
 """Mutation testing with cosmic-ray (``pip install cosmic-ray``), one module at a time.
 
-    python tools/mutation.py config [--keep DIR]     # or: random, data, quantize, planning
+    python tools/mutation.py config [--keep DIR]     # or any other name in MODULES
 
 Copies the tracked files to a scratch directory (cosmic-ray edits the module in place, so
 the checkout stays untouched and tests may run meanwhile), runs every mutant of the
@@ -8,15 +8,27 @@ module against the test subset of MODULES, and prints cosmic-ray's report: the m
 score is 100 % minus "surviving mutants". ``--keep DIR`` keeps the session database (and
 the scratch copy) there for ``cr-report DIR/session.sqlite --show-output``.
 docs/testing.md records the scores and the survivors judged equivalent.
+
+The mutants run in forked children of one process that imported torch and pytest once
+(``--runner fork``, the default): the parent writes a mutant into the scratch copy on
+disk (so processes a test starts see it too), forks, the child runs ``pytest -x`` on the
+subset in-process and exits with pytest's status, and the parent puts the file back and
+records the outcome in cosmic-ray's session database (``cr-report`` reads it as usual).
+Tests that killed earlier mutants run first. ``--runner cosmic-ray`` runs
+``cosmic-ray exec`` instead (a fresh interpreter per mutant: slower, same outcomes).
+A mutant is killed when pytest fails (or errors, or the run exceeds ``--timeout``).
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 
 # module -> (path, the tests that exercise it); a subset keeps a mutant's run short
 MODULES = {
@@ -25,8 +37,171 @@ MODULES = {
     "data": ("tpkit/data.py", ["tests/test_data.py"]),
     "quantize": ("tpkit/fp8/quantize.py", ["tests/test_fp8.py", "tests/test_strength_fp8.py"]),
     "planning": ("tpkit/planning.py", ["tests/test_launch.py", "tests/test_topology.py"]),
+    "dcp_verify": ("tpkit/_dcp_verify.py", ["tests/test_strength_checkpoint.py"]),
 }
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# imported once by the fork runner's parent; never tpkit (the children import the mutant)
+PRELOAD = ("torch", "torch.distributed", "torch.nn.functional", "numpy", "pytest", "hypothesis")
+
+
+def _copy_tree(tree: str) -> None:
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, check=True, capture_output=True,
+                           text=True).stdout.split()
+    for f in files:
+        os.makedirs(os.path.dirname(os.path.join(tree, f)) or tree, exist_ok=True)
+        shutil.copy2(os.path.join(ROOT, f), os.path.join(tree, f))
+
+
+def _pytest_args(tests) -> list[str]:
+    # plain asserts: pytest would rewrite (and, without bytecode, re-rewrite) every module
+    return ["-x", "-q", "-p", "no:cacheprovider", "--assert=plain", *tests]
+
+
+class _KillersFirst:
+    """pytest plugin: the tests in ``first`` (most useful first) run before the rest; the
+    first failing test's id is written to ``report``, and at the end the names of the
+    modules imported from outside ``tree`` to ``report + ".modules"``."""
+
+    def __init__(self, first, report, tree):
+        self.rank = {nodeid: i for i, nodeid in enumerate(first)}
+        self.report, self.tree = report, tree
+
+    def pytest_sessionfinish(self):
+        names = [name for name, m in list(sys.modules.items())
+                 if not (getattr(m, "__file__", None) or "").startswith(self.tree)
+                 and name.partition(".")[0] not in ("tpkit", "tests", "conftest", "__main__")]
+        with open(self.report + ".modules", "w") as f:
+            f.write("\n".join(names))
+
+    def pytest_collection_modifyitems(self, items):
+        items.sort(key=lambda item: self.rank.get(item.nodeid, len(self.rank)))
+
+    def pytest_runtest_logreport(self, report):
+        if report.failed and not os.path.exists(self.report):
+            with open(self.report, "w") as f:
+                f.write(report.nodeid)
+
+
+def _run_child(tests, killers, report, log, tree) -> None:
+    """In the forked child: its own process group, output to ``log``, pytest, exit."""
+    code = 3
+    try:
+        os.setsid()
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        import pytest
+        code = int(pytest.main(_pytest_args(tests), plugins=[_KillersFirst(killers, report, tree)]))
+    except BaseException:  # noqa: BLE001 (report anything as a failed run)
+        import traceback
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _wait(pid: int, timeout: float):
+    """The child's exit status, or None after killing its process group at ``timeout``."""
+    end = time.monotonic() + timeout
+    try:
+        while time.monotonic() < end:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                pid = None
+                return os.waitstatus_to_exitcode(status)
+            time.sleep(0.05)
+        return None
+    finally:   # timed out, or the runner was stopped: the child and what it started go
+        if pid is not None:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except OSError:
+                pass
+            os.waitpid(pid, 0)
+
+
+def fork_exec(session: str, tree: str, tests, timeout: float) -> None:
+    """Run every pending mutant of ``session`` in a forked child (see the module doc)."""
+    import importlib
+
+    from cosmic_ray import plugins
+    from cosmic_ray.mutating import use_mutation
+    from cosmic_ray.work_db import WorkDB, use_db
+    from cosmic_ray.work_item import TestOutcome, WorkerOutcome, WorkResult
+
+    os.chdir(tree)
+    sys.path.insert(0, tree)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))   # put the module back first
+    sys.dont_write_bytecode = True   # a mutant may keep the size and mtime second of another
+    for name in PRELOAD:
+        importlib.import_module(name)
+    assert not any(m == "tpkit" or m.startswith("tpkit.") for m in sys.modules), \
+        "the fork runner's parent must not import tpkit"
+    scratch = tempfile.mkdtemp(prefix="mutant-")
+    report, log = os.path.join(scratch, "killer"), os.path.join(scratch, "log")
+    killers: list[str] = []   # tests that killed a mutant, the latest first
+
+    def run(killers_now):
+        if os.path.exists(report):
+            os.remove(report)
+        pid = os.fork()
+        if pid == 0:
+            _run_child(tests, killers_now, report, log, tree)
+        t0 = time.monotonic()
+        code = _wait(pid, timeout)
+        with open(log, errors="replace") as f:
+            output = f.read()[-20000:]
+        killer = open(report).read() if os.path.exists(report) else None
+        return code, output, killer, time.monotonic() - t0
+
+    for attempt in ("cold", "warm"):
+        # the first run lists the modules the tests import: the parent imports them too
+        code, output, _, took = run([])
+        if code != 0:
+            raise SystemExit(f"the unmutated tree fails its tests (status {code}):\n{output}")
+        print(f"unmutated tests pass in a forked child ({attempt}): {took:.1f} s", flush=True)
+        with open(report + ".modules") as f:
+            for name in f.read().split():
+                try:
+                    importlib.import_module(name)
+                except Exception:  # noqa: BLE001 (a module that only imports in context)
+                    pass
+        assert not any(m.partition(".")[0] == "tpkit" for m in sys.modules)
+        gc.freeze()   # the children's gc.collect() (pytest calls it 5 times) skips all that
+    with use_db(session, WorkDB.Mode.open) as db:
+        pending = sorted(db.pending_work_items, key=lambda w: w.job_id)
+        t_start = time.monotonic()
+        for n, item in enumerate(pending, 1):
+            (mutation,) = item.mutations
+            operator = plugins.get_operator(mutation.operator_name)(**mutation.operator_args)
+            with use_mutation(mutation.module_path, operator, mutation.occurrence) as (
+                    before, after):
+                if after is None:
+                    db.set_result(item.job_id, WorkResult(worker_outcome=WorkerOutcome.NO_TEST))
+                    continue
+                code, output, killer, took = run(killers)
+            if code is None:
+                outcome, output = TestOutcome.KILLED, "timeout"
+            else:
+                outcome = TestOutcome.SURVIVED if code == 0 else TestOutcome.KILLED
+            if killer is not None:
+                if killer in killers:
+                    killers.remove(killer)
+                killers.insert(0, killer)
+            import difflib
+            diff = "\n".join(difflib.unified_diff(
+                before.split("\n"), after.split("\n"), str(mutation.module_path),
+                str(mutation.module_path), lineterm=""))
+            db.set_result(item.job_id, WorkResult(
+                worker_outcome=WorkerOutcome.NORMAL, test_outcome=outcome,
+                output=output, diff=diff))
+            print(f"[{n}/{len(pending)}] {outcome.value:8} {took:5.1f} s "
+                  f"{mutation.operator_name} #{mutation.occurrence} line "
+                  f"{mutation.start_pos[0]}", flush=True)
+        if pending:
+            print(f"{len(pending)} mutants in {time.monotonic() - t_start:.0f} s", flush=True)
+    shutil.rmtree(scratch)
 
 
 def main() -> int:
@@ -35,31 +210,36 @@ def main() -> int:
     ap.add_argument("module", choices=sorted(MODULES))
     ap.add_argument("--keep", default=None, help="directory for the session and the copy")
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds per mutant")
+    ap.add_argument("--runner", choices=("fork", "cosmic-ray"), default="fork")
     args = ap.parse_args()
     path, tests = MODULES[args.module]
-    work = args.keep or tempfile.mkdtemp(prefix="tpkit-mutation-")
+    work = os.path.abspath(args.keep or tempfile.mkdtemp(prefix="tpkit-mutation-"))
     tree = os.path.join(work, "tree")
-    files = subprocess.run(["git", "ls-files"], cwd=ROOT, check=True, capture_output=True,
-                           text=True).stdout.split()
-    for f in files:
-        os.makedirs(os.path.dirname(os.path.join(tree, f)) or tree, exist_ok=True)
-        shutil.copy2(os.path.join(ROOT, f), os.path.join(tree, f))
+    session = os.path.join(work, "session.sqlite")
+    fresh = not os.path.exists(session)   # an existing session resumes where it stopped
+    if fresh:
+        _copy_tree(tree)
+    elif open(os.path.join(tree, path)).read() != open(os.path.join(ROOT, path)).read():
+        raise SystemExit(f"{tree}/{path} differs from the checkout's: start a new session")
     config = os.path.join(work, "cosmic-ray.toml")
     with open(config, "w") as f:
         f.write(f'[cosmic-ray]\nmodule-path = "{path}"\ntimeout = {args.timeout}\n'
-                f'excluded-modules = []\ntest-command = "{sys.executable} -m pytest -x -q '
-                f'-p no:cacheprovider {" ".join(tests)}"\n'
+                f'excluded-modules = []\ntest-command = "{sys.executable} -m pytest '
+                f'{" ".join(_pytest_args(tests))}"\n'
                 '[cosmic-ray.distributor]\nname = "local"\n'
                 # `|` appears only in annotations, which `from __future__ import
                 # annotations` leaves as strings: every mutant of it is equivalent
                 '[cosmic-ray.filters.operators-filter]\n'
                 'exclude-operators = ["core/ReplaceBinaryOperator_BitOr_.*"]\n')
-    session = os.path.join(work, "session.sqlite")
-    env = dict(os.environ, PYTHONPATH=tree)
-    for cmd in (["cosmic-ray", "init", config, session],
-                ["cr-filter-operators", session, config],
-                ["cosmic-ray", "exec", config, session]):
-        subprocess.run(cmd, cwd=tree, env=env, check=True)
+    os.environ.update(PYTHONPATH=tree, PYTHONDONTWRITEBYTECODE="1")
+    if fresh:
+        for cmd in (["cosmic-ray", "init", config, session],
+                    ["cr-filter-operators", session, config]):
+            subprocess.run(cmd, cwd=tree, check=True)
+    if args.runner == "fork":
+        fork_exec(session, tree, tests, args.timeout)
+    else:
+        subprocess.run(["cosmic-ray", "exec", config, session], cwd=tree, check=True)
     report = subprocess.run(["cr-report", session], check=True, capture_output=True, text=True)
     print(report.stdout)
     if not args.keep:
