@@ -87,3 +87,87 @@ def test_set_context_parallel_group_has_te_signature():
     assert [n for n, _, _ in ours] == [n for n, _, _ in fake]
     assert ours[:4] == fake[:4]  # cp_comm_type defaults to 'p2p'; the strategy to dual chunk swap
     assert fake[4][2] == "CPLoadBalancingStrategy.DUAL_CHUNK_SWAP"
+
+
+# --- single process: every CP rank's unshard, with the all-gather done by the test -----
+def _mine(length, cp, r, docs=None):
+    """Indices CP rank r holds: of every document [lo, hi), chunks r and 2cp-1-r of 2cp
+    (the whole row is one document by default), written out independently."""
+    out = []
+    for lo, hi in zip(*(lambda b: (b[:-1], b[1:]))(docs or [0, length])):
+        c = (hi - lo) // (2 * cp)
+        out += list(range(lo + r * c, lo + (r + 1) * c))
+        out += list(range(lo + (2 * cp - 1 - r) * c, lo + (2 * cp - r) * c))
+    return out
+
+
+def _gather_from(shards):
+    """An all_gather(x, group, dim) that returns every rank's shard in rank order."""
+    def all_gather(x, group, dim):
+        assert group == "cp-group"
+        return torch.cat(shards, dim)
+    return all_gather
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_unshard_sequence_every_rank_values_and_grad(cp, monkeypatch):
+    import tpkit.data as data
+    s = 4 * cp
+    full = torch.randn(2, s, 3, dtype=torch.float64)
+    shards = [full[:, _mine(s, cp, r)] for r in range(cp)]
+    monkeypatch.setattr(data, "all_gather", _gather_from(shards))
+    for r in range(cp):
+        st = SimpleNamespace(cp_size=cp, cp_rank=r, cp_group="cp-group", tp_size=1,
+                             sequence_parallel=False)
+        assert torch.equal(shard_sequence(full, 1, st), shards[r])
+        local = shards[r].clone().requires_grad_()
+        back = data.unshard_sequence(local, -2, st)
+        assert torch.equal(back, full)
+        w = torch.randn(full.shape, dtype=torch.float64)
+        (back * w).sum().backward()
+        assert torch.equal(local.grad, w[:, _mine(s, cp, r)])
+        assert data.cp_positions(r, cp, s // cp).tolist() == _mine(s, cp, r)
+    with pytest.raises(ValueError, match=r"length along dim 1 is 3 \(odd\)"):
+        data.unshard_sequence(torch.zeros(2, 3), 1, st)
+    one = SimpleNamespace(cp_size=1, cp_rank=0, cp_group=None)
+    x = torch.zeros(3)
+    assert data.unshard_sequence(x, 0, one) is x
+    assert data.cp_positions(0, 1, 5).tolist() == list(range(5))
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_unshard_packed_every_rank_values_and_grad(cp, monkeypatch):
+    import tpkit.data as data
+    pb = data.pack_sequences([list(range(1, 6)), [7], list(range(20, 33))],
+                             multiple=2 * cp)
+    cup = pb.cu_seqlens_padded.tolist()
+    n = cup[-1]
+    full = torch.randn(n, 2, dtype=torch.float64)
+    shards = [full[_mine(n, cp, r, cup)] for r in range(cp)]
+    monkeypatch.setattr(data, "all_gather", _gather_from(shards))
+    for r in range(cp):
+        st = SimpleNamespace(cp_size=cp, cp_rank=r, cp_group="cp-group")
+        assert torch.equal(data.shard_packed(full, cup, 0, st), shards[r])
+        sharded = pb.shard(st)
+        assert sharded.tokens.tolist() == pb.tokens[_mine(n, cp, r, cup)].tolist()
+        assert torch.equal(sharded.labels, pb.labels[_mine(n, cp, r, cup)])
+        assert torch.equal(sharded.position_ids, pb.position_ids[_mine(n, cp, r, cup)])
+        local = shards[r].clone().requires_grad_()
+        back = data.unshard_packed(local, pb.cu_seqlens_padded, -2, st)
+        assert torch.equal(back, full)
+        w = torch.randn(full.shape, dtype=torch.float64)
+        (back * w).sum().backward()
+        assert torch.equal(local.grad, w[_mine(n, cp, r, cup)])
+        with pytest.raises(ValueError, match=rf"the shard has {n} tokens along dim 0, but "
+                                             rf"cu_seqlens_padded says {n // cp}"):
+            data.unshard_packed(full, cup, 0, st)
+    one = SimpleNamespace(cp_size=1, cp_rank=0, cp_group=None)
+    assert data.unshard_packed(full, cup, 0, one) is full
+    assert data.shard_packed(full, cup, 0, one) is full
+    assert data.packed_cp_indices(cup, 0, 1).tolist() == list(range(n))
+    kw = pb.attention_kwargs()
+    assert kw["max_seqlen_q"] == kw["max_seqlen_kv"] == pb.max_seqlen == 13 + (-13 % (2 * cp))
+    for k in ("cu_seqlens_q", "cu_seqlens_kv"):
+        assert kw[k] is pb.cu_seqlens
+    for k in ("cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
+        assert kw[k] is pb.cu_seqlens_padded

@@ -96,3 +96,78 @@ def test_seeds_unique_across_65536_ranks():
     assert all(0 <= s < 2 ** 63 for s in seen)
     with pytest.raises(ValueError, match="tp rank"):
         derive_seed(1, 1, tp=1 << 20)
+
+
+# --- single process, every rank of a layout on the fake process group (tools/mutation.py
+# random runs these instead of the launched test above) --------------------------------
+M63 = (1 << 63) - 1
+
+
+def _reference_seed(seed, stream, a=0, b=0, c=0):
+    """The module doc's formula, written out here: splitmix64's finaliser (constants and
+    shifts from Steele et al.) modulo 2**63 of pack(stream, a, b, c) xor mix63(seed)."""
+    def mix(x):
+        x &= M63
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) % 2 ** 63
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) % 2 ** 63
+        return x ^ (x >> 31)
+    return mix((stream + 4 * a + 4 * 2 ** 20 * b + 4 * 2 ** 40 * c) ^ mix(seed))
+
+
+def test_derive_seed_is_the_documented_formula():
+    for args in [(0, 0), (1234, 1, 3, 0, 1), (2 ** 62 + 5, 2, 2 ** 20 - 1, 7, 2 ** 20 - 1),
+                 (42, 1, 1), (42, 2, 0, 1), (42, 0, 0, 0, 3), (2 ** 70, 1, 5, 5, 5)]:
+        assert derive_seed(*args[:2], *args[2:]) == _reference_seed(*args), args
+    for name, kw in (("tp", dict(tp=-1)), ("cp", dict(cp=1 << 20)), ("pp", dict(pp=1 << 20))):
+        with pytest.raises(ValueError, match=rf"{name} rank -?\d+ is out of the supported "
+                                             r"range \[0, 1048576\)"):
+            derive_seed(1, 1, **kw)
+    derive_seed(1, 1, tp=(1 << 20) - 1, cp=(1 << 20) - 1, pp=(1 << 20) - 1)   # the limit
+
+
+def _streams(seed, **layout):
+    """Per rank of the layout: (its rank record, default, model-parallel and expert
+    streams' first draws), with model_parallel_seed on that rank's fake state."""
+    from tpkit.config import ParallelConfig
+    from tpkit.planning import fake_state
+    from tpkit.random import EXPERT_PARALLEL_RNG, model_parallel_seed
+    world = 8
+    out = []
+    for rank in range(world):
+        with fake_state(ParallelConfig(**layout), world, rank) as s:
+            tracker = model_parallel_seed(seed, s)
+            assert tracker.device.type == "cpu" and set(tracker.get_states()) == {
+                MODEL_PARALLEL_RNG, EXPERT_PARALLEL_RNG}
+            default = torch.rand(4)
+            with tracker.fork():
+                mp = torch.rand(4)
+            with tracker.fork(EXPERT_PARALLEL_RNG):
+                ex = torch.rand(4)
+            coords = dict(tp=s.tp_rank, pp=s.pp_rank, etp=s.etp_rank, ep=s.ep_rank)
+        out.append((coords, default, mp, ex))
+    return out
+
+
+def _draw(seed):
+    return torch.rand(4, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("layout", [dict(tp=2, cp=2, dp=2), dict(tp=2, pp=2, dp=2),
+                                    dict(tp=2, dp=4, ep=2, etp=1)])
+def test_streams_per_rank_are_the_documented_seeds(layout):
+    for c, default, mp, ex in _streams(42, **layout):
+        assert torch.equal(default, _draw(_reference_seed(42, 0, 0, 0, c["pp"])))
+        assert torch.equal(mp, _draw(_reference_seed(42, 1, c["tp"], 0, c["pp"])))
+        assert torch.equal(ex, _draw(_reference_seed(42, 2, c["etp"], c["ep"], c["pp"])))
+
+
+def test_model_parallel_seed_bad_seed_and_reseeding():
+    from tpkit.config import ParallelConfig
+    from tpkit.planning import fake_state
+    from tpkit.random import model_parallel_seed
+    with fake_state(ParallelConfig(tp=2), 2, 1) as s:
+        for bad in (-1, 1.5, True, "3"):
+            with pytest.raises(ValueError, match=rf"seed={bad!r} must be a non-negative "):
+                model_parallel_seed(bad, s)
+        model_parallel_seed(0, s)
+        model_parallel_seed(0, s)   # again: the tracker is reset, not refused
