@@ -128,3 +128,107 @@ def test_env_details_mutation_testing_found_untested():
         ParallelConfig().tp = 2
     # a divisor that shares no bit pattern with cp (6 = 2 * 3; 6 & 3 != 0 is no divisibility)
     assert ParallelConfig(cp=6, cp_comm_type="a2a+p2p", cp_a2a_size=3).cp_p2p_size == 2
+
+
+# (tp, cp, world, ep, etp) -> edp = tp*cp*dp / (etp*ep), dp = world / (tp*cp), by hand
+EXPERT_LAYOUTS = [((2, 3, 30, 3, 1), 10), ((2, 3, 30, 3, 2), 5), ((2, 3, 30, 3, 5), 2),
+                  ((2, 1, 12, 2, 2), 3), ((4, 1, 16, 2, None), 2), ((2, 2, 8, 1, None), 4),
+                  ((1, 3, 9, 3, 3), 1)]
+
+
+@pytest.mark.parametrize("layout,edp", EXPERT_LAYOUTS, ids=str)
+def test_expert_layout_sizes(layout, edp):
+    tp, cp, world, ep, etp = layout
+    cfg = ParallelConfig(tp=tp, cp=cp, ep=ep, etp=etp)
+    with pytest.raises(ValueError, match="dp is not resolved yet; call validate"):
+        cfg.edp
+    v = cfg.validate(world)
+    assert v.edp == edp and type(v.edp) is int
+    assert v.dp == world // (tp * cp) and v.expert_tp == (tp if etp is None else etp)
+    assert v.has_experts is (ep > 1 or (etp is not None and etp != tp))
+
+
+def test_has_experts_and_expert_env():
+    assert ParallelConfig().has_experts is False
+    assert ParallelConfig(tp=2, etp=2).has_experts is False
+    assert ParallelConfig(tp=2, etp=1).has_experts is True
+    assert ParallelConfig(tp=2, etp=4).has_experts is True
+    assert ParallelConfig(ep=2).has_experts is True
+    env = ParallelConfig(tp=2, ep=2, etp=1).to_env()
+    assert env["TPKIT_EP"] == "2" and env["TPKIT_ETP"] == "1"
+    assert "TPKIT_EP" not in ParallelConfig().to_env()
+    assert "TPKIT_ETP" not in ParallelConfig(ep=3).to_env()
+    assert ParallelConfig.from_env(env) == ParallelConfig(tp=2, ep=2, etp=1)
+    # the defaults, spelled out
+    assert ParallelConfig() == ParallelConfig(tp=1, cp=1, pp=1, dp=None, ep=1, etp=None,
+                                              sequence_parallel=False, cp_comm_type="p2p")
+    d = ParallelConfig()
+    assert (d.tp, d.cp, d.pp, d.ep) == (1, 1, 1, 1)
+
+
+@pytest.mark.parametrize("layout,world,sizes", [
+    (dict(tp=2, ep=3, etp=2), 8, "etp*ep = 2*3 = 6 does not divide tp*cp*dp = 2*1*4 = 8"),
+    (dict(tp=2, cp=3, ep=4, etp=1), 30, "etp*ep = 1*4 = 4 does not divide tp*cp*dp = "
+                                         "2*3*5 = 30"),
+    (dict(tp=2, ep=3, etp=1), 8, "etp*ep = 1*3 = 3 does not divide tp*cp*dp = 2*1*4 = 8"),
+    (dict(tp=3, ep=2), 9, "etp*ep = 3*2 = 6 does not divide tp*cp*dp = 3*1*3 = 9"),
+])
+def test_expert_layout_errors(layout, world, sizes):
+    with pytest.raises(ValueError) as e:
+        ParallelConfig(**layout).validate(world)
+    assert str(e.value).startswith(sizes + " (the ranks of one pipeline stage")
+    stage = sizes.rsplit(" ", 1)[1]
+    assert f"choose ep and etp whose product divides {stage}, or change" in str(e.value)
+
+
+def test_origin_in_messages():
+    # a value from the environment names its variable and how it got there
+    with pytest.raises(ValueError) as e:
+        ParallelConfig.from_env({"TPKIT_TP": "1", "TPKIT_CP": "3"}).validate(8)
+    msg = str(e.value)
+    assert msg.endswith("[cp=3 from $TPKIT_CP; tpkit-launch exports $TPKIT_*, or your "
+                        "shell set them]")   # tp=1 is the default: not named
+    with pytest.raises(ValueError) as e:
+        ParallelConfig.from_env({}, given_as="tpkit-launch --{flag}", cp=3,
+                                cp_comm_type="all_gather").validate(8)
+    assert str(e.value).endswith("[cp=3 from tpkit-launch --cp]")
+    # a value without an origin is not named, and does not break the message
+    with pytest.raises(ValueError) as e:
+        ParallelConfig(tp=3, cp=2, origin={"cp": "the cp argument"}).validate(8)
+    assert str(e.value).endswith("smaller tp/cp/pp [cp=2 from the cp argument]")
+    with pytest.raises(ValueError) as e:
+        ParallelConfig(tp=3, origin={"cp": "the cp argument"}).validate(8)
+    assert str(e.value).endswith("smaller tp/cp/pp")
+    # origin is keyword-only and not part of the value
+    with pytest.raises(TypeError):
+        ParallelConfig(1, 1, 1, None, False, "p2p", None, 1, None, {"tp": "x"})
+    cfg = ParallelConfig(tp=2, origin={"tp": "x"})
+    assert "origin" not in repr(cfg) and cfg == ParallelConfig(tp=2)
+    # from_env: env is positional or keyword, given_as keyword-only
+    assert ParallelConfig.from_env(env={"TPKIT_TP": "2"}).tp == 2
+    with pytest.raises(TypeError):
+        ParallelConfig.from_env({}, "the {name} argument")
+
+
+def test_from_env_keeps_dependent_values_of_unchanged_sizes():
+    # an override equal to the exported value keeps TPKIT_DP (also for ints Python does
+    # not cache: compared by value, not identity)
+    env = {"TPKIT_TP": str(1000), "TPKIT_DP": "2"}
+    assert ParallelConfig.from_env(env, tp=int("1000")).dp == 2
+    assert ParallelConfig.from_env(env, tp=500).dp is None
+    assert ParallelConfig(tp=1, dp=int("1000")).validate(1000).dp == 1000
+    # an overridden comm type other than a2a+p2p drops the exported cp_a2a_size
+    env = {"TPKIT_CP": "4", "TPKIT_CP_COMM_TYPE": "a2a+p2p", "TPKIT_CP_A2A_SIZE": "2"}
+    for comm in ("a2a", "p2p", "all_gather"):
+        assert ParallelConfig.from_env(env, cp_comm_type=comm).cp_a2a_size is None
+    assert ParallelConfig.from_env(env).cp_a2a_size == 2
+    assert str(ParallelConfig.from_env(env).cp_p2p_size) == "2"   # an int, not 2.0
+
+
+def test_moved_name_by_any_string():
+    import tpkit.config as config
+    from tpkit.shm import shm_allreduce_enabled
+    name = "".join(["shm_", "allreduce_enabled"])   # not an interned constant
+    assert getattr(config, name) is shm_allreduce_enabled
+    with pytest.raises(AttributeError, match="has no attribute 'nope'"):
+        config.nope
