@@ -42,7 +42,8 @@ MODULES = {
                                    "pack_sequences_rows_labels_positions",
                                    "per_document_layout", "packing_errors"))]),
     "quantize": ("tpkit/fp8/quantize.py", ["tests/test_fp8.py", "tests/test_strength_fp8.py"]),
-    "planning": ("tpkit/planning.py", ["tests/test_launch.py", "tests/test_topology.py"]),
+    "planning": ("tpkit/planning.py", ["tests/test_planning.py",
+                                       "tests/test_launch.py::test_dry_run_65536_ranks_summarises"]),
     "dcp_verify": ("tpkit/_dcp_verify.py", ["tests/test_dcp_verify.py"]),
 }
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -212,6 +213,19 @@ def fork_exec(session: str, tree: str, tests, timeout: float) -> None:
     shutil.rmtree(scratch)
 
 
+def score(session: str) -> str:
+    """killed / (killed + survived) of the mutants that ran (skipped ones are not)."""
+    from cosmic_ray.work_db import WorkDB, use_db
+    from cosmic_ray.work_item import TestOutcome, WorkerOutcome
+    with use_db(session, WorkDB.Mode.open) as db:
+        ran = [r for _, r in db.completed_work_items
+               if r.worker_outcome == WorkerOutcome.NORMAL]
+        skipped = db.num_work_items - len(ran)
+    survived = sum(r.test_outcome == TestOutcome.SURVIVED for r in ran)
+    return (f"{len(ran)} mutants ran ({skipped} skipped), {survived} survived: score "
+            f"{100 * (len(ran) - survived) / max(len(ran), 1):.1f} %")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -251,6 +265,7 @@ def main() -> int:
         subprocess.run(["cosmic-ray", "exec", config, session], cwd=tree, check=True)
     report = subprocess.run(["cr-report", session], check=True, capture_output=True, text=True)
     print(report.stdout)
+    print(score(session))
     if not args.keep:
         shutil.rmtree(work)
     return 0
