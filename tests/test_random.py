@@ -171,3 +171,19 @@ def test_model_parallel_seed_bad_seed_and_reseeding():
                 model_parallel_seed(bad, s)
         model_parallel_seed(0, s)
         model_parallel_seed(0, s)   # again: the tracker is reset, not refused
+
+
+def test_device_choice_and_non_cuda_devices_use_the_cpu_generator():
+    from tpkit.config import ParallelConfig
+    from tpkit.planning import fake_state
+    from tpkit.random import get_device_rng_state, get_rng_tracker, model_parallel_seed
+    want = "cuda" if torch.cuda.is_available() else "cpu"
+    assert RNGStatesTracker().device.type == want
+    torch.manual_seed(3)
+    for dev in ("cpu", "meta"):   # anything but cuda: the CPU generator
+        assert torch.equal(get_device_rng_state(torch.device(dev)), torch.get_rng_state())
+    # the process-wide tracker follows the state's device type
+    tracker = get_rng_tracker()
+    tracker.device = torch.device("meta")
+    with fake_state(ParallelConfig(tp=2), 2, 0) as s:
+        assert model_parallel_seed(5, s) is tracker and tracker.device.type == "cpu"
