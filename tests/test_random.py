@@ -118,7 +118,8 @@ def test_derive_seed_is_the_documented_formula():
     for args in [(0, 0), (1234, 1, 3, 0, 1), (2 ** 62 + 5, 2, 2 ** 20 - 1, 7, 2 ** 20 - 1),
                  (42, 1, 1), (42, 2, 0, 1), (42, 0, 0, 0, 3), (2 ** 70, 1, 5, 5, 5)]:
         assert derive_seed(*args[:2], *args[2:]) == _reference_seed(*args), args
-    for name, kw in (("tp", dict(tp=-1)), ("cp", dict(cp=1 << 20)), ("pp", dict(pp=1 << 20))):
+    for name, kw in (("tp", dict(tp=-1)), ("cp", dict(cp=1 << 20)), ("pp", dict(pp=1 << 20)),
+                     ("tp", dict(tp=(1 << 20) + 1))):
         with pytest.raises(ValueError, match=rf"{name} rank -?\d+ is out of the supported "
                                              r"range \[0, 1048576\)"):
             derive_seed(1, 1, **kw)
