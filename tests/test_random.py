@@ -183,6 +183,14 @@ def test_device_choice_and_non_cuda_devices_use_the_cpu_generator():
     torch.manual_seed(3)
     for dev in ("cpu", "meta"):   # anything but cuda: the CPU generator
         assert torch.equal(get_device_rng_state(torch.device(dev)), torch.get_rng_state())
+    tr = RNGStatesTracker("meta")
+    tr.add("a", 7)
+    torch.manual_seed(0)
+    outer = torch.rand(2)
+    torch.manual_seed(0)
+    with tr.fork("a"):
+        assert torch.equal(torch.rand(3), _draw(7)[:3])
+    assert torch.equal(torch.rand(2), outer)
     # the process-wide tracker follows the state's device type
     tracker = get_rng_tracker()
     tracker.device = torch.device("meta")
