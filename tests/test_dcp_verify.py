@@ -156,3 +156,33 @@ def test_agree_without_a_process_group():
     with pytest.raises(KeyError):
         agree(e)
     assert err.args == ("k",)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_agree_raises_on_every_rank_when_one_rank_failed(monkeypatch, world):
+    """Rank 0's view of a world where rank ``world - 1`` found a problem: the collective
+    is the test's (every rank's message, in rank order)."""
+    import torch.distributed as dist
+    others = {world - 1: "rank's own problem"}
+    sent = []
+
+    def all_gather_object(out, obj):
+        assert len(out) == world
+        sent.append(obj)
+        for r in range(world):
+            out[r] = obj if r == 0 else others.get(r)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda: world)
+    monkeypatch.setattr(dist, "all_gather_object", all_gather_object)
+    with pytest.raises(ValueError, match=r"^rank's own problem$") as e:
+        agree(None)
+    assert type(e.value) is ValueError and sent == [None]
+    with pytest.raises(KeyError):   # this rank's own error first, its type kept
+        agree(type("MissingKeyError", (ValueError, KeyError), {})("mine"))
+    assert sent == [None, "'mine'"]
+    others.clear()
+    agree(None)   # nobody failed
+    monkeypatch.setattr(dist, "get_world_size", lambda: 1)
+    others[0] = "never asked"
+    agree(None)   # one rank: no collective
+    assert len(sent) == 3
