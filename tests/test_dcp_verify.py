@@ -61,9 +61,10 @@ def test_a_dcp_checkpoint_verifies_and_every_damage_is_named(tmp_path):
 
 
 def test_extent_is_the_furthest_range_of_each_file(tmp_path):
-    files = {"s0": [(0, 5), (5, 7), (30, 2)], "s1": [(0, 3)], "s2": [(9, 1), (0, 4)]}
+    files = {"s0": [(0, 5), (5, 7), (30, 2)], "s1": [(0, 3)], "s2": [(9, 1), (0, 4)],
+             "empty": [(0, 0)]}   # a file of zero bytes, as the metadata says
     ck = _made(tmp_path / "ck", files)
-    assert len(verify_files(ck).storage_data) == 6
+    assert len(verify_files(ck).storage_data) == 7
     for name, want in (("s0", 32), ("s1", 3), ("s2", 10)):
         os.truncate(os.path.join(ck, name), want - 1)
         with pytest.raises(ValueError, match=rf"{name} has {want - 1} bytes but the "
@@ -113,6 +114,12 @@ def test_previous_checkpoint_picks_the_newest_complete_older_one_of_the_series(t
     assert previous_checkpoint(at("nowhere/step000010")) is None       # no such parent
     os.remove(os.path.join(at("step000030"), "s"))
     assert previous_checkpoint(at("step000040")) == at("step000005")
+    # numbers compare as numbers (step9 is older than step10), and another spelling of
+    # the same number is not older
+    for n in ("step8", "step9", "step0010", "step30"):
+        mk(n)
+    assert previous_checkpoint(at("step10")) == at("step9")
+    assert previous_checkpoint(at("step000030")) == at("step0010")
 
 
 def test_checkpoint_dir_and_dir_problem(tmp_path):
