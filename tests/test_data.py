@@ -1,4 +1,5 @@
 """tpkit.data: load-balanced CP sharding, position ids, unshard (values and gradient)."""
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -112,7 +113,7 @@ def _gather_from(shards):
 @pytest.mark.parametrize("cp", [2, 4])
 def test_unshard_sequence_every_rank_values_and_grad(cp, monkeypatch):
     import tpkit.data as data
-    s = 4 * cp
+    s = 8 * cp   # chunks of 4 tokens
     full = torch.randn(2, s, 3, dtype=torch.float64)
     shards = [full[:, _mine(s, cp, r)] for r in range(cp)]
     monkeypatch.setattr(data, "all_gather", _gather_from(shards))
@@ -123,6 +124,9 @@ def test_unshard_sequence_every_rank_values_and_grad(cp, monkeypatch):
         local = shards[r].clone().requires_grad_()
         back = data.unshard_sequence(local, -2, st)
         assert torch.equal(back, full)
+        assert torch.equal(data.unshard_sequence(shards[r], 1, st), full)   # same dim
+        pos = shard_position_ids(s, st)
+        assert pos.dtype == torch.int64 and pos.tolist() == _mine(s, cp, r)
         w = torch.randn(full.shape, dtype=torch.float64)
         (back * w).sum().backward()
         assert torch.equal(local.grad, w[:, _mine(s, cp, r)])
@@ -138,8 +142,8 @@ def test_unshard_sequence_every_rank_values_and_grad(cp, monkeypatch):
 @pytest.mark.parametrize("cp", [2, 4])
 def test_unshard_packed_every_rank_values_and_grad(cp, monkeypatch):
     import tpkit.data as data
-    pb = data.pack_sequences([list(range(1, 6)), [7], list(range(20, 33))],
-                             multiple=2 * cp)
+    pb = data.pack_sequences([list(range(1, 6)), [7], list(range(20, 33)),
+                              list(range(100, 140))], multiple=2 * cp)
     cup = pb.cu_seqlens_padded.tolist()
     n = cup[-1]
     full = torch.randn(n, 2, dtype=torch.float64)
@@ -165,9 +169,35 @@ def test_unshard_packed_every_rank_values_and_grad(cp, monkeypatch):
     assert data.unshard_packed(full, cup, 0, one) is full
     assert data.shard_packed(full, cup, 0, one) is full
     assert data.packed_cp_indices(cup, 0, 1).tolist() == list(range(n))
+    assert data.packed_cp_indices([0, 3, 8], 0, 1).tolist() == list(range(8))   # odd: cp=1
     kw = pb.attention_kwargs()
-    assert kw["max_seqlen_q"] == kw["max_seqlen_kv"] == pb.max_seqlen == 13 + (-13 % (2 * cp))
+    assert kw["max_seqlen_q"] == kw["max_seqlen_kv"] == pb.max_seqlen == 40   # the longest document
     for k in ("cu_seqlens_q", "cu_seqlens_kv"):
         assert kw[k] is pb.cu_seqlens
     for k in ("cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
         assert kw[k] is pb.cu_seqlens_padded
+
+
+def test_layout_rules_at_cp_3_and_messages():
+    import tpkit.data as data
+    # 2*cp = 6 is no power of two: documents at offsets that share bits with their ends
+    cup = [0, 6, 18, 30]
+    for r in range(3):
+        assert data.packed_cp_indices(cup, r, 3).tolist() == _mine(30, 3, r, cup)
+    with pytest.raises(ValueError, match=r"document 1 has padded length 8, not a multiple "
+                                         r"of 2\*cp = 6; pad every document"):
+        data.packed_cp_indices([0, 6, 14], 0, 3)
+    with pytest.raises(ValueError, match=r"not a multiple of 2\*cp = 8;"):
+        data.packed_cp_indices([0, 12], 0, 4)
+    with pytest.raises(ValueError, match=r"sequence length 6 is not divisible by 2\*cp = 4 "
+                                         r"\(context parallelism cuts the sequence into 2\*cp "
+                                         r"load-balanced chunks\); pad the sequence to a "
+                                         r"multiple of 4"):
+        check_sequence_length(6, fake(2, 0))
+    for bad in (torch.ones(2, 2, dtype=torch.long), torch.tensor(5),
+                torch.tensor([], dtype=torch.long)):
+        with pytest.raises(ValueError, match=re.escape(f"document 0 has shape {tuple(bad.shape)} ")):
+            data.pack_sequences([bad])
+    t = torch.tensor([1, 2])
+    pb = data.PackedBatch(t, t, t, t, t, 2)
+    assert pb.ignore_index == -100
