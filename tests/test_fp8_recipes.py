@@ -123,6 +123,54 @@ def test_current_scale_formula(pow2, eps):
         assert got.tolist() == want, (fmax, list(zip(AMAXES, got.tolist(), want)))
 
 
+def ref_e8m0(v):
+    """The biased E8M0 exponent of the float32 ``v``: 2**k >= v, k rounded up, by hand."""
+    v = F32(v)
+    if np.isnan(v):
+        return 255
+    if np.isinf(v):
+        return 254
+    if v <= 2.0 ** -127:        # zero, or a subnormal at most half the smallest normal
+        return 0
+    m, e = math.frexp(float(v))
+    return min((e - 1 if m == 0.5 else e) + 127, 254)
+
+
+def test_quantize_helpers_at_the_edges():
+    import importlib
+    qz = importlib.import_module("tpkit.fp8.quantize")   # tpkit.fp8.quantize is a function too
+    for fmax in (448.0, 57344.0):
+        # amaxes whose amax * (1/fmax) lands on the E8M0 edges: subnormals around 2**-127,
+        # the smallest normal, exact powers of two, the top binade, inf and nan
+        vs = [0.0, 2.0 ** -149, 2.0 ** -128, 2.0 ** -127, 2.0 ** -127 + 2.0 ** -149,
+              2.0 ** -126, 1.5 * 2.0 ** -126, 0.25, 0.3, 1.0, 3.0, 2.0 ** 126, 2.0 ** 127,
+              1.5 * 2.0 ** 127, float(np.finfo(F32).max), float("inf"), float("nan")]
+        amaxes = torch.tensor(vs, dtype=torch.float32) / torch.tensor(1.0 / fmax)
+        want = [ref_e8m0(F32(float(a)) * F32(1.0 / fmax)) for a in amaxes.tolist()]
+        got = qz.mx_exponent(amaxes, fmax)
+        assert got.dtype == torch.int32 and got.tolist() == want, list(zip(vs, got, want))
+    e = torch.tensor([0, 1, 100, 127, 200, 253, 255], dtype=torch.int32)
+    m = qz.mx_multiplier(e).tolist()
+    assert m[:6] == [1.0] + [2.0 ** (127 - k) for k in (1, 100, 127, 200, 253)]
+    assert math.isnan(m[6])
+    # amax: max |t| in float32, 0 for an empty tensor
+    assert qz.amax(torch.empty(0, 3)).item() == 0.0
+    t = torch.tensor([[-3.5, 2.0], [1.0, -0.5]], dtype=torch.float64)
+    assert qz.amax(t).dtype == torch.float32 and qz.amax(t).item() == 3.5
+    assert qz.quantize is qz.cast
+    # gemm: float32 products with autocast off, scaled by alpha after
+    a = torch.randn(5, 7, dtype=torch.float64)
+    b = torch.randn(7, 3, dtype=torch.float64)
+    ref = (a.float().double() @ b.float().double())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = qz.gemm(a.bfloat16(), b.bfloat16())
+        scaled = qz.gemm(a, b, torch.tensor(0.5))
+    assert out.dtype == scaled.dtype == torch.float32
+    torch.testing.assert_close(out.double(), a.bfloat16().double() @ b.bfloat16().double(),
+                               rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(scaled.double(), ref * 0.5, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=["E4M3", "E5M2"])
 @pytest.mark.parametrize("block", [(1, 128), (128, 1), (128, 128)])
 @pytest.mark.parametrize("pow2,eps", [(True, 0.0), (False, 0.0), (True, 5e-3)])
