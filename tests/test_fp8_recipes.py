@@ -139,7 +139,7 @@ def ref_e8m0(v):
 def test_quantize_helpers_at_the_edges():
     import importlib
     qz = importlib.import_module("tpkit.fp8.quantize")   # tpkit.fp8.quantize is a function too
-    for fmax in (448.0, 57344.0):
+    for fmax in (448.0, 57344.0, 1.0):   # 1.0: amax itself reaches the top binade
         # amaxes whose amax * (1/fmax) lands on the E8M0 edges: subnormals around 2**-127,
         # the smallest normal, exact powers of two, the top binade, inf and nan
         vs = [0.0, 2.0 ** -149, 2.0 ** -128, 2.0 ** -127, 2.0 ** -127 + 2.0 ** -149,

@@ -46,7 +46,7 @@ MODULES = {
         "tests/test_fp8_recipes.py", "tests/test_strength_fp8.py", "tests/test_fp8.py", "-k",
         "current_scale_formula or block_scaling_cast or mxfp8_cast or linear_matches_the_ref"
         " or backward_override or reference_quantiser or second_step_uses_the_delayed"
-        " or fp8_linear_matches_manual or te_scales_against"]),
+        " or fp8_linear_matches_manual or te_scales_against or quantize_helpers"]),
     "planning": ("tpkit/planning.py", ["tests/test_planning.py",
                                        "tests/test_launch.py::test_dry_run_65536_ranks_summarises"]),
     "dcp_verify": ("tpkit/_dcp_verify.py", ["tests/test_dcp_verify.py"]),
