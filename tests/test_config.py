@@ -232,3 +232,14 @@ def test_moved_name_by_any_string():
     assert getattr(config, name) is shm_allreduce_enabled
     with pytest.raises(AttributeError, match="has no attribute 'nope'"):
         config.nope
+
+
+def test_values_compare_by_value_not_identity():
+    # what the environment holds are fresh strings, not the module's constants
+    env = {"TPKIT_CP": "4", "TPKIT_CP_COMM_TYPE": "".join(["p", "2p"]), "TPKIT_CP_A2A_SIZE": "2"}
+    with pytest.raises(ValueError) as e:
+        ParallelConfig.from_env(env)
+    assert str(e.value).endswith("[cp_a2a_size=2 from $TPKIT_CP_A2A_SIZE; tpkit-launch "
+                                 "exports $TPKIT_*, or your shell set them]")
+    assert ParallelConfig(tp=1000, etp=int("1000")).has_experts is False
+    assert ParallelConfig.from_env({"TPKIT_TP": "300", "TPKIT_ETP": "300"}).has_experts is False
