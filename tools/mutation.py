@@ -6,7 +6,9 @@ Copies the tracked files to a scratch directory (cosmic-ray edits the module in 
 the checkout stays untouched and tests may run meanwhile), runs every mutant of the
 module against the test subset of MODULES, and prints cosmic-ray's report: the mutation
 score is 100 % minus "surviving mutants". ``--keep DIR`` keeps the session database (and
-the scratch copy) there for ``cr-report DIR/session.sqlite --show-output``.
+the scratch copy) there for ``cr-report DIR/session.sqlite --show-output``; the same
+command resumes a stopped session, and with ``--survivors`` runs a finished one's
+surviving mutants again against the current tests (after tests were added).
 docs/testing.md records the scores and the survivors judged equivalent.
 
 The mutants run in forked children of one process that imported torch and pytest once
@@ -47,8 +49,8 @@ MODULES = {
         "current_scale_formula or block_scaling_cast or mxfp8_cast or linear_matches_the_ref"
         " or backward_override or reference_quantiser or second_step_uses_the_delayed"
         " or fp8_linear_matches_manual or te_scales_against or quantize_helpers"]),
-    "planning": ("tpkit/planning.py", ["tests/test_planning.py",
-                                       "tests/test_launch.py::test_dry_run_65536_ranks_summarises"]),
+    "planning": ("tpkit/planning.py", [
+        "tests/test_planning.py", "tests/test_launch.py::test_dry_run_65536_ranks_summarises"]),
     "dcp_verify": ("tpkit/_dcp_verify.py", ["tests/test_dcp_verify.py"]),
 }
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -133,8 +135,9 @@ def _wait(pid: int, timeout: float):
             os.waitpid(pid, 0)
 
 
-def fork_exec(session: str, tree: str, tests, timeout: float) -> None:
-    """Run every pending mutant of ``session`` in a forked child (see the module doc)."""
+def fork_exec(session: str, tree: str, tests, timeout: float, survivors: bool = False) -> None:
+    """Run every pending mutant of ``session`` in a forked child (see the module doc), and
+    with ``survivors`` the surviving ones again."""
     import importlib
 
     from cosmic_ray import plugins
@@ -185,6 +188,9 @@ def fork_exec(session: str, tree: str, tests, timeout: float) -> None:
         gc.freeze()   # the children's gc.collect() (pytest calls it 5 times) skips all that
     with use_db(session, WorkDB.Mode.open) as db:
         pending = sorted(db.pending_work_items, key=lambda w: w.job_id)
+        if survivors:
+            pending += [w for w, r in db.completed_work_items
+                        if r.test_outcome == TestOutcome.SURVIVED]
         t_start = time.monotonic()
         for n, item in enumerate(pending, 1):
             (mutation,) = item.mutations
@@ -239,6 +245,9 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=None,
                     help="seconds per mutant (default: 10 s + 5 x the unmutated run)")
     ap.add_argument("--runner", choices=("fork", "cosmic-ray"), default="fork")
+    ap.add_argument("--survivors", action="store_true",
+                    help="with --keep: run a finished session's surviving mutants again, "
+                         "against the checkout's current tests (after adding tests)")
     args = ap.parse_args()
     path, tests = MODULES[args.module]
     work = os.path.abspath(args.keep or tempfile.mkdtemp(prefix="tpkit-mutation-"))
@@ -249,6 +258,8 @@ def main() -> int:
         _copy_tree(tree)
     elif open(os.path.join(tree, path)).read() != open(os.path.join(ROOT, path)).read():
         raise SystemExit(f"{tree}/{path} differs from the checkout's: start a new session")
+    elif args.survivors:
+        _copy_tree(tree)   # the current tests (the module is the same)
     config = os.path.join(work, "cosmic-ray.toml")
     with open(config, "w") as f:
         f.write(f'[cosmic-ray]\nmodule-path = "{path}"\ntimeout = {args.timeout or 600}\n'
@@ -265,7 +276,7 @@ def main() -> int:
                     ["cr-filter-operators", session, config]):
             subprocess.run(cmd, cwd=tree, check=True)
     if args.runner == "fork":
-        fork_exec(session, tree, tests, args.timeout)
+        fork_exec(session, tree, tests, args.timeout, args.survivors)
     else:
         subprocess.run(["cosmic-ray", "exec", config, session], cwd=tree, check=True)
     report = subprocess.run(["cr-report", session], check=True, capture_output=True, text=True)
