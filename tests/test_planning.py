@@ -14,6 +14,7 @@ from tpkit.planning import (build_fake_state, destroy_fake_state, fake_state, fo
     ([1, 5, 9, 13], "1,5,9,13"), ([1, 5, 9, 13, 17], "1..17/4"), (range(0, 64, 8), "0..56/8"),
     ([0, 1, 3], "0,1,3"), (list(range(8)) + [20], "0,1,2,3,4,5,6,7,..."),
     ([0, 1, 2, 3, 4, 5, 6, 9], "0,1,2,3,4,5,6,9"), ([6, 4, 2], "6,4,2"),
+    ([0, 4, 6, 8, 10], "0,4,6,8,10"),   # the later steps are smaller, not equal
 ])
 def test_format_ranks(ranks, text):
     assert format_ranks(ranks) == text
@@ -54,7 +55,7 @@ def test_table_and_summary_of_an_expert_layout():
     assert format_rank_table(rows, limit=4) == "\n".join(
         lines[:3] + [" ..."] + lines[-2:])
     assert format_rank_table(rows, limit=5) == "\n".join(lines[:3] + [" ..."] + lines[-3:])
-    assert format_rank_table(rows, limit=8) == TABLE
+    assert format_rank_table(rows, limit=8) == format_rank_table(rows, limit=20) == TABLE
     with fake_state(cfg, 8, 5) as s:
         assert "\n".join(group_summary(s)) == SUMMARY_RANK5
         assert s.rank == 5 and dist.is_initialized()
@@ -85,4 +86,16 @@ def test_fake_state_needs_no_group_and_frees_it():
     with pytest.raises(ValueError):
         with fake_state(ParallelConfig(tp=2), 4):
             raise ValueError("inside")
+    assert not dist.is_initialized()
+
+
+def test_a_failed_build_frees_the_group(monkeypatch):
+    import tpkit.planning as planning
+
+    def broken(config, device_type):
+        assert dist.is_initialized()
+        raise RuntimeError("the build failed")
+    monkeypatch.setattr(planning, "build_state", broken)
+    with pytest.raises(RuntimeError, match="the build failed"):
+        build_fake_state(ParallelConfig(tp=2), 4)
     assert not dist.is_initialized()
