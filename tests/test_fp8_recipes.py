@@ -153,6 +153,9 @@ def test_quantize_helpers_at_the_edges():
     m = qz.mx_multiplier(e).tolist()
     assert m[:6] == [1.0] + [2.0 ** (127 - k) for k in (1, 100, 127, 200, 253)]
     assert math.isnan(m[6])
+    # current_scale's defaults: no rounding to a power of two, no epsilon
+    assert qz.current_scale(torch.tensor([3.0, 0.0]), 448.0).tolist() == [ref_scale(3.0, 448.0),
+                                                                         1.0]
     # amax: max |t| in float32, 0 for an empty tensor
     assert qz.amax(torch.empty(0, 3)).item() == 0.0
     t = torch.tensor([[-3.5, 2.0], [1.0, -0.5]], dtype=torch.float64)
