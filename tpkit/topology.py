@@ -61,6 +61,9 @@ class ParallelState:
     ep_mesh: DeviceMesh | None = None
     edp_mesh: DeviceMesh | None = None
     etp_ep_mesh: DeviceMesh | None = None
+    # (ep, etp) as a 2-D mesh of the groups above (no group of its own): the placement of
+    # expert weights' shards in sharded checkpoints (tpkit/_dcp.py)
+    expert_mesh: DeviceMesh | None = None
     build_seconds: float = 0.0
 
     # --- groups ----------------------------------------------------------------
@@ -184,14 +187,16 @@ def _expert_meshes(mesh: DeviceMesh, config: ParallelConfig, stage: DeviceMesh) 
         if one is not None:
             return dict(etp_mesh=mesh["tp"], ep_mesh=one,
                         edp_mesh=_sub(mesh, config, ("dp", "cp"), "dp_cp"),
-                        etp_ep_mesh=mesh["tp"])
+                        etp_ep_mesh=mesh["tp"],
+                        expert_mesh=None if config.tp == 1 else
+                        mesh[(one.mesh_dim_names[0], "tp")])
     sizes = {"edp": config.edp, "ep": config.ep, "etp": config.expert_tp}
     hier = stage._unflatten(0, tuple(sizes[d] for d in EXPERT_DIMS), EXPERT_DIMS)
     both = [d for d in ("ep", "etp") if sizes[d] > 1]
     etp_ep = hier["etp"] if not both else hier[both[0]] if len(both) == 1 \
         else hier[("ep", "etp")]._flatten("etp_ep")
     return dict(etp_mesh=hier["etp"], ep_mesh=hier["ep"], edp_mesh=hier["edp"],
-                etp_ep_mesh=etp_ep)
+                etp_ep_mesh=etp_ep, expert_mesh=hier[("ep", "etp")])
 
 
 def build_state(config: ParallelConfig, *, device_type: str | None = None) -> ParallelState:
