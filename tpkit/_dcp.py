@@ -11,6 +11,12 @@ checkpoint written at one layout loads at any other (tp, cp, dp change freely):
 - a parameter with ``tp_partition_sizes`` (fused q/k/v, gate/up: each segment sharded on
   its own) is stored as one entry per segment, ``<key>.seg<i>``, plus ``<key>.seg_dim``
   (the dim they concatenate along, read back by ``read``);
+- an expert weight (tpkit.nn.MoE: this ep rank's ``E/ep`` experts in dim 0, its etp shard
+  along ``etp_partition_dim``) is a DTensor with ``(Shard(0), Shard(etp dim))`` on the
+  2-D (ep, etp) mesh (``ParallelState.expert_mesh``): stored as all ``E`` experts, each
+  at its global index, so it reloads at any ep/etp; replicated over edp (de-duplicated
+  like TP chunks); gated ``experts_fc1`` per segment (``etp_partition_sizes``) at every
+  layout, ep=etp=1 included (plain tensors there);
 - replicated tensors (norms, the step counter) are plain tensors, written once;
 - every other entry (plain values, ``state_dict()`` of other objects) is stored whole, one
   pickled object as written by one rank (``_Whole``), so it reads back exactly: nested
