@@ -6,16 +6,14 @@ Adam on the unsharded weights, sliced by the layout formula written in this file
 tpkit's sharding helpers). ``read`` returns the full tensors under full_state_dict's
 names, and ``load_full`` of them (load_raw's road) gives the same shards. The user's road
 (train.py --save at ep=2 x tp=2, --resume at ep=4 and at ep=1 x tp=1) is at the end."""
-import json
 import os
-import sys
 
+import pytest
 import torch
 
 from dist import run
 
 H, F, E = 8, 6, 4
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # --- the reference: full tensors, one process -----------------------------------------------
@@ -74,7 +72,6 @@ def _rank_chain(layout, load_from, save_to, gen_load, gen_save):
     tp, ep, etp, dp = layout
     st = tpkit.init_parallel(tp=tp, dp=dp, ep=ep, etp=etp, seed=1)
     assert (st.ep_size, st.etp_size, st.tp_size) == (ep, etp, tp)
-    out = {}
     if load_from is not None:
         ref, step = _full_reference(gen_load)
         moe, opt = _model_and_opt()
@@ -102,7 +99,6 @@ def _rank_chain(layout, load_from, save_to, gen_load, gen_save):
                                    for k in ("exp_avg", "exp_avg_sq")}}
         checkpoint.save(save_to, {"model": moe, "optimizer": opt})
     tpkit.destroy_parallel()
-    return out
 
 
 def test_expert_checkpoint_reshards_across_ep_etp(tmp_path):
@@ -119,6 +115,7 @@ def test_expert_checkpoint_reshards_across_ep_etp(tmp_path):
 
 
 # --- the user's road: launch/train.py --save / --resume at another ep ---------------------------
+@pytest.mark.slow
 def test_train_resume_at_another_ep(tmp_path):
     """launch/train.py under tpkit-launch (4 ranks): 20 steps at ep=2 x tp=2 (etp=2) saving
     after step 10, then --resume of that checkpoint at ep=4 (4 ranks, etp=1) and at ep=1 x
