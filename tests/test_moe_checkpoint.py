@@ -97,14 +97,21 @@ def _rank_chain(layout, load_from, save_to, gen_load, gen_save):
                 opt.state[p] = {"step": torch.tensor(step, dtype=torch.float64),
                                 **{k: _my_slice(name, ref[name][k], st).clone()
                                    for k in ("exp_avg", "exp_avg_sq")}}
-        checkpoint.save(save_to, {"model": moe, "optimizer": opt})
+        if ep == 4:   # the background writer (train.py --async-save) too
+            import torch.distributed as dist
+            group = dist.new_group(backend="gloo")
+            checkpoint.async_save(save_to, {"model": moe, "optimizer": opt},
+                                  process_group=group).wait()
+            dist.destroy_process_group(group)
+        else:
+            checkpoint.save(save_to, {"model": moe, "optimizer": opt})
     tpkit.destroy_parallel()
 
 
 def test_expert_checkpoint_reshards_across_ep_etp(tmp_path):
     """(tp, ep, etp, dp): (2,2,2,2) -> (1,4,1,4) -> (1,1,1,1) -> (2,2,1,2) -> (2,1,2,2)
     -> (2,2,2,2), each loading the previous one's checkpoint and saving its own (a new
-    generation of weights, so every hop is checked)."""
+    generation of weights, so every hop is checked; at ep=4 with async_save)."""
     chain = [(4, (2, 2, 2, 2)), (4, (1, 4, 1, 4)), (1, (1, 1, 1, 1)), (4, (2, 2, 1, 2)),
              (4, (2, 1, 2, 2)), (4, (2, 2, 2, 2))]
     prev = None
