@@ -6,7 +6,9 @@ outermost, i.e. ``rank = tp + TP*(cp + CP*(dp + DP*pp))`` — the mesh ``(pp, dp
 in row-major order. The groups (GROUP_NAMES; docs/design.md has the table of who uses
 which) are built once by ``build_state`` and kept as attributes: tp, cp, dp, pp, the
 flattened dp_cp, tp_cp, mp (tp x pp) and amax (tp x cp x dp of one stage), and the two
-hierarchical CP levels of ``a2a+p2p``. Groups over dimensions of size 1 alias the size-1
+hierarchical CP levels of ``a2a+p2p``, the expert groups etp, ep, edp, etp_ep (and
+``expert_mesh``, the 2-D (ep, etp) view of them that sharded checkpoints place expert
+weights on). Groups over dimensions of size 1 alias the size-1
 tp/cp/... group instead of creating duplicates; NCCL creates communicators lazily, so a
 size-1 group that is never used costs nothing there.
 
