@@ -156,6 +156,24 @@ def test_quantize_helpers_at_the_edges():
     # current_scale's defaults: no rounding to a power of two, no epsilon
     assert qz.current_scale(torch.tensor([3.0, 0.0]), 448.0).tolist() == [ref_scale(3.0, 448.0),
                                                                          1.0]
+    t = _test_tensor(40, 64)
+    t[3, 7] = 1e-9 * t[3, 7]
+    fmt = _torch_fmt(E4M3)
+    plain = qz.quantize_blocks(t, (1, 32), fmt, mx=False)   # the defaults, spelled out
+    spelled = qz.quantize_blocks(t, (1, 32), fmt, mx=False, power_2=False, epsilon=0.0)
+    assert torch.equal(plain.scale_inv, spelled.scale_inv)
+    assert torch.equal(plain.data.float(), spelled.data.float())
+    with pytest.raises(TypeError):   # the options are keyword-only
+        qz.quantize_blocks(t, (1, 32), fmt, False)
+    with pytest.raises(TypeError):
+        qz.current_scale(torch.tensor([3.0]), 448.0, True)
+    # MX: a block holding inf comes out as zeros with nan where the inf was (TE's kernels)
+    x = torch.ones(2, 64)
+    x[0, 5] = float("inf")
+    for f in (E4M3, E5M2):
+        got = qz.quantize_blocks(x, (1, 32), _torch_fmt(f), mx=True).data.float()
+        assert got[0, 5].isnan() and (got[0, :32].nan_to_num(0.0) == 0).all()
+        assert (got[1] != 0).all() and torch.equal(got[0, 32:], got[1, 32:])
     # amax: max |t| in float32, 0 for an empty tensor
     assert qz.amax(torch.empty(0, 3)).item() == 0.0
     t = torch.tensor([[-3.5, 2.0], [1.0, -0.5]], dtype=torch.float64)
