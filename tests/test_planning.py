@@ -15,6 +15,7 @@ from tpkit.planning import (build_fake_state, destroy_fake_state, fake_state, fo
     ([0, 1, 3], "0,1,3"), (list(range(8)) + [20], "0,1,2,3,4,5,6,7,..."),
     ([0, 1, 2, 3, 4, 5, 6, 9], "0,1,2,3,4,5,6,9"), ([6, 4, 2], "6,4,2"),
     ([0, 4, 6, 8, 10], "0,4,6,8,10"),   # the later steps are smaller, not equal
+    (range(0, 5000, 1000), "0..4000/1000"), ([9, 8, 7, 6, 5], "9..5/-1"),
 ])
 def test_format_ranks(ranks, text):
     assert format_ranks(ranks) == text
@@ -56,6 +57,9 @@ def test_table_and_summary_of_an_expert_layout():
         lines[:3] + [" ..."] + lines[-2:])
     assert format_rank_table(rows, limit=5) == "\n".join(lines[:3] + [" ..."] + lines[-3:])
     assert format_rank_table(rows, limit=8) == format_rank_table(rows, limit=20) == TABLE
+    assert format_rank_table(rows[:1]) == "\n".join(lines[:2])
+    with pytest.raises(TypeError):   # limit is keyword-only
+        format_rank_table(rows, 4)
     with fake_state(cfg, 8, 5) as s:
         assert "\n".join(group_summary(s)) == SUMMARY_RANK5
         assert s.rank == 5 and dist.is_initialized()
@@ -78,6 +82,13 @@ def test_fake_state_needs_no_group_and_frees_it():
         destroy_fake_state(s)
     assert not dist.is_initialized()
     destroy_fake_state(s)   # twice: nothing left to free, no error
+    s = build_fake_state(ParallelConfig(tp=2), 4)   # rank 0 by default
+    try:
+        assert s.rank == 0
+    finally:
+        destroy_fake_state(s)
+    with fake_state(ParallelConfig(tp=2), 4) as s:
+        assert s.rank == 0
     # a layout the world cannot hold fails before any group exists, and one that fails
     # while building frees the group again
     with pytest.raises(ValueError, match="world size 6 is not divisible by tp"):
