@@ -143,7 +143,8 @@ def test_quantize_helpers_at_the_edges():
         # amaxes whose amax * (1/fmax) lands on the E8M0 edges: subnormals around 2**-127,
         # the smallest normal, exact powers of two, the top binade, inf and nan
         vs = [0.0, 2.0 ** -149, 2.0 ** -128, 2.0 ** -127, 2.0 ** -127 + 2.0 ** -149,
-              2.0 ** -126, 1.5 * 2.0 ** -126, 0.25, 0.3, 1.0, 3.0, 2.0 ** 126, 2.0 ** 127,
+              2.0 ** -126, 1.5 * 2.0 ** -126, 0.25, 0.3, 1.0, 1.0 + 2.0 ** -23, 3.0,
+              2.0 ** 126, 2.0 ** 127,
               1.5 * 2.0 ** 127, float(np.finfo(F32).max), float("inf"), float("nan")]
         amaxes = torch.tensor(vs, dtype=torch.float32) / torch.tensor(1.0 / fmax)
         want = [ref_e8m0(F32(float(a)) * F32(1.0 / fmax)) for a in amaxes.tolist()]
