@@ -201,3 +201,33 @@ def test_layout_rules_at_cp_3_and_messages():
     t = torch.tensor([1, 2])
     pb = data.PackedBatch(t, t, t, t, t, 2)
     assert pb.ignore_index == -100
+    for bad in (True, 2.0, 0):
+        with pytest.raises(ValueError, match=rf"multiple={bad!r} must be a positive integer"):
+            data.pack_sequences([[1, 2]], multiple=bad)
+    with pytest.raises(TypeError):   # the options are keyword-only
+        data.pack_sequences([[1, 2]], fake(1, 0))
+    with pytest.raises(TypeError):
+        data.shard_position_ids(8, fake(2, 0), None)
+
+
+def test_packed_defaults_long_rows_and_wrong_lengths(monkeypatch):
+    import tpkit.data as data
+    cp = 2
+    pb = data.pack_sequences([list(range(300)), list(range(7))], multiple=2 * cp)
+    cup = pb.cu_seqlens_padded.tolist()
+    n = cup[-1]
+    assert n == 308    # a row longer than 256: lengths compare by value
+    full = torch.randn(n, 3, dtype=torch.float64)
+    shards = [full[_mine(n, cp, r, cup)] for r in range(cp)]
+    monkeypatch.setattr(data, "all_gather", _gather_from(shards))
+    for r in range(cp):
+        st = SimpleNamespace(cp_size=cp, cp_rank=r, cp_group="cp-group")
+        assert torch.equal(data.shard_packed(full, cup, state=st), shards[r])   # dim 0
+        assert torch.equal(data.unshard_packed(shards[r], cup, state=st), full)
+        with pytest.raises(ValueError, match=rf"the shard has {n // cp - 1} tokens"):
+            data.unshard_packed(shards[r][1:], cup, state=st)
+        with pytest.raises(ValueError, match=rf"the packed tensor has {n - 1} tokens"):
+            data.shard_packed(full[1:], cup, state=st)
+        # an odd shard length that has bit 1 clear (5) is still odd
+        with pytest.raises(ValueError, match=r"is 5 \(odd\)"):
+            data.unshard_sequence(torch.zeros(2, 5), 1, st)
