@@ -224,6 +224,41 @@ def fork_exec(session: str, tree: str, tests, timeout: float, survivors: bool = 
     shutil.rmtree(scratch)
 
 
+def _annotation_spans(path: str) -> list[tuple]:
+    """((line, col), (end_line, end_col)) of every annotation in the module at ``path``."""
+    import ast
+    spans = []
+    for node in ast.walk(ast.parse(open(path).read())):
+        notes = []
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            a = node.args
+            notes = [node.returns] + [x.annotation for x in (
+                *a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg) if x is not None]
+        elif isinstance(node, ast.AnnAssign):
+            notes = [node.annotation]
+        spans += [((n.lineno, n.col_offset), (n.end_lineno, n.end_col_offset))
+                  for n in notes if n is not None]
+    return spans
+
+
+def skip_annotation_mutants(session: str, path: str) -> int:
+    """Mark the mutants of ``|`` inside annotations skipped: ``from __future__ import
+    annotations`` keeps annotations as strings, so they are all equivalent. ``|`` in code
+    (bit masks, boolean tensors) is mutated like any operator. Returns how many."""
+    from cosmic_ray.work_db import WorkDB, use_db
+    from cosmic_ray.work_item import WorkerOutcome, WorkResult
+    spans = _annotation_spans(path)
+    n = 0
+    with use_db(session, WorkDB.Mode.open) as db:
+        for item in db.pending_work_items:
+            (m,) = item.mutations
+            if m.operator_name.startswith("core/ReplaceBinaryOperator_BitOr_") and any(
+                    a <= tuple(m.start_pos) < b for a, b in spans):
+                db.set_result(item.job_id, WorkResult(worker_outcome=WorkerOutcome.SKIPPED))
+                n += 1
+    return n
+
+
 def score(session: str) -> str:
     """killed / (killed + survived) of the mutants that ran (skipped ones are not)."""
     from cosmic_ray.work_db import WorkDB, use_db
@@ -265,16 +300,11 @@ def main() -> int:
         f.write(f'[cosmic-ray]\nmodule-path = "{path}"\ntimeout = {args.timeout or 600}\n'
                 f'excluded-modules = []\ntest-command = "{sys.executable} -m pytest '
                 f'{" ".join(_pytest_args(tests))}"\n'
-                '[cosmic-ray.distributor]\nname = "local"\n'
-                # `|` appears only in annotations, which `from __future__ import
-                # annotations` leaves as strings: every mutant of it is equivalent
-                '[cosmic-ray.filters.operators-filter]\n'
-                'exclude-operators = ["core/ReplaceBinaryOperator_BitOr_.*"]\n')
+                '[cosmic-ray.distributor]\nname = "local"\n')
     os.environ.update(PYTHONPATH=tree, PYTHONDONTWRITEBYTECODE="1")
     if fresh:
-        for cmd in (["cosmic-ray", "init", config, session],
-                    ["cr-filter-operators", session, config]):
-            subprocess.run(cmd, cwd=tree, check=True)
+        subprocess.run(["cosmic-ray", "init", config, session], cwd=tree, check=True)
+        skip_annotation_mutants(session, os.path.join(tree, path))
     if args.runner == "fork":
         fork_exec(session, tree, tests, args.timeout, args.survivors)
     else:
