@@ -153,6 +153,15 @@ def test_checkpoint_dir_and_dir_problem(tmp_path):
     assert not os.path.exists(tmp_path / "new")   # nothing is created
 
 
+def test_dir_problem_asks_for_write_and_search_permission(tmp_path, monkeypatch):
+    """(Tests run as root here, where every directory is writable: the permission check
+    is answered by the test.)"""
+    asked = []
+    monkeypatch.setattr(os, "access", lambda p, mode: asked.append((p, mode)) or False)
+    assert dir_problem(tmp_path / "a" / "b") == f"{tmp_path} is not writable"
+    assert asked == [(str(tmp_path), 3)] and os.W_OK | os.X_OK == 3
+
+
 def test_agree_without_a_process_group():
     agree(None)
     err = KeyError("k")
