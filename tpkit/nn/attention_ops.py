@@ -58,6 +58,7 @@ class BlockOp:
     name = "?"
     supports_dropout = False
     min_piece_rows = 128  # smallest K/V piece worth a kernel call (fused_cp splits by it)
+    min_fwd_piece_rows = 128  # the same in the ring's forward (no gradient buffers there)
 
     def compute_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return dtype
@@ -76,6 +77,9 @@ class CpuFlashOp(BlockOp):
     view, never copied); the backward kernel returns per-head dK/dV, summed over ``r``."""
     name = "cpu_flash"
     min_piece_rows = 128  # two K/V pieces in flight bound peak memory (bench/: cp=2 0.58x)
+    # forward: whole chunks. Its peak (out, two chunks of K/V, one block's out) stays under
+    # the backward's (out, dq/dk/dv, pieces); 8x fewer calls, merges and messages
+    min_fwd_piece_rows = 1 << 30
 
     def compute_dtype(self, dtype):
         return torch.promote_types(dtype, torch.float32)
@@ -119,7 +123,7 @@ class CudaFlashOp(BlockOp):
     backward from the philox seed/offset the forward returns."""
     name = "cuda_flash"
     supports_dropout = True
-    min_piece_rows = 2048
+    min_piece_rows = min_fwd_piece_rows = 2048
 
     def forward(self, q, k, v, mask, scale, dropout_p=0.0):
         b, g, r, s, d = q.shape
@@ -148,7 +152,7 @@ class CudaEfficientOp(BlockOp):
     K/V never repeated). Its LSE is padded to 32 rows; backward gets it padded again."""
     name = "cuda_efficient"
     supports_dropout = True
-    min_piece_rows = 2048
+    min_piece_rows = min_fwd_piece_rows = 2048
 
     def forward(self, q, k, v, mask, scale, dropout_p=0.0):
         r, sq = q.shape[2], q.shape[3]

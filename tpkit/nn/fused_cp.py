@@ -12,8 +12,10 @@ to ``dst = r + i`` (mod n). Causal masking with the layout of ``tpkit.data.shard
 (rank r holds chunks r and 2n-1-r) needs only the *first* chunk of a lower rank's K/V
 (for all local queries) and all of a higher rank's (for the second local chunk), so only
 that much travels. Transfers are cut into pieces (up to ``PIECES_PER_CHUNK`` per chunk,
-none smaller than the op's ``min_piece_rows``); the next piece is in flight while the
-current one is computed, so two pieces are buffered, whatever the sequence length.
+none smaller than the op's ``min_piece_rows``; forward: ``min_fwd_piece_rows``, which
+the CPU op sets to whole chunks, since the forward holds no gradient buffers and its peak
+stays under the backward's); the next piece is in flight while the current one is
+computed, so two pieces are buffered, whatever the sequence length.
 Backward receives the pieces again, computes their dK/dV partials in query tiles of two
 pieces (which bounds the kernel's dQ buffer) and sends each partial straight back to its
 owner, which adds it to its own dK/dV before the next piece is computed. Every rank posts every exchange at the same position of one
@@ -138,7 +140,10 @@ class FusedRingAttention(torch.autograd.Function):
         cdt, mdt = _dtypes(op, q.dtype)
         s = q.shape[-2]
         m = pieces_per_chunk(s // 2, op.min_piece_rows)
-        units = ring_schedule(ring.rank, ring.n, causal, s, m)
+        # forward holds no gradients, so it can take bigger pieces (fewer calls, merges
+        # and messages); with dropout, forward and backward blocks pair one to one
+        mf = m if dropout_p > 0.0 else pieces_per_chunk(s // 2, op.min_fwd_piece_rows)
+        units = ring_schedule(ring.rank, ring.n, causal, s, mf)
         qc, kc, vc = (t.to(cdt) for t in (q, k, v))
         kw, vw = (_wire(t) for t in (k, v)) if units else (None, None)
         pending = ring.post_kv(units[0], kw, vw) if units else None
