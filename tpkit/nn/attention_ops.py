@@ -59,6 +59,8 @@ class BlockOp:
     supports_dropout = False
     min_piece_rows = 128  # smallest K/V piece worth a kernel call (fused_cp splits by it)
     min_fwd_piece_rows = 128  # the same in the ring's forward (no gradient buffers there)
+    tile_pieces = 2           # backward: query rows per call, in pieces ...
+    max_tile_rows = None      # ... and at most this many rows (None: no bound)
 
     def compute_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return dtype
@@ -76,10 +78,14 @@ class CpuFlashOp(BlockOp):
     one call per batch element on ``[g, r, s, d]`` with K/V expanded over ``r`` (a stride-0
     view, never copied); the backward kernel returns per-head dK/dV, summed over ``r``."""
     name = "cpu_flash"
-    min_piece_rows = 128  # two K/V pieces in flight bound peak memory (bench/: cp=2 0.58x)
+    min_piece_rows = 128  # two K/V pieces in flight bound peak memory (bench/: cp=2 0.56x)
     # forward: whole chunks. Its peak (out, two chunks of K/V, one block's out) stays under
     # the backward's (out, dq/dk/dv, pieces); 8x fewer calls, merges and messages
     min_fwd_piece_rows = 1 << 30
+    # backward tiles of 4 pieces, at most 1024 rows: half the calls of 2-piece tiles at
+    # S=4096 (512 rows), within the memory target (cp=2: 0.56x of cp=1 at S=4096, 0.58x
+    # at S=16384, where 4 pieces would be 2048 rows)
+    tile_pieces, max_tile_rows = 4, 1024
 
     def compute_dtype(self, dtype):
         return torch.promote_types(dtype, torch.float32)
