@@ -221,11 +221,7 @@ class TPKitStrategy(ParallelStrategy):
         if experts and self._data_parallel == "fsdp":
             raise ValueError("data_parallel='fsdp' does not shard expert weights (tpkit.nn."
                              f"MoE: {experts[0]}, ...) yet; use data_parallel='ddp'")
-        if state.pp_size > 1:
-            if experts:
-                raise ValueError(f"pp={state.pp_size} with expert weights (tpkit.nn.MoE: "
-                                 f"{experts[0]}, ...): TPKitStrategy does not pipeline MoE "
-                                 "models yet; use pp=1")
+        if state.pp_size > 1:   # expert weights: summed over edp by Pipeline.step
             return self._setup_pipeline(module, state)
         if self._data_parallel == "fsdp":
             self._check_optimizers_after(module)
