@@ -404,8 +404,14 @@ class TPKitStrategy(ParallelStrategy):
                                  "directory with fabric.load(path, {'model': model, ...})")
             full = self._torch_load(path, weights_only)
             if isinstance(state, nn.Module):
-                checkpoint.load_full_state_dict(checkpoint.unwrap_module(state), full, s,
-                                                strict=strict)
+                module = checkpoint.unwrap_module(state)
+                if s.pp_size > 1:   # a whole model's file: other stages' keys are theirs
+                    mine = set(module.state_dict())
+                    every = [None] * s.pp_size
+                    dist.all_gather_object(every, sorted(mine), group=s.pp_group)
+                    theirs = set().union(*map(set, every)) - mine
+                    full = {k: v for k, v in full.items() if k not in theirs}
+                checkpoint.load_full_state_dict(module, full, s, strict=strict)
             else:
                 checkpoint.load_full_optimizer_state_dict(state, full, self._modules, s)
             return {}
