@@ -129,7 +129,11 @@ def fp8_linear(x, w, b=None):
 
 # --- the run -------------------------------------------------------------------------------
 class Run:
-    REF = Ref   # the reference model's class
+    REF, NET = Ref, Net   # the reference model's class, the model's
+
+    def train_step(self, model, tok, tgt):
+        """Forward and backward of this rank's batch (pp > 1: PPRun's pipeline_step)."""
+        self.fabric.backward(loss_fn(model(tok), tgt))
 
     def __init__(self, layout, fabric):
         self.layout, self.fabric = layout, fabric
@@ -179,7 +183,7 @@ class Run:
                 (self.tokens[s].t(), self.targets[s].t()))
 
     def new_model(self, opt_cls=torch.optim.SGD, lr=0.1, ref=None):
-        net = Net()
+        net = self.NET()   # at pp > 1 it keeps only this rank's stages after setup
         self.sync(net, ref)
         model = self.fabric.setup_module(net)
         return net, model, self.fabric.setup_optimizers(opt_cls(model.parameters(), lr=lr))
@@ -351,9 +355,9 @@ class Run:
         ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
         net, model, opt = self.new_model(torch.optim.Adam, lr=0.01)
         (tok, tgt), (gtok, gtgt) = self.batch(0)
-        for m, o, x, y in ((model, opt, tok, tgt), (ref, ref_opt, gtok, gtgt)):
-            loss = loss_fn(m(x), y)
-            f.backward(loss) if m is model else loss.backward()
+        self.train_step(model, tok, tgt)
+        loss_fn(ref(gtok), gtgt).backward()
+        for o in (opt, ref_opt):
             o.step()
             o.zero_grad()
         self.expect(net, ref)
@@ -368,7 +372,7 @@ class Run:
 
     def resume_step(self, net, model, opt):
         (tok, tgt), _ = self.batch(1)
-        self.fabric.backward(loss_fn(model(tok), tgt))
+        self.train_step(model, tok, tgt)
         opt.step()
         opt.zero_grad()
         self.expect(net, self.next_ref)
@@ -403,7 +407,7 @@ class Run:
 
     def load_remainder(self):
         ckpt, ref_at_save, _ = self.saved
-        net = Net()
+        net = self.NET()
         model = self.fabric.setup_module(net)
         rest = self.fabric.load(ckpt, {"model": model})
         self.expect(net, ref_at_save)
@@ -427,7 +431,7 @@ class Run:
 
     def strict(self):
         ckpt, _, _ = self.saved
-        net = Net()
+        net = self.NET()
         model = self.fabric.setup_module(net)
         state = {"model": model, "absent": 1}
         try:
@@ -631,7 +635,10 @@ class PPNet(nn.Module):
 class PPRun(Run):
     """The checks that apply at pp > 1, with ``strategy.pipeline_step`` where pp=1 calls
     ``model(x)`` and ``fabric.backward`` (tp=1: a shard is the whole tensor)."""
-    REF = PPRef
+    REF, NET = PPRef, PPNet
+
+    def train_step(self, model, tok, tgt):
+        return self.fabric.strategy.pipeline_step(tok, target=tgt)
 
     def sync(self, net, ref=None):
         full = (ref or self.ref).state_dict()
@@ -652,15 +659,6 @@ class PPRun(Run):
         rows = slice(step * B + self.state.dp_rank * b, step * B + (self.state.dp_rank + 1) * b)
         s = slice(step * B, (step + 1) * B)
         return (self.tokens[rows], self.targets[rows]), (self.tokens[s], self.targets[s])
-
-    def new_model(self, opt_cls=torch.optim.SGD, lr=0.1, ref=None):
-        net = PPNet()
-        self.sync(net, ref)
-        model = self.fabric.setup_module(net)   # net keeps only this rank's stages
-        return net, model, self.fabric.setup_optimizers(opt_cls(model.parameters(), lr=lr))
-
-    def step(self, model, tok, tgt):
-        return self.fabric.strategy.pipeline_step(tok, target=tgt)
 
     def setup_and_dataloaders(self):
         f, st = self.fabric, self.state
@@ -691,7 +689,7 @@ class PPRun(Run):
         (tok, tgt), (gtok, gtgt) = self.batch(STEP_OF[kind])
         ref_loss = loss_fn(ref(gtok), gtgt)
         ref_loss.backward()
-        loss = self.step(model, tok, tgt)
+        loss = self.train_step(model, tok, tgt)
         reported = self.fabric.all_reduce(loss, group=self.state.dp_cp_group)
         torch.testing.assert_close(reported, ref_loss.detach(), **TOL)
         if kind == "clip_gradients_norm":
@@ -711,52 +709,6 @@ class PPRun(Run):
         ref_opt.step()
         opt.zero_grad()
         self.expect(net, ref)
-
-    def checkpoints(self):
-        f = self.fabric
-        ref = copy.deepcopy(self.ref)
-        ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
-        net, model, opt = self.new_model(torch.optim.Adam, lr=0.01)
-        (tok, tgt), (gtok, gtgt) = self.batch(0)
-        self.step(model, tok, tgt)
-        opt.step()
-        opt.zero_grad()
-        loss_fn(ref(gtok), gtgt).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        self.expect(net, ref)
-        ckpt = os.path.join(DIR, f"{self.layout}-ckpt")
-        f.save(ckpt, {"model": model, "optimizer": opt, "step": 4, "cfg": CFG,
-                      "rng": torch.arange(3), "counter": Counter(7)})
-        self.saved = (ckpt, copy.deepcopy(ref), copy.deepcopy(ref_opt.state_dict()))
-        (tok, tgt), (gtok, gtgt) = self.batch(1)
-        loss_fn(ref(gtok), gtgt).backward()
-        ref_opt.step()
-        self.next_ref = ref
-
-    def resume_step(self, net, model, opt):
-        (tok, tgt), _ = self.batch(1)
-        self.step(model, tok, tgt)
-        opt.step()
-        opt.zero_grad()
-        self.expect(net, self.next_ref)
-
-    def load_remainder(self):
-        ckpt, ref_at_save, _ = self.saved
-        net, model, _ = self.new_model(ref=self.REF())
-        rest = self.fabric.load(ckpt, {"model": model})
-        self.expect(net, ref_at_save)
-        assert sorted(rest) == ["cfg", "counter", "optimizer", "rng", "step"], sorted(rest)
-        assert rest["cfg"] == CFG and rest["step"] == 4, rest["cfg"]
-        self.saved_optimizer_loads(rest["optimizer"])
-
-    def strict(self):
-        ckpt, _, _ = self.saved
-        _, model, _ = self.new_model()
-        state = {"model": model, "absent": 1}
-        expect_error(KeyError, "absent", self.fabric.load, ckpt, state)
-        rest = self.fabric.load(ckpt, state, strict=False)
-        assert state["absent"] == 1 and "optimizer" in rest
 
     def load_raw(self):
         net, model, opt = self.new_model(ref=self.REF())
