@@ -3,7 +3,7 @@ import importlib
 import sys
 
 # Each module has main() that measures and calls bench.common.write_section.
-BENCHMARKS = ["tp_layers", "context_parallel", "launch", "train", "hf", "recovery", "pipeline"]
+BENCHMARKS = ["tp_layers", "context_parallel", "launch", "train", "hf", "recovery", "pipeline", "moe"]
 
 
 def main(argv=None) -> None:

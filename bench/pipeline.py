@@ -77,6 +77,7 @@ def measure(world: int, pp: int, microbatches: int = M) -> float:
 
 
 def main() -> None:
+    load0 = os.getloadavg()[0]
     t1 = measure(1, 1)                       # the whole model, one process
     rows = []
     for world in (2, 4):
@@ -98,12 +99,13 @@ def main() -> None:
                          f"{fmt(t, 'ms')}, one process {fmt(t1, 'ms')})",
                          peer_name="analytical (p-1)/(m+p-1)", peer=f"{analytic:.3f}",
                          ratio=bubble / analytic, target="~1"))
+    load1 = os.getloadavg()[0]
     body = (f"The reference GPT ({LAYERS} blocks, hidden {HIDDEN}, seq {SEQ}, global batch "
             f"{BATCH}, float32) on gloo CPU ranks, one thread each (`python -m bench.pipeline`). "
             "Step = forward + backward of the global batch; medians of "
-            f"{ITERS}. **The machine was shared with other helpers' test runs while this ran, "
-            "and 4 ranks share 2 cores**: the 4-rank figures measure contention as much as "
-            "the schedule.\n\n" + table(rows))
+            f"{ITERS}. 1-minute load average {load0:.1f} before, {load1:.1f} after (on "
+            f"{os.cpu_count()} cores): 4 ranks share the cores, so the 4-rank figures measure "
+            "contention as much as the schedule.\n\n" + table(rows))
     write_section("pipeline", "Pipeline parallelism (1F1B on CPU)", body)
     print(table(rows))
 

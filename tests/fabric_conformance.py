@@ -11,6 +11,12 @@ layout "nosp": ``TPKitStrategy(sequence_parallel=False)``. Each check runs on it
 another; rank 0 writes ``{"sp/<check>": {rank: error}}`` (empty when every rank passed)
 as JSON to OUT. The model: tpkit.nn layers (vocab-parallel embedding, LayerNorm, fused
 gate/up column-parallel, row-parallel) and a plain ``nn.Linear`` head.
+
+At an expert layout (``tpkit-launch --tp 2 --sequence-parallel --ep 2 --etp 1``: TPKIT_EP
+> 1) the run is layout "ep" instead: the same checks on the same model plus a
+``tpkit.nn.MoE`` block (4 experts, 2 per rank, replicated over edp=2) against the
+single-process MoE reference of tests/test_moe.py; FSDP (refused with experts) and the
+autocast checks are left out there.
 """
 import contextlib
 import copy
@@ -30,7 +36,7 @@ from torch import nn
 import tpkit.fabric  # noqa: F401  (registers "tpkit")
 from tpkit.fabric import TPKitPrecision, TPKitStrategy
 from tpkit.nn import ColumnParallelLinear, LayerNorm, RowParallelLinear, VocabParallelEmbedding
-from tpkit.nn import mappings
+from tpkit.nn import MoE, mappings
 
 V, H, FF, S, B, STEPS = 32, 16, 32, 8, 4, 5   # vocab, hidden, ffn, sequence, global batch
 TOL = dict(rtol=1e-5, atol=1e-6)               # fp32
@@ -38,6 +44,7 @@ OUT, DIR = sys.argv[1], sys.argv[2]
 STEP_OF = {"backward": 1, "clip_gradients_norm": 2, "clip_gradients_value": 3,
            "no_backward_sync": 4, "accumulate_without_no_backward_sync": 0}   # check: batch
 CFG = {"lr": 0.01, "name": "x", "hist": {1: 0.5}, "betas": (0.9, 0.99)}
+E, FE = 4, 8                                   # experts, expert ffn (layout "ep")
 
 
 class Ref(nn.Module):
@@ -54,10 +61,34 @@ class Ref(nn.Module):
             self.norm.bias.uniform_(-0.5, 0.5)
 
     def forward(self, tokens, linear=F.linear):
+        return self.head(self.body(tokens, linear))
+
+    def body(self, tokens, linear=F.linear):
         x = self.emb(tokens)
         gate, up = linear(self.norm(x), self.fc1.weight, self.fc1.bias).chunk(2, -1)
-        x = x + linear(F.silu(gate) * up, self.fc2.weight) + self.fc2.bias
-        return self.head(x)
+        return x + linear(F.silu(gate) * up, self.fc2.weight) + self.fc2.bias
+
+
+class RefMoE(Ref):
+    """The reference with an MoE block after the MLP: every expert whole, in one process
+    (tests/test_moe.py's reference: each token's top-2 experts, dropless)."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(3)
+        self.moe = nn.Module()   # tpkit.nn.MoE's parameter names
+        self.moe.router_weight = nn.Parameter(torch.randn(E, H, generator=g))
+        self.moe.experts_fc1 = nn.Parameter(torch.randn(E, H, FE, generator=g) / 4)
+        self.moe.experts_fc2 = nn.Parameter(torch.randn(E, FE, H, generator=g) / 4)
+
+    def body(self, tokens, linear=F.linear):
+        from test_moe import reference
+        x = super().body(tokens, linear)
+        w = {"router": self.moe.router_weight, "fc1": self.moe.experts_fc1,
+             "fc2": self.moe.experts_fc2}
+        y = reference(x.reshape(-1, H), w, top_k=2, score_func="softmax", normalize=False,
+                      cf=None, aux_coeff=0.0, z_coeff=0.0, act="gelu")[0]
+        return x + y.reshape(x.shape)
 
 
 class Net(nn.Module):
@@ -73,12 +104,27 @@ class Net(nn.Module):
         self.head = nn.Linear(H, V)
 
     def forward(self, tokens):
-        x = self.emb(tokens)
-        gate, up = self.fc1(self.norm(x)).chunk(2, -1)
-        x = x + self.fc2(F.silu(gate) * up)
+        x = self.body(tokens)
         if self.emb.sequence_parallel:
             x = mappings.gather_from_tp_region(x, self.emb.group, dim=0)
         return self.head(x)
+
+    def body(self, tokens):
+        x = self.emb(tokens)
+        gate, up = self.fc1(self.norm(x)).chunk(2, -1)
+        return x + self.fc2(F.silu(gate) * up)
+
+
+class NetMoE(Net):
+    """Net with tpkit.nn.MoE after the MLP (the layout's ep/etp, SP from the layout)."""
+
+    def __init__(self):
+        super().__init__()
+        self.moe = MoE(H, FE, E, 2)
+
+    def body(self, tokens):
+        x = super().body(tokens)
+        return x + self.moe(x)
 
 
 class Counter:
@@ -94,8 +140,15 @@ class Counter:
         self.n = sd["n"]
 
 
-def shard(name, full, r, tp=2):
-    """Rank ``r``'s shard of the full tensor ``name``, written out (not tpkit's helper)."""
+def shard(name, full, st):
+    """This rank's shard of the full tensor ``name``, written out (not tpkit's helper):
+    TP shards by ``st.tp_rank``; expert weights: experts [ep_rank*E/ep, ...), then the
+    etp_rank-th slice of fc1's columns / fc2's rows."""
+    r, tp = st.tp_rank, st.tp_size
+    if name.startswith("moe.experts_"):
+        n, f = E // st.ep_size, FE // st.etp_size
+        return full[st.ep_rank * n:(st.ep_rank + 1) * n].narrow(
+            2 if name.endswith("fc1") else 1, st.etp_rank * f, f)
     if name.startswith("emb."):
         return full.chunk(tp, 0)[r]
     if name.startswith("fc1."):
@@ -129,8 +182,6 @@ def fp8_linear(x, w, b=None):
 
 # --- the run -------------------------------------------------------------------------------
 class Run:
-    REF, NET = Ref, Net   # the reference model's class, the model's
-
     def train_step(self, model, tok, tgt):
         """Forward and backward of this rank's batch (pp > 1: PPRun's pipeline_step)."""
         self.fabric.backward(loss_fn(model(tok), tgt))
@@ -142,7 +193,9 @@ class Run:
         g = torch.Generator().manual_seed(1)
         self.tokens = torch.randint(0, V, (STEPS * B, S), generator=g)
         self.targets = torch.randint(0, V, (STEPS * B, S), generator=g)
-        self.ref = self.REF()
+        self.Ref, self.Net = {"ep": (RefMoE, NetMoE), "pp": (PPRef, PPNet)}.get(
+            layout, (Ref, Net))
+        self.ref = self.Ref()
 
     def check(self, name, fn, *args):
         t0 = time.perf_counter()
@@ -163,7 +216,7 @@ class Run:
         full = ref.state_dict()
         with torch.no_grad():
             for n, p in net.named_parameters():
-                p.copy_(shard(n, full[n], self.state.tp_rank))
+                p.copy_(shard(n, full[n], self.state))
 
     def expect(self, net, ref, what="weights", **tol):
         for n, p in net.named_parameters():
@@ -172,7 +225,7 @@ class Run:
                 got, want = p.grad, want.grad
             else:
                 got = p.detach()
-            torch.testing.assert_close(got, shard(n, want.detach(), self.state.tp_rank),
+            torch.testing.assert_close(got, shard(n, want.detach(), self.state),
                                        **(tol or TOL), msg=lambda m: f"{what} {n}: {m}")
 
     def batch(self, step):
@@ -183,7 +236,7 @@ class Run:
                 (self.tokens[s].t(), self.targets[s].t()))
 
     def new_model(self, opt_cls=torch.optim.SGD, lr=0.1, ref=None):
-        net = self.NET()   # at pp > 1 it keeps only this rank's stages after setup
+        net = self.Net()
         self.sync(net, ref)
         model = self.fabric.setup_module(net)
         return net, model, self.fabric.setup_optimizers(opt_cls(model.parameters(), lr=lr))
@@ -199,7 +252,7 @@ class Run:
     # checks ----------------------------------------------------------------------------
     def setup_and_dataloaders(self):
         f = self.fabric
-        net = Net()
+        net = self.Net()
         self.sync(net)
         opt = torch.optim.SGD(net.parameters(), lr=0.1)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
@@ -313,12 +366,12 @@ class Run:
 
     def init_module(self):
         with self.fabric.init_module():
-            net = Net()
+            net = self.Net()
         assert all(p.device == self.fabric.device and not p.is_meta for p in net.parameters())
 
     def init_module_empty(self):
         with self.fabric.init_module(empty_init=True):
-            net = Net()
+            net = self.Net()
         assert net.head.weight.is_meta and not net.emb.weight.is_meta   # plain: meta
         before = {n: p.detach().clone() for n, p in net.named_parameters() if not p.is_meta}
         model = self.fabric.setup_module(net)
@@ -333,7 +386,7 @@ class Run:
 
     def load_raw(self):
         raw = self.save_raw(self.ref.state_dict(), "ref")
-        net = Net()
+        net = self.Net()
         model = self.fabric.setup_module(net)
         self.fabric.load_raw(raw, model)
         self.expect(net, self.ref)
@@ -407,7 +460,7 @@ class Run:
 
     def load_remainder(self):
         ckpt, ref_at_save, _ = self.saved
-        net = self.NET()
+        net = self.Net()
         model = self.fabric.setup_module(net)
         rest = self.fabric.load(ckpt, {"model": model})
         self.expect(net, ref_at_save)
@@ -417,7 +470,7 @@ class Run:
 
     def load_state(self):
         ckpt, ref_at_save, _ = self.saved
-        net, model, opt = self.new_model(torch.optim.Adam, lr=0.01, ref=self.REF())
+        net, model, opt = self.new_model(torch.optim.Adam, lr=0.01, ref=self.Ref())
         with torch.no_grad():
             for p in net.parameters():
                 p.mul_(0.5)   # not the saved weights
@@ -431,7 +484,7 @@ class Run:
 
     def strict(self):
         ckpt, _, _ = self.saved
-        net = self.NET()
+        net = self.Net()
         model = self.fabric.setup_module(net)
         state = {"model": model, "absent": 1}
         try:
@@ -446,7 +499,7 @@ class Run:
     def refused(self):
         """What README lists as refused, each with its error."""
         ckpt, _, _ = self.saved
-        model = self.fabric.setup_module(Net())
+        model = self.fabric.setup_module(self.Net())
         expect_error(ValueError, "is not a file", self.fabric.load_raw, ckpt, model)
         expect_error(TypeError, "storage_options", self.fabric.strategy.save_checkpoint,
                      ckpt + "-x", {"model": model}, storage_options={})
@@ -464,7 +517,7 @@ class Run:
         _, ref_at_save, ref_osd = self.saved
         path = self.save_raw({"model": ref_at_save.state_dict(), "optimizer": ref_osd,
                               "step": 4}, "full")
-        net, model, opt = self.new_model(torch.optim.Adam, lr=0.01, ref=self.REF())
+        net, model, opt = self.new_model(torch.optim.Adam, lr=0.01, ref=self.Ref())
         rest = self.fabric.load(path, {"model": model, "optimizer": opt})
         assert rest == {"step": 4}, rest
         assert sorted(self.fabric.load(path)) == ["model", "optimizer", "step"]
@@ -478,7 +531,7 @@ class Run:
         full = self.fabric.load(path)
         assert sorted(full["model"]) == sorted(k for k in self.ref.state_dict()
                                                if not k.startswith("head.")), sorted(full)
-        other, model2, _ = self.new_model(ref=self.REF())
+        other, model2, _ = self.new_model(ref=self.Ref())
         head = other.head.weight.detach().clone()
         try:
             self.fabric.load(path, {"model": model2})
@@ -635,7 +688,6 @@ class PPNet(nn.Module):
 class PPRun(Run):
     """The checks that apply at pp > 1, with ``strategy.pipeline_step`` where pp=1 calls
     ``model(x)`` and ``fabric.backward`` (tp=1: a shard is the whole tensor)."""
-    REF, NET = PPRef, PPNet
 
     def train_step(self, model, tok, tgt):
         return self.fabric.strategy.pipeline_step(tok, target=tgt)
@@ -711,7 +763,7 @@ class PPRun(Run):
         self.expect(net, ref)
 
     def load_raw(self):
-        net, model, opt = self.new_model(ref=self.REF())
+        net, model, opt = self.new_model(ref=self.Ref())
         with torch.no_grad():
             for p in net.parameters():
                 p.mul_(0.5)   # not the reference's weights
@@ -789,6 +841,17 @@ def pipeline_conformance():
     return run.errors
 
 
+def fsdp_refused(run):
+    """data_parallel="fsdp" with expert weights: a ValueError naming the fix."""
+    fabric = Fabric(strategy=TPKitStrategy(data_parallel="fsdp"), accelerator="cpu",
+                    devices=dist.get_world_size())
+    fabric.launch()
+    try:
+        expect_error(ValueError, "use data_parallel='ddp'", fabric.setup_module, run.Net())
+    finally:
+        fabric.strategy.teardown()
+
+
 def conformance(layout, strategy):
     fabric = Fabric(strategy=strategy, accelerator="cpu",
                     devices=int(os.environ.get("WORLD_SIZE", 4)),
@@ -797,7 +860,8 @@ def conformance(layout, strategy):
     run = Run(layout, fabric)
     s = run.state
     assert (s.tp_size, s.dp_size) == (2, 2), (s.tp_size, s.dp_size)
-    assert s.sequence_parallel == (layout == "sp")
+    assert s.sequence_parallel == (layout in ("sp", "ep"))
+    assert (s.ep_size, s.etp_size, s.edp_size) == ((2, 1, 2) if layout == "ep" else (1, 2, 2))
     run.check("setup", run.setup_and_dataloaders)
     for kind in STEP_OF:
         run.check(kind, run.step_check, kind)
@@ -813,17 +877,24 @@ def conformance(layout, strategy):
                          ("load_raw_optimizer", run.load_raw_optimizer),
                          ("refused", run.refused), ("load_full_file", run.load_full_file)):
             run.check(name, fn)
-        fsdp_checks(run, layout == "sp")
+        if layout == "ep":
+            run.check("fsdp_refused", fsdp_refused, run)
+        else:
+            fsdp_checks(run, layout == "sp")
     run.check("save_filter", run.save_filter)
-    precision_checks(run, layout == "sp")
+    if layout != "ep":
+        precision_checks(run, layout == "sp")
     fabric.strategy.teardown()
     return run.errors
 
 
 def main():
-    errors = conformance("sp", "tpkit")
-    errors.update(conformance("nosp", TPKitStrategy(sequence_parallel=False)))
-    errors.update(pipeline_conformance())
+    if int(os.environ.get("TPKIT_EP", "1")) > 1:   # an expert layout: layout "ep" only
+        errors = conformance("ep", "tpkit")
+    else:
+        errors = conformance("sp", "tpkit")
+        errors.update(conformance("nosp", TPKitStrategy(sequence_parallel=False)))
+        errors.update(pipeline_conformance())
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, errors)
     if dist.get_rank() == 0:

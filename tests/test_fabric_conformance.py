@@ -1,8 +1,9 @@
 """Fabric conformance (issue 24): the Fabric user API, as Lightning documents it, under
 TPKitStrategy at tp=2 x dp=2 with sequence parallelism on and off, each call against a
 single-process reference, launched the way users launch: ``tpkit-launch`` and Fabric's own
-launcher (``python script.py``). The checks are tests/fabric_conformance.py's; here each
-becomes one test item, so a failing call is named."""
+launcher (``python script.py``), and at an expert layout (ep=2, etp=1, tp=2, SP: a model
+with a tpkit.nn.MoE). The checks are tests/fabric_conformance.py's; here each becomes one
+test item, so a failing call is named."""
 import json
 import os
 import socket
@@ -41,11 +42,13 @@ CHECKS = [
     "save_filter",
     "autocast[bf16-mixed]", "autocast[16-mixed]", "autocast[fp8]",
 ]
-# the pipeline layout (pp=2 x dp=2): the calls that apply with TPKitStrategy(pp=2),
-# strategy.pipeline_step in place of model(x) + backward
+# the pipeline layout (pp=2 x dp=2), in the same launch as "sp"/"nosp": the calls that
+# apply with TPKitStrategy(pp=2), strategy.pipeline_step in place of model(x) + backward
 PP_CHECKS = ["setup", "pipeline_step", "clip_gradients_norm", "clip_gradients_value",
              "collectives", "save", "load_without_state", "load_remainder", "load_into_state",
              "load_strict", "load_raw_model", "refused"]
+# At the expert layout: FSDP is refused with experts (checked), autocast is not run.
+EP_CHECKS = [c for c in CHECKS if not c.startswith(("fsdp_", "autocast"))] + ["fsdp_refused"]
 
 
 def _env(**extra):
@@ -56,15 +59,17 @@ def _env(**extra):
     return env
 
 
-def _run(cmd, env, tmp, cwd=None) -> dict:
+def _run(cmd, env, tmp, cwd=None, layouts=LAYOUTS, checks=CHECKS) -> dict:
     out, ckpts = tmp / "report.json", tmp / "ckpts"
     ckpts.mkdir()
     proc = subprocess.run([*cmd, SCRIPT, str(out), str(ckpts)], env=env, cwd=cwd,
                           capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
     report = json.loads(out.read_text())
-    assert sorted(report) == sorted([f"{lay}/{c}" for lay in LAYOUTS for c in CHECKS]
-                                    + [f"pp/{c}" for c in PP_CHECKS])
+    want = [f"{lay}/{c}" for lay in layouts for c in checks]
+    if layouts == LAYOUTS:   # the pipeline layout runs in the same launch
+        want += [f"pp/{c}" for c in PP_CHECKS]
+    assert sorted(report) == sorted(want)
     return report
 
 
@@ -106,3 +111,18 @@ def test_every_fabric_call_under_fabrics_own_launcher(tmp_path):
                           if _failures(report, c, ("pp",))])
     assert not failed, failed
 
+
+
+@pytest.fixture(scope="module")
+def expert_layout_report(tmp_path_factory):
+    return _run([sys.executable, "-m", "tpkit.cli.launch", "--standalone", "--nproc-per-node",
+                 "4", "--tp", "2", "--sequence-parallel", "--ep", "2", "--etp", "1",
+                 "--backend", "gloo"], _env(), tmp_path_factory.mktemp("expert_layout"),
+                layouts=("ep",), checks=EP_CHECKS)
+
+
+@pytest.mark.parametrize("check", EP_CHECKS)
+def test_fabric_call_at_expert_layout(expert_layout_report, check):
+    """ep=2 x etp=1 (edp=2) with tp=2 and SP: the same calls on a model with an MoE block."""
+    failed = _failures(expert_layout_report, check, ("ep",))
+    assert not failed, failed

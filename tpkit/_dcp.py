@@ -11,6 +11,12 @@ checkpoint written at one layout loads at any other (tp, cp, dp change freely):
 - a parameter with ``tp_partition_sizes`` (fused q/k/v, gate/up: each segment sharded on
   its own) is stored as one entry per segment, ``<key>.seg<i>``, plus ``<key>.seg_dim``
   (the dim they concatenate along, read back by ``read``);
+- an expert weight (tpkit.nn.MoE: this ep rank's ``E/ep`` experts in dim 0, its etp shard
+  along ``etp_partition_dim``) is a DTensor with ``(Shard(0), Shard(etp dim))`` on the
+  2-D (ep, etp) mesh (``ParallelState.expert_mesh``): stored as all ``E`` experts, each
+  at its global index, so it reloads at any ep/etp; replicated over edp (de-duplicated
+  like TP chunks); gated ``experts_fc1`` per segment (``etp_partition_sizes``) at every
+  layout, ep=etp=1 included (plain tensors there);
 - replicated tensors (norms, the step counter) are plain tensors, written once;
 - every other entry (plain values, ``state_dict()`` of other objects) is stored whole, one
   pickled object as written by one rank (``_Whole``), so it reads back exactly: nested
@@ -42,11 +48,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ._dcp_verify import agree, checkpoint_dir, dir_problem, verify_files
 from .collectives import all_gather, group_size
-from .param_tags import tp_spec
+from .param_tags import is_expert, tp_spec
 from .topology import resolve_state
 
 EXTRA_STATE_SUFFIX = "_extra_state"
@@ -67,11 +73,41 @@ def unwrap_module(module: nn.Module) -> nn.Module:
 
 
 # --- presenting local tensors as global ones ----------------------------------------------
+class _Layout:
+    """How a sharded tensor's local piece sits in its global tensor: a DTensor over
+    ``mesh`` with ``placements`` (mesh None: a whole tensor); ``dim``/``sizes``/``n``: the
+    dim split into segments (global ``sizes``, each sharded ``n`` ways on its own), or
+    sizes None."""
+
+    def __init__(self, mesh, placements, dim, sizes, n):
+        self.mesh, self.placements, self.dim, self.sizes, self.n = \
+            mesh, placements, dim, sizes, n
+
+
+def _layout(t, state) -> _Layout | None:
+    """The global layout of ``t`` (a parameter, or the tags' owner of a state tensor):
+    - a TP shard (tpkit's or TE's tags): ``Shard(dim)`` on the 1-D TP mesh;
+    - an expert weight (tpkit.nn.MoE) at ep x etp > 1: ``(Shard(0), Shard(etp dim))`` on
+      the 2-D (ep, etp) mesh, so the stored tensor holds every expert at its global index
+      (dim 0) and every etp column/row; replicated over edp (DCP writes one replica);
+    - else None: stored as is (replicated)."""
+    if is_expert(t):
+        dim, sizes = getattr(t, "etp_partition_dim", None), getattr(t, "etp_partition_sizes", None)
+        if state.ep_size * state.etp_size == 1:   # whole; segments stay segments (the format)
+            return None if sizes is None else _Layout(None, None, dim, sizes, 1)
+        return _Layout(state.expert_mesh, [Shard(0), Replicate() if dim is None else Shard(dim)],
+                       dim, sizes, state.etp_size)
+    spec = tp_spec(t)
+    if spec is None:
+        return None
+    return _Layout(state.tp_mesh, [Shard(spec[0])], spec[0], spec[1], state.tp_size)
+
+
 class _Slot:
     """One model/optimizer tensor: its DCP view (tensor, DTensor or dict of segments) and
     how to write the loaded values back into the live tensor."""
 
-    def __init__(self, live: torch.Tensor, spec, state, *, for_load: bool):
+    def __init__(self, live: torch.Tensor, layout: _Layout | None, state, *, for_load: bool):
         self.live = live
         self.fsdp = isinstance(live, DTensor)
         if self.fsdp:  # FSDP2 shard over dp(x cp): work on the TP-local full tensor
@@ -80,20 +116,20 @@ class _Slot:
         else:
             local = live.detach()
         self.local = local
-        if spec is None:
+        self.layout = layout
+        if layout is None:
             self.view = local
             return
-        dim, sizes = spec
-        tp = state.tp_size
-        if sizes is None:
-            self.view = DTensor.from_local(local, state.tp_mesh, [Shard(dim)], run_check=False)
+        if layout.sizes is None:
+            self.view = DTensor.from_local(local, layout.mesh, layout.placements,
+                                           run_check=False)
             return
-        parts = torch.split(local, [s // tp for s in sizes], dim=dim)
-        self.view = {f"seg{i}": DTensor.from_local(p, state.tp_mesh, [Shard(dim)],
-                                                   run_check=False)
+        parts = torch.split(local, [s // layout.n for s in layout.sizes], dim=layout.dim)
+        self.view = {f"seg{i}": p if layout.mesh is None else
+                     DTensor.from_local(p, layout.mesh, layout.placements, run_check=False)
                      for i, p in enumerate(parts)}
         if not for_load:
-            self.view[SEG_DIM] = dim
+            self.view[SEG_DIM] = layout.dim
 
     def write_back(self) -> None:
         views = self.view.values() if isinstance(self.view, dict) else [self.view]
@@ -101,7 +137,7 @@ class _Slot:
         full = locs[0] if len(locs) == 1 else None
         with torch.no_grad():
             if full is None:  # segments: they are views of self.local unless DCP replaced them
-                dim = self.view["seg0"].placements[0].dim
+                dim = self.layout.dim
                 offset = 0
                 for loc in locs:
                     dst = self.local.narrow(dim, offset, loc.shape[dim])
@@ -154,7 +190,7 @@ def _module_views(module, state, slots, *, for_load, keep=None):
                                          else value):
             continue
         if isinstance(value, torch.Tensor):
-            slot = _Slot(value, tp_spec(value), state, for_load=for_load)
+            slot = _Slot(value, _layout(value, state), state, for_load=for_load)
             slots.append(slot)
             out[key] = slot.view
         else:
@@ -215,8 +251,8 @@ def _optimizer_views(opt, names, state, slots, *, for_load, init=True):
             entry = {}
             for k, v in opt.state.get(p, {}).items():
                 if isinstance(v, torch.Tensor):
-                    spec = tp_spec(p) if v.shape == p.shape and v.dim() > 0 else None
-                    slot = _Slot(v, spec, state, for_load=for_load)
+                    layout = _layout(p, state) if v.shape == p.shape and v.dim() > 0 else None
+                    slot = _Slot(v, layout, state, for_load=for_load)
                     slots.append(slot)
                     entry[k] = slot.view
                 else:

@@ -238,11 +238,13 @@ def load_full(full: dict, state_dict: dict, state=None, *, strict: bool = True) 
 def _optimizer_value(v, p, spec, state, what: str):
     if not isinstance(v, torch.Tensor) or v.dim() == 0:
         return v   # step counters, hyper-parameters
-    expect = _full_shape(p, spec, state.tp_size)
+    expert = is_expert(p)
+    expect = _expert_full_shape(p, state) if expert else _full_shape(p, spec, state.tp_size)
     if tuple(v.shape) != expect:
         raise ValueError(f"optimizer state {what} has shape {tuple(v.shape)} but its "
                          f"parameter's full shape is {expect}")
-    local = _to_local(v.to(p.device), p, spec, state).clone()   # never alias ``osd``
+    local = (_expert_local(v.to(p.device), p, state) if expert else
+             _to_local(v.to(p.device), p, spec, state)).clone()   # never alias ``osd``
     if isinstance(p, DTensor):
         return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
                                   shape=p.shape, stride=p.stride())

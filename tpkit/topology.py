@@ -6,7 +6,9 @@ outermost, i.e. ``rank = tp + TP*(cp + CP*(dp + DP*pp))`` — the mesh ``(pp, dp
 in row-major order. The groups (GROUP_NAMES; docs/design.md has the table of who uses
 which) are built once by ``build_state`` and kept as attributes: tp, cp, dp, pp, the
 flattened dp_cp, tp_cp, mp (tp x pp) and amax (tp x cp x dp of one stage), and the two
-hierarchical CP levels of ``a2a+p2p``. Groups over dimensions of size 1 alias the size-1
+hierarchical CP levels of ``a2a+p2p``, the expert groups etp, ep, edp, etp_ep (and
+``expert_mesh``, the 2-D (ep, etp) view of them that sharded checkpoints place expert
+weights on). Groups over dimensions of size 1 alias the size-1
 tp/cp/... group instead of creating duplicates; NCCL creates communicators lazily, so a
 size-1 group that is never used costs nothing there.
 
@@ -61,6 +63,9 @@ class ParallelState:
     ep_mesh: DeviceMesh | None = None
     edp_mesh: DeviceMesh | None = None
     etp_ep_mesh: DeviceMesh | None = None
+    # (ep, etp) as a 2-D mesh of the groups above (no group of its own): the placement of
+    # expert weights' shards in sharded checkpoints (tpkit/_dcp.py)
+    expert_mesh: DeviceMesh | None = None
     build_seconds: float = 0.0
 
     # --- groups ----------------------------------------------------------------
@@ -184,14 +189,16 @@ def _expert_meshes(mesh: DeviceMesh, config: ParallelConfig, stage: DeviceMesh) 
         if one is not None:
             return dict(etp_mesh=mesh["tp"], ep_mesh=one,
                         edp_mesh=_sub(mesh, config, ("dp", "cp"), "dp_cp"),
-                        etp_ep_mesh=mesh["tp"])
+                        etp_ep_mesh=mesh["tp"],
+                        expert_mesh=None if config.tp == 1 else
+                        mesh[(one.mesh_dim_names[0], "tp")])
     sizes = {"edp": config.edp, "ep": config.ep, "etp": config.expert_tp}
     hier = stage._unflatten(0, tuple(sizes[d] for d in EXPERT_DIMS), EXPERT_DIMS)
     both = [d for d in ("ep", "etp") if sizes[d] > 1]
     etp_ep = hier["etp"] if not both else hier[both[0]] if len(both) == 1 \
         else hier[("ep", "etp")]._flatten("etp_ep")
     return dict(etp_mesh=hier["etp"], ep_mesh=hier["ep"], edp_mesh=hier["edp"],
-                etp_ep_mesh=etp_ep)
+                etp_ep_mesh=etp_ep, expert_mesh=hier[("ep", "etp")])
 
 
 def build_state(config: ParallelConfig, *, device_type: str | None = None) -> ParallelState:

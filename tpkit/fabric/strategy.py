@@ -379,14 +379,6 @@ class TPKitStrategy(ParallelStrategy):
             raise TypeError("TPKitStrategy.save_checkpoint(storage_options=...) is not "
                             "supported: it writes torch.distributed.checkpoint directories, "
                             "not through a CheckpointIO plugin")
-        s = self.parallel_state
-        if s.ep_size * s.etp_size > 1 and any(
-                is_expert(p) for m in self._modules for p in m.parameters()):
-            raise ValueError(f"sharded checkpoints of expert weights at ep={s.ep_size}, "
-                             f"etp={s.etp_size} are not supported yet (each rank holds "
-                             "other experts); save a full state dict instead: "
-                             "tpkit.checkpoint.full_state_dict(model) on every rank, "
-                             "torch.save on rank 0 (it loads at any ep through fabric.load_raw)")
         checkpoint.save(self.broadcast(str(path)), state, filter=filter)
 
     def load_checkpoint(self, path, state=None, strict: bool = True,

@@ -154,7 +154,9 @@ class MoE(ParallelModule):
         self.activation = activation
         self._gated = activation in _GATED
         self._act = (_GATED if self._gated else _PLAIN)[activation]
-        kw = dict(device=device, dtype=dtype)
+        # as tpkit's other layers: real shards on the layout's device by default, also
+        # under Fabric's init_module(empty_init=True), which puts plain modules on meta
+        kw = dict(device=s.device if device is None else device, dtype=dtype)
         self.router_weight = nn.Parameter(torch.empty(num_experts, hidden_size, **kw))
         width = ffn_local * (2 if self._gated else 1)
         self.experts_fc1 = nn.Parameter(torch.empty(self.local_experts, hidden_size, width, **kw))
