@@ -105,10 +105,15 @@ class GPT(nn.Module):
 
     def pp_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         targets = shard_sequence(targets, 1, self.state).t().contiguous()
-        loss = vocab_parallel_cross_entropy(logits, targets).mean()
-        for moe in self.moe_layers():   # the router losses (this rank's share, docs/moe.md)
-            loss = loss + moe.aux_loss
-        return loss
+        return vocab_parallel_cross_entropy(logits, targets).mean()
+
+    def pp_aux_loss(self, layer: nn.Module) -> torch.Tensor | None:
+        """The router losses of ``layer``'s last forward (this rank's share, docs/moe.md),
+        None for a dense layer: forward adds them to the loss; a pipeline stage attaches
+        their gradient to its activations (tpkit.pipeline)."""
+        from tpkit.nn import MoE
+        aux = [m.aux_loss for m in layer.modules() if isinstance(m, MoE)]
+        return sum(aux) if aux else None
 
     def moe_layers(self) -> list:
         """The MoE layers of this model (their ``aux_loss``/``last_routing`` after a
@@ -126,7 +131,12 @@ class GPT(nn.Module):
         x = self.pp_stem(tokens)
         for layer in self.layers:
             x = self.pp_block(layer, x)
-        return self.pp_loss(self.pp_head(x), targets)
+        loss = self.pp_loss(self.pp_head(x), targets)
+        for layer in self.layers:
+            aux = self.pp_aux_loss(layer)
+            if aux is not None:
+                loss = loss + aux
+        return loss
 
     def _packed_loss(self, tokens, labels, position_ids, packed) -> torch.Tensor:
         if self._te_blocks:

@@ -127,33 +127,39 @@ def add_pipeline_args(ap: argparse.ArgumentParser) -> None:
 
 def check_pipeline(args, state) -> None:
     """The pipeline options against the layout ``state``: ValueError naming the flag and
-    the fix (tpkit.pipeline.plan_pipeline's checks, in train.py's words)."""
+    the fix (tpkit.pipeline.plan_pipeline's checks, in train.py's words). At pp=1,
+    --microbatches is gradient accumulation over that many micro-batches."""
     from tpkit.pipeline import plan_pipeline
-    pp = state.pp_size
+    pp, m = state.pp_size, microbatches(args, state)
     if pp == 1:
-        given = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
-                 ("microbatches", "virtual_stages") if getattr(args, k) is not None]
+        given = [f"--virtual-stages={args.virtual_stages}"] \
+            if args.virtual_stages is not None else []
         if args.pp_schedule != "1F1B":
             given.append(f"--pp-schedule={args.pp_schedule}")
         if given:
             raise ValueError(f"{', '.join(given)} only apply with pipeline stages (pp=1 here); "
                              "add --pp N (N > 1) or drop them")
-        return
-    for flag, bad in (("--init-from-hf", args.init_from_hf), ("--pack", args.pack),
-                      (f"--moe-experts {args.moe_experts}", args.moe_experts),
-                      ("--data-parallel fsdp", args.data_parallel == "fsdp"),
-                      (f"--precision {args.precision}", args.precision != "32-true")):
-        if bad:
-            raise ValueError(f"{flag} with --pp {pp}: pipelined training runs the dense "
-                             "reference GPT in float32 with DDP so far; drop it or use --pp 1")
-    m = microbatches(args, state)
-    try:
-        plan_pipeline(pp=pp, num_blocks=args.layers, microbatches=m,
-                      schedule=args.pp_schedule, virtual_stages=args.virtual_stages,
-                      recompute=args.recompute)
-    except ValueError as e:
-        raise ValueError(f"--pp {pp} --layers {args.layers} --microbatches {m} --pp-schedule "
-                         f"{args.pp_schedule}: {e}") from None
+        if args.microbatches is not None and (args.pack or args.init_from_hf):
+            raise ValueError(f"--microbatches={m} (gradient accumulation at pp=1) runs the "
+                             "reference GPT on token batches; drop --pack/--init-from-hf or "
+                             "--microbatches")
+    else:
+        for flag, bad in (("--init-from-hf", args.init_from_hf), ("--pack", args.pack),
+                          ("--data-parallel fsdp", args.data_parallel == "fsdp"),
+                          (f"--precision {args.precision}", args.precision != "32-true")):
+            if bad:
+                raise ValueError(f"{flag} with --pp {pp}: pipelined training runs the "
+                                 "reference GPT in float32 with DDP so far; drop it or use "
+                                 "--pp 1")
+        try:
+            plan_pipeline(pp=pp, num_blocks=args.layers, microbatches=m,
+                          schedule=args.pp_schedule, virtual_stages=args.virtual_stages,
+                          recompute=args.recompute)
+        except ValueError as e:
+            raise ValueError(f"--pp {pp} --layers {args.layers} --microbatches {m} "
+                             f"--pp-schedule {args.pp_schedule}: {e}") from None
+    if m < 1:
+        raise ValueError(f"--microbatches={m} must be >= 1")
     if (args.global_batch // state.dp_size) % m:
         raise ValueError(f"--global-batch={args.global_batch} does not split into dp x "
                          f"microbatches = {state.dp_size} x {m}; use a multiple of "
@@ -161,7 +167,20 @@ def check_pipeline(args, state) -> None:
 
 
 def microbatches(args, state) -> int:
-    return args.microbatches if args.microbatches is not None else 2 * state.pp_size
+    if args.microbatches is not None:
+        return args.microbatches
+    return 2 * state.pp_size if state.pp_size > 1 else 1
+
+
+def local_rows(args, state) -> torch.Tensor:
+    """The global batch's rows this dp rank trains on. With m micro-batches, micro-batch
+    i of the step is the same global rows [i*G/m, (i+1)*G/m) at every layout, each dp rank
+    taking its contiguous share of it (the MoE load-balancing loss, computed per
+    micro-batch over the dp ranks, is then the same at every layout)."""
+    m, dp = microbatches(args, state), state.dp_size
+    per = args.global_batch // (m * dp)
+    return torch.cat([torch.arange(per) + i * per * dp + state.dp_rank * per
+                      for i in range(m)])
 
 
 def pipeline_stages(args, state) -> list[str]:
@@ -201,14 +220,20 @@ def setup_model(fabric, model, args):
     return model, fabric.setup_optimizers(adamw(model.parameters()))
 
 
-def forward_backward(fabric, model, x, y) -> torch.Tensor:
+def forward_backward(fabric, model, x, y, args) -> torch.Tensor:
     """One batch's forward and backward; the loss of this rank's tokens (pp > 1: every
     stage gets it from the last, tpkit.pipeline)."""
-    if fabric.strategy.parallel_state.pp_size > 1:
+    state = fabric.strategy.parallel_state
+    if state.pp_size > 1:
         return fabric.strategy.pipeline_step(x, target=y)
-    loss = model(x, y)
-    fabric.backward(loss)
-    return loss
+    m = microbatches(args, state)
+    total = 0.0
+    for i, (xi, yi) in enumerate(zip(x.chunk(m), y.chunk(m))):   # gradient accumulation
+        with fabric.no_backward_sync(model, enabled=i < m - 1):
+            loss = model(xi, yi) / m
+            fabric.backward(loss)
+        total = total + loss.detach()
+    return total
 
 
 # --- packed documents (tpkit.data.pack_sequences, THD attention) ---------------------------
@@ -497,14 +522,21 @@ def moe_config(args) -> dict:
                 moe_capacity_factor=args.moe_capacity_factor)
 
 
-def moe_report(model) -> str:
+def moe_report(model, args, state) -> str:
     """The aux loss and per-expert token load (min / max over experts, summed over the
-    MoE layers) of the last step's micro-batch on this rank's data-parallel replica."""
-    layers = model.moe_layers() if hasattr(model, "moe_layers") else []
-    if not layers:
+    MoE layers) of the last step's last micro-batch on this rank's data-parallel replica,
+    over every pipeline stage's MoE layers (collective over pp_group at pp > 1)."""
+    if not args.moe_experts:
         return ""
-    aux = sum(float(m.aux_loss.detach()) for m in layers)
-    load = torch.stack([m.last_routing.tokens_per_expert for m in layers]).sum(0)
+    layers = model.moe_layers()   # this rank's stages' own at pp > 1
+    stats = torch.zeros(1 + args.moe_experts, dtype=torch.float64)
+    for m in layers:
+        stats[0] += float(m.aux_loss.detach())
+        stats[1:] += m.last_routing.tokens_per_expert.detach().cpu().double()
+    if state.pp_size > 1:
+        from tpkit.collectives import all_reduce_sum
+        stats = all_reduce_sum(stats.to(state.device), state.pp_group).cpu()
+    aux, load = float(stats[0]), stats[1:]
     return f"  aux {aux:.4f}  load {int(load.min())}-{int(load.max())}"
 
 
@@ -529,10 +561,13 @@ def make_fabric(args):
     accelerator = "cuda" if torch.cuda.is_available() else "cpu"
     local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     nodes = max(1, int(os.environ.get("WORLD_SIZE", local)) // local)
+    from tpkit.config import ParallelConfig
+    pipelined = ParallelConfig.from_env(pp=args.pp).pp > 1   # else --microbatches accumulates
     strategy = TPKitStrategy(tp=args.tp, cp=args.cp, pp=args.pp,
                              sequence_parallel=args.sequence_parallel,
                              cp_comm_type=args.cp_comm_type, data_parallel=args.data_parallel,
-                             seed=args.seed, microbatches=args.microbatches,
+                             seed=args.seed,
+                             microbatches=args.microbatches if pipelined else None,
                              pp_schedule=args.pp_schedule, virtual_stages=args.virtual_stages,
                              ep=args.ep, etp=args.etp)
     # Lightning takes precision plugin objects through plugins=, not precision=.
@@ -566,7 +601,6 @@ def train(args) -> list[float]:
         start = rec.resume(saved)
     data, _ = corpus.split(corpus.tokens())
     docs = corpus.documents(data) if args.pack else None
-    local_batch = args.global_batch // state.dp_size
     losses, t_last, tokens_since = [], time.perf_counter(), 0
     for step in range(start, args.steps):
         t_step = time.perf_counter()
@@ -577,9 +611,9 @@ def train(args) -> list[float]:
             fabric.backward(loss)
         else:
             x, y = corpus.batch(data, step, args.global_batch, args.seq_len, seed=args.seed)
-            rows = slice(state.dp_rank * local_batch, (state.dp_rank + 1) * local_batch)
+            rows = local_rows(args, state)
             x, y = x[rows].to(fabric.device), y[rows].to(fabric.device)
-            loss = forward_backward(fabric, model, x, y)
+            loss = forward_backward(fabric, model, x, y, args)
         if args.clip > 0:
             fabric.clip_gradients(model, optimizer, max_norm=args.clip)
         optimizer.step()
@@ -590,10 +624,12 @@ def train(args) -> list[float]:
         losses.append(report.item() / state.dp_cp_size)
         tokens_since += args.global_batch * args.seq_len
         last = step == args.steps - 1
+        if step % args.log_every == 0 or last:
+            moe = moe_report(raw_model, args, state)   # every stage joins at pp > 1
         if state.rank == 0 and (step % args.log_every == 0 or last):
             dt = time.perf_counter() - t_last
             print(f"step {step:5d}  loss {losses[-1]:.6f}  lr {lr_at(step, args):.2e}  "
-                  f"{tokens_since / dt:,.0f} tokens/s" + moe_report(raw_model), flush=True)
+                  f"{tokens_since / dt:,.0f} tokens/s" + moe, flush=True)
             t_last, tokens_since = time.perf_counter(), 0
         if rec.step_end(step, saved, last=last, seconds=own_time):
             break

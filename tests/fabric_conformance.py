@@ -182,6 +182,13 @@ def fp8_linear(x, w, b=None):
 
 # --- the run -------------------------------------------------------------------------------
 class Run:
+    def train_step(self, model, tok, tgt):
+        """Forward and backward of this rank's batch; its loss (pp > 1: PPRun's
+        pipeline_step)."""
+        loss = loss_fn(model(tok), tgt)
+        self.fabric.backward(loss)
+        return loss.detach()
+
     def __init__(self, layout, fabric):
         self.layout, self.fabric = layout, fabric
         self.state = fabric.strategy.parallel_state
@@ -189,7 +196,8 @@ class Run:
         g = torch.Generator().manual_seed(1)
         self.tokens = torch.randint(0, V, (STEPS * B, S), generator=g)
         self.targets = torch.randint(0, V, (STEPS * B, S), generator=g)
-        self.Ref, self.Net = (RefMoE, NetMoE) if layout == "ep" else (Ref, Net)
+        self.Ref, self.Net = {"ep": (RefMoE, NetMoE), "pp": (PPRef, PPNet)}.get(
+            layout, (Ref, Net))
         self.ref = self.Ref()
 
     def check(self, name, fn, *args):
@@ -286,9 +294,8 @@ class Run:
                 with self.fabric.no_backward_sync(model, enabled=skip):
                     self.fabric.backward(loss_fn(model(t), y) / 2)
         else:
-            loss = loss_fn(model(tok), tgt)
-            self.fabric.backward(loss)
-            reported = self.fabric.all_reduce(loss.detach(), group=self.state.dp_cp_group)
+            loss = self.train_step(model, tok, tgt)
+            reported = self.fabric.all_reduce(loss, group=self.state.dp_cp_group)
             torch.testing.assert_close(reported, ref_loss.detach(), **TOL)
         if kind == "clip_gradients_norm":
             big = 1e9   # no clipping: the inf norm (Fabric: norm_type may be 'inf')
@@ -403,9 +410,9 @@ class Run:
         ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
         net, model, opt = self.new_model(torch.optim.Adam, lr=0.01)
         (tok, tgt), (gtok, gtgt) = self.batch(0)
-        for m, o, x, y in ((model, opt, tok, tgt), (ref, ref_opt, gtok, gtgt)):
-            loss = loss_fn(m(x), y)
-            f.backward(loss) if m is model else loss.backward()
+        self.train_step(model, tok, tgt)
+        loss_fn(ref(gtok), gtgt).backward()
+        for o in (opt, ref_opt):
             o.step()
             o.zero_grad()
         self.expect(net, ref)
@@ -420,7 +427,7 @@ class Run:
 
     def resume_step(self, net, model, opt):
         (tok, tgt), _ = self.batch(1)
-        self.fabric.backward(loss_fn(model(tok), tgt))
+        self.train_step(model, tok, tgt)
         opt.step()
         opt.zero_grad()
         self.expect(net, self.next_ref)
@@ -613,6 +620,199 @@ def fsdp_checks(run, sp):
         fabric.strategy.teardown()
 
 
+# --- the pipeline layout: pp=2 x dp=2 (tp=1), a model of two blocks -----------------------
+class RefBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(H)
+        self.fc1, self.fc2 = nn.Linear(H, 2 * FF), nn.Linear(FF, H)   # fc1: [gate; up]
+        with torch.no_grad():
+            self.norm.weight.uniform_(0.5, 1.5)
+            self.norm.bias.uniform_(-0.5, 0.5)
+
+    def forward(self, x):
+        gate, up = self.fc1(self.norm(x)).chunk(2, -1)
+        return x + self.fc2(F.silu(gate) * up)
+
+
+class PPRef(nn.Module):
+    """The single-process reference of the pipelined model (batch-first tokens)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(V, H)
+        self.blocks = nn.ModuleList([RefBlock(), RefBlock()])
+        self.head = nn.Linear(H, V)
+
+    def forward(self, tokens):
+        x = self.emb(tokens)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = LayerNorm(H)
+        self.fc1 = ColumnParallelLinear(H, 2 * FF, partition_sizes=(FF, FF))
+        self.fc2 = RowParallelLinear(FF, H)
+
+    def forward(self, x):
+        gate, up = self.fc1(self.norm(x)).chunk(2, -1)
+        return x + self.fc2(F.silu(gate) * up)
+
+
+class PPNet(nn.Module):
+    """The same model of tpkit layers with the pipeline protocol (docs/pipeline.md)."""
+    pp_blocks, pp_stem_modules, pp_head_modules = "blocks", ("emb",), ("head",)
+
+    def __init__(self):
+        super().__init__()
+        self.emb = VocabParallelEmbedding(V, H)
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.head = nn.Linear(H, V)
+
+    def pp_stem(self, tokens):               # [b, s] -> [s, b, h]
+        return self.emb(tokens.t().contiguous())
+
+    def pp_block(self, block, x):
+        return block(x)
+
+    def pp_head(self, x):
+        return self.head(x)
+
+    def pp_loss(self, logits, targets):
+        return loss_fn(logits, targets.t())
+
+
+class PPRun(Run):
+    """The checks that apply at pp > 1, with ``strategy.pipeline_step`` where pp=1 calls
+    ``model(x)`` and ``fabric.backward`` (tp=1: a shard is the whole tensor)."""
+
+    def train_step(self, model, tok, tgt):
+        return self.fabric.strategy.pipeline_step(tok, target=tgt)
+
+    def sync(self, net, ref=None):
+        full = (ref or self.ref).state_dict()
+        with torch.no_grad():
+            for n, p in net.named_parameters():
+                p.copy_(full[n])
+
+    def expect(self, net, ref, what="weights", **tol):
+        want = dict(ref.named_parameters())
+        for n, p in net.named_parameters():
+            got, w = (p.grad, want[n].grad) if what == "grads" else (p.detach(), want[n])
+            torch.testing.assert_close(got, w.detach(), **(tol or TOL),
+                                       msg=lambda m: f"{what} {n}: {m}")
+
+    def batch(self, step):
+        """This rank's rows of ``step`` (batch-first) and the global batch."""
+        b = B // self.state.dp_size
+        rows = slice(step * B + self.state.dp_rank * b, step * B + (self.state.dp_rank + 1) * b)
+        s = slice(step * B, (step + 1) * B)
+        return (self.tokens[rows], self.targets[rows]), (self.tokens[s], self.targets[s])
+
+    def setup_and_dataloaders(self):
+        f, st = self.fabric, self.state
+        net = PPNet()
+        early = torch.optim.SGD(net.parameters(), lr=0.1)
+        other = pp_fabric()
+        expect_error(ValueError, "optimizer must be created after the module is split",
+                     other.setup, net, early)
+        other.strategy.teardown()
+        net, model, opt = self.new_model()
+        mine = {n for n, _ in net.named_parameters()}
+        want = {"emb.weight"} | {k for k in self.ref.state_dict() if k.startswith("blocks.0.")}
+        if st.pp_rank == 1:
+            want = {k for k in self.ref.state_dict() if k not in want}
+        assert mine == want, (sorted(mine), sorted(want))   # this stage's parameters only
+        expect_error(RuntimeError, "pipeline_step", model, self.tokens[:2])
+        ds = torch.utils.data.TensorDataset(self.tokens, self.targets)
+        loader = f.setup_dataloaders(torch.utils.data.DataLoader(ds, batch_size=B // 2))
+        assert (loader.sampler.num_replicas, loader.sampler.rank) == (st.dp_size, st.dp_rank)
+        self.model = (net, model, opt)
+
+    def load_raw(self):
+        net, model, opt = self.new_model(ref=self.Ref())
+        with torch.no_grad():
+            for p in net.parameters():
+                p.mul_(0.5)   # not the reference's weights
+        self.fabric.load_raw(self.save_raw(self.ref.state_dict(), "ref"), model)
+        self.expect(net, self.ref)   # the other stage's keys are not "unexpected"
+        bogus = self.save_raw({**self.ref.state_dict(), "bogus": torch.zeros(1)}, "bogus")
+        expect_error(KeyError, "bogus", self.fabric.load_raw, bogus, model)   # strict
+
+    def saved_optimizer_loads(self, osd):
+        """The per-parameter state of every stage, by name, equals the reference's (at
+        pp > 1 the param groups' name lists are the writing rank's stage's: README)."""
+        _, ref_at_save, ref_osd = self.saved
+        names = [n for n, _ in ref_at_save.named_parameters()]
+        assert sorted(osd["state"]) == sorted(names), sorted(osd["state"])
+        assert osd["param_groups"][0]["lr"] == 0.01
+        for i, entry in ref_osd["state"].items():
+            for k, v in entry.items():
+                torch.testing.assert_close(osd["state"][names[i]][k], v, **TOL)
+
+    def refused(self):
+        """What cannot apply at pp > 1, each with the error docs/integrations.md lists."""
+        expect_error(RuntimeError, "pipeline_step needs TPKitStrategy(pp > 1)",
+                     TPKitStrategy().pipeline_step, self.tokens[:2], target=self.targets[:2])
+        expect_error(ValueError, "data_parallel='fsdp' with pp=2", TPKitStrategy, pp=2,
+                     data_parallel="fsdp")
+        expect_error(ValueError, "TPKitStrategy(pp > 1) pipelines one model",
+                     self.fabric.setup_module, PPNet())
+
+
+PP_CHECKS = ["setup", "pipeline_step", "clip_gradients_norm", "clip_gradients_value",
+             "collectives", "save", "load_without_state", "load_remainder", "load_into_state",
+             "load_strict", "load_raw_model", "refused"]
+
+
+def pp_fabric():
+    fabric = Fabric(strategy=TPKitStrategy(tp=1, pp=2, sequence_parallel=False,
+                                           microbatches=2),
+                    accelerator="cpu", devices=int(os.environ.get("WORLD_SIZE", 4)),
+                    plugins=[TPKitPrecision("32-true")])
+    fabric.launch()
+    return fabric
+
+
+def pipeline_conformance():
+    """pp=2 x dp=2 (1F1B, 2 micro-batches): each Fabric call that applies at pp > 1."""
+    fabric = pp_fabric()
+    run = PPRun("pp", fabric)
+    s = run.state
+    assert (s.pp_size, s.dp_size, s.tp_size) == (2, 2, 1), (s.pp_size, s.dp_size)
+
+    def fresh(fn):   # TPKitStrategy(pp > 1) pipelines one model: a Fabric per model
+        def check():
+            run.fabric = pp_fabric()   # the same layout, reused
+            try:
+                fn()
+            finally:
+                run.fabric.strategy.teardown()
+                run.fabric = fabric
+        return check
+    run.check("setup", run.setup_and_dataloaders)
+    for kind, name in (("backward", "pipeline_step"), ("clip_gradients_norm",) * 2,
+                       ("clip_gradients_value",) * 2):
+        run.check(name, run.step_check, kind)
+    run.check("collectives", run.collectives)
+    run.check("save", fresh(run.checkpoints))
+    if run.errors.get("pp/save", "failed") is None:
+        for name, fn in (("load_without_state", run.load_whole),
+                         ("load_remainder", fresh(run.load_remainder)),
+                         ("load_into_state", fresh(run.load_state)),
+                         ("load_strict", fresh(run.strict)),
+                         ("load_raw_model", fresh(run.load_raw)),
+                         ("refused", run.refused)):
+            run.check(name, fn)
+    fabric.strategy.teardown()
+    return run.errors
+
+
 def fsdp_refused(run):
     """data_parallel="fsdp" with expert weights: a ValueError naming the fix."""
     fabric = Fabric(strategy=TPKitStrategy(data_parallel="fsdp"), accelerator="cpu",
@@ -666,6 +866,7 @@ def main():
     else:
         errors = conformance("sp", "tpkit")
         errors.update(conformance("nosp", TPKitStrategy(sequence_parallel=False)))
+        errors.update(pipeline_conformance())
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, errors)
     if dist.get_rank() == 0:

@@ -42,6 +42,11 @@ CHECKS = [
     "save_filter",
     "autocast[bf16-mixed]", "autocast[16-mixed]", "autocast[fp8]",
 ]
+# the pipeline layout (pp=2 x dp=2), in the same launch as "sp"/"nosp": the calls that
+# apply with TPKitStrategy(pp=2), strategy.pipeline_step in place of model(x) + backward
+PP_CHECKS = ["setup", "pipeline_step", "clip_gradients_norm", "clip_gradients_value",
+             "collectives", "save", "load_without_state", "load_remainder", "load_into_state",
+             "load_strict", "load_raw_model", "refused"]
 # At the expert layout: FSDP is refused with experts (checked), autocast is not run.
 EP_CHECKS = [c for c in CHECKS if not c.startswith(("fsdp_", "autocast"))] + ["fsdp_refused"]
 
@@ -61,7 +66,10 @@ def _run(cmd, env, tmp, cwd=None, layouts=LAYOUTS, checks=CHECKS) -> dict:
                           capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
     report = json.loads(out.read_text())
-    assert sorted(report) == sorted(f"{lay}/{c}" for lay in layouts for c in checks)
+    want = [f"{lay}/{c}" for lay in layouts for c in checks]
+    if layouts == LAYOUTS:   # the pipeline layout runs in the same launch
+        want += [f"pp/{c}" for c in PP_CHECKS]
+    assert sorted(report) == sorted(want)
     return report
 
 
@@ -82,6 +90,14 @@ def test_fabric_call_under_tpkit_launch(tpkit_launch_report, check):
     assert not _failures(tpkit_launch_report, check), _failures(tpkit_launch_report, check)
 
 
+@pytest.mark.parametrize("check", PP_CHECKS)
+def test_fabric_call_at_pp2(tpkit_launch_report, check):
+    """The same launch at pp=2 x dp=2: strategy.pipeline_step where pp=1 calls the model
+    and backward; clipping, checkpoints and collectives against a single-process model."""
+    err = _failures(tpkit_launch_report, check, ("pp",))
+    assert not err, err
+
+
 def test_every_fabric_call_under_fabrics_own_launcher(tmp_path):
     """``python script.py``: Fabric's subprocess launcher starts ranks 1-3; the layout of
     ``Fabric(strategy="tpkit")`` comes from TPKIT_*."""
@@ -90,7 +106,9 @@ def test_every_fabric_call_under_fabrics_own_launcher(tmp_path):
         port = s.getsockname()[1]
     env = _env(TPKIT_TP="2", TPKIT_SEQUENCE_PARALLEL="1", MASTER_PORT=str(port))
     report = _run([sys.executable], env, tmp_path, cwd=tmp_path)
-    failed = "\n".join(_failures(report, c) for c in CHECKS if _failures(report, c))
+    failed = "\n".join([_failures(report, c) for c in CHECKS if _failures(report, c)]
+                       + [_failures(report, c, ("pp",)) for c in PP_CHECKS
+                          if _failures(report, c, ("pp",))])
     assert not failed, failed
 
 

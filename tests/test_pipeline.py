@@ -314,12 +314,18 @@ TRAIN_SMALL = ["--steps", "20", "--hidden", "32", "--layers", "4", "--heads", "4
                "--gqa-groups", "2", "--ffn", "64", "--seq-len", "16", "--global-batch", "8",
                "--warmup", "5", "--log-every", "100"]
 INTERLEAVED = ["--pp-schedule", "Interleaved1F1B"]
+# MoE (docs/moe.md): blocks 1 and 3 are MoE, so one sits in a non-last stage at pp=2;
+# the load-balancing loss is per micro-batch, so the reference runs the same 2 micro-batches
+# (gradient accumulation at pp=1; micro-batch i is the same global rows at every layout)
+# (a large aux coefficient, so that a wrong aux gradient shows well above the tolerance)
+MOE = ["--moe-experts", "4", "--moe-topk", "2", "--moe-every", "2", "--moe-aux-coeff",
+       "0.5", "--microbatches", "2"]
 
 
-def _train_reference():
+def _train_reference(extra=()):
     sys.path.insert(0, os.path.join(ROOT, "launch"))
     import train
-    return train.main(TRAIN_SMALL)
+    return train.main(TRAIN_SMALL + list(extra))
 
 
 def _launch_train(world, runs, tmp_path):
@@ -348,12 +354,21 @@ def _launch_train(world, runs, tmp_path):
 
 def test_train_py_launched_parity(tmp_path):
     """launch/train.py under tpkit-launch, 20 steps at (pp, tp, cp, dp) = (2,1,1,1),
-    (2,2,1,1), (2,1,2,1), (2,1,1,2), (4,1,1,1), with 1F1B and Interleaved1F1B, with
-    --sequence-parallel and --recompute: the loss curve of one process (pp=1) within
-    1e-5 relative. A checkpoint written at (pp=2, tp=2) after 10 steps resumes at pp=4
-    and at pp=1 (tp=2, dp=2) with the losses of the uninterrupted run."""
+    (2,2,1,1), (2,1,2,1), (2,1,1,2), (4,1,1,1), with 1F1B and Interleaved1F1B (also at
+    pp=4 with 8 layers), with --sequence-parallel and --recompute: the loss curve of one
+    process (pp=1) within 1e-5 relative. A checkpoint written at (pp=2, tp=2) after 10
+    steps resumes at pp=4 and at pp=1 (tp=2, dp=2) with the losses of the uninterrupted
+    run. A mixture of experts (4 experts, ep=2) at pp=2 x dp=2 (1F1B) and pp=2 x tp=2 with
+    SP (Interleaved1F1B, recompute): the curve of one process (pp=1, ep=1) with the same
+    micro-batches, the aux loss of the first stage's MoE layer included."""
     reference = run(_train_reference, 1)[0]
     assert reference[-1] < reference[0] - 0.3, reference   # it learns
+    # (the same 4 micro-batches as the pipeline: 8 layers drift apart by rounding otherwise)
+    ref8 = run(_train_reference, 1, ["--layers", "8", "--microbatches", "4"])[0]
+    ref_moe = run(_train_reference, 1, MOE)[0]
+    # the aux loss makes the curve depend on the micro-batches: the check can tell
+    whole = run(_train_reference, 1, MOE[:-2])[0]
+    assert max(abs(a - b) / b for a, b in zip(whole, ref_moe)) > 100 * TOL, (whole, ref_moe)
     ckpt = str(tmp_path / "ckpt")
     m4 = ["--microbatches", "4"]
     got = _launch_train(4, {
@@ -366,6 +381,11 @@ def test_train_py_launched_parity(tmp_path):
         "pp2cp2-interleaved-recompute": ["--pp", "2", "--cp", "2", *m4, *INTERLEAVED,
                                          "--recompute"],
         "pp2dp2-interleaved": ["--pp", "2", "--microbatches", "2", *INTERLEAVED],
+        "pp4-interleaved-8layers": ["--pp", "4", "--layers", "8", *m4, *INTERLEAVED],
+        "moe-pp2dp2-ep2": ["--pp", "2", "--ep", "2", *MOE],
+        "moe-pp2tp2-ep2-sp-interleaved-recompute": [
+            "--pp", "2", "--tp", "2", "--sequence-parallel", "--ep", "2", "--etp", "1",
+            *MOE, *INTERLEAVED, "--recompute"],
         "resume-pp4": ["--pp", "4", *m4, "--resume", os.path.join(ckpt, "step000010")],
         "resume-pp1": ["--tp", "2", "--resume", os.path.join(ckpt, "step000010")],
     }, tmp_path)
@@ -373,7 +393,8 @@ def test_train_py_launched_parity(tmp_path):
                                  "pp2-interleaved": ["--pp", "2", *m4, *INTERLEAVED]},
                              tmp_path))
     for name, losses in got.items():
-        want = reference[10:] if name.startswith("resume") else reference
+        want = reference[10:] if name.startswith("resume") else \
+            ref8 if "8layers" in name else ref_moe if name.startswith("moe") else reference
         assert len(losses) == len(want), name
         for i, (x, y) in enumerate(zip(losses, want)):
             assert abs(x - y) <= TOL * abs(y), f"{name} step {i}: {x} vs {y}"

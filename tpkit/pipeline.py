@@ -12,7 +12,13 @@ small protocol (docs/pipeline.md):
 - ``pp_stem(*inputs) -> hidden``, ``pp_block(block, hidden) -> hidden``,
   ``pp_head(hidden) -> output`` and ``pp_loss(output, target) -> scalar mean loss``;
 - optionally ``pp_recompute``: True when ``pp_block`` recomputes activations (the
-  zero-bubble schedules refuse it).
+  zero-bubble schedules refuse it);
+- optionally ``pp_aux_loss(block) -> scalar or None``: an auxiliary loss the block's last
+  forward produced (an MoE layer's router losses, tpkit.nn.MoE) that the model adds to
+  its loss at pp=1. The stage attaches its gradient to the block's output activations
+  (Megatron-Core's MoEAuxLossAutoScaler idea), scaled per micro-batch like the main loss,
+  so that it reaches the router and everything before it in every stage although only
+  the last stage calls ``pp_loss``; ``Pipeline.step``'s loss includes it.
 
 Inside a stage the tpkit layers keep TP/SP/CP exactly as without pipelining: what travels
 between stages is the stage's local activation (``[s/cp(/tp), b, h]``), sent between the
@@ -24,7 +30,10 @@ Gradients: each micro-batch's loss is divided by the number of micro-batches bef
 backward, so after a step the gradients are those of the batch mean, exactly as one
 ``loss.backward()`` of the whole batch at pp=1 (and gradient accumulation over several
 steps stays a plain sum). ``Pipeline.step`` returns that batch-mean loss on every rank of
-the pipeline (computed on the last stage, broadcast over ``pp_group``).
+the pipeline (the last stage's main loss plus every stage's auxiliary losses, summed over
+``pp_group``). Expert weights (tagged ``expert_parallel``) stay out of the dense
+data-parallel average: what a step added to them is summed over ``edp_group`` and divided
+by dp x cp (tpkit.grads.reduce_expert_grads), as at pp=1.
 """
 from __future__ import annotations
 
@@ -33,7 +42,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .collectives import all_reduce_flat, broadcast
+from .collectives import all_reduce_flat, all_reduce_sum
+from .grads import reduce_expert_grads
+from .param_tags import is_expert
 from .topology import resolve_state
 
 __all__ = ["SCHEDULES", "PipelinePlan", "plan_pipeline", "Pipeline", "PipelineStageModule",
@@ -176,10 +187,15 @@ class PipelineStageModule(nn.Module):
     """One stage: the stem (first stage), blocks ``blocks`` of the model's list under their
     global indices, the head (last stage). ``forward`` runs the model's pp_* methods."""
 
-    def __init__(self, model: nn.Module, stage: int, num_stages: int, blocks: range):
+    def __init__(self, model: nn.Module, stage: int, num_stages: int, blocks: range,
+                 aux_scale: float = 1.0):
         super().__init__()
         name, stem, head = _protocol(model)
         self.stage_index, self.num_stages = stage, num_stages
+        # pp_aux_loss: its gradient's scale (1 / micro-batches) and each forward's sum
+        # (torch's first step runs one more forward for shape inference: Pipeline.step
+        # counts the last micro-batches' entries)
+        self.aux_scale, self.aux_values = float(aux_scale), []
         self.is_first, self.is_last = stage == 0, stage == num_stages - 1
         self._blocks_name = name
         # The model's pp_* methods run on a shallow copy holding only stem/head/shared
@@ -200,13 +216,37 @@ class PipelineStageModule(nn.Module):
 
     def forward(self, *args):
         m = self._shell
+        aux_of = getattr(m, "pp_aux_loss", None)
         h = m.pp_stem(*args) if self.is_first else args[0]
+        total = None
         for block in getattr(self, self._blocks_name).values():
             h = m.pp_block(block, h)
+            aux = aux_of(block) if aux_of is not None and torch.is_grad_enabled() else None
+            if aux is not None:
+                h = _AttachAuxLoss.apply(h, aux, self.aux_scale)
+                total = aux.detach() if total is None else total + aux.detach()
+        if total is not None:
+            self.aux_values.append(total)
         return m.pp_head(h) if self.is_last else h
 
     def extra_repr(self) -> str:
         return f"stage {self.stage_index} of {self.num_stages}"
+
+
+class _AttachAuxLoss(torch.autograd.Function):
+    """Identity on ``hidden``; backward also gives ``aux`` the gradient ``scale`` (as if
+    ``scale * aux`` had been added to the loss), so an auxiliary loss computed inside a
+    stage is trained without travelling to the last stage's loss."""
+
+    @staticmethod
+    def forward(ctx, hidden, aux, scale):
+        ctx.aux_shape, ctx.aux_dtype, ctx.scale = aux.shape, aux.dtype, scale
+        return hidden.view_as(hidden)
+
+    @staticmethod
+    def backward(ctx, grad):
+        aux_grad = torch.full(ctx.aux_shape, ctx.scale, dtype=ctx.aux_dtype, device=grad.device)
+        return grad, aux_grad, None
 
 
 class PipelineModule(nn.Module):
@@ -245,12 +285,15 @@ def _drop_unused(model: nn.Module, keep: list[PipelineStageModule]) -> None:
 class Pipeline:
     """This rank's stages and the schedule that runs them; see :func:`build_pipeline`."""
 
-    def __init__(self, plan: PipelinePlan, stage_modules, schedule, state, *, average: bool):
+    def __init__(self, plan: PipelinePlan, stage_modules, schedule, state, *, average: bool,
+                 reduce_experts: bool = False):
         self.plan, self.stage_modules, self.schedule, self.state = \
             plan, stage_modules, schedule, state
-        self._average = average
+        self._average, self._reduce_experts = average, reduce_experts
         self.module = PipelineModule([_unwrap(m) for m in stage_modules])
         self.has_last_stage = any(_unwrap(m).is_last for m in stage_modules)
+        self._experts = [p for p in self.module.parameters() if is_expert(p)]
+        self._dense = [p for p in self.module.parameters() if not is_expert(p)]
 
     def step(self, *inputs, target: torch.Tensor) -> torch.Tensor:
         """Forward and backward of one batch through every stage; gradients accumulate
@@ -258,16 +301,35 @@ class Pipeline:
         every rank of the pipeline. Every rank passes the same batch (the first stage
         reads ``inputs``, the last ``target``)."""
         losses: list[torch.Tensor] = []
+        stages = [_unwrap(m) for m in self.stage_modules]
+        for st in stages:
+            st.aux_values = []
+        s = self.state
+        # Expert gradients: only what this step adds is reduced (the sum over edp is not
+        # idempotent, unlike an average), so earlier steps' accumulated parts are set aside.
+        reduce_experts = self._reduce_experts and (s.edp_size > 1 or s.dp_cp_size > 1)
+        base = [(p.grad, p.grad.detach().clone()) for p in self._experts
+                if p.grad is not None] if reduce_experts else []
         self.schedule.step(*inputs, target=target, losses=losses, return_outputs=False)
         if self._average:
-            grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-            all_reduce_flat(grads, self.state.dp_cp_group)
-            torch._foreach_div_(grads, float(self.state.dp_cp_size))
+            grads = [p.grad for p in self._dense if p.grad is not None]
+            all_reduce_flat(grads, s.dp_cp_group)
+            torch._foreach_div_(grads, float(s.dp_cp_size))
+        if reduce_experts:
+            for g, b in base:
+                g.sub_(b)
+            reduce_expert_grads(self._experts, s)
+            for g, b in base:
+                g.add_(b)
         device = next(iter(self.module.parameters())).device
         loss = torch.stack([x.detach().float() for x in losses]).sum() if losses \
             else torch.zeros((), dtype=torch.float32, device=device)
-        return broadcast(loss.to(device).contiguous(), self.state.pp_group,
-                         self.plan.last_stage_rank)
+        m = self.plan.microbatches
+        for st in stages:   # the micro-batches' auxiliary losses, scaled as the main loss
+            for aux in st.aux_values[-m:]:
+                loss = loss + aux.float().to(device) * st.aux_scale
+            st.aux_values = []
+        return all_reduce_sum(loss.contiguous(), s.pp_group)
 
 
 def _unwrap(m: nn.Module) -> nn.Module:
@@ -282,7 +344,8 @@ def build_pipeline(model: nn.Module, *, microbatches: int, schedule: str = "1F1B
     ``SCHEDULES``) over ``state.pp_group``. The model object is consumed: the modules of
     other ranks' stages are removed from it (use ``Pipeline.module``).
 
-    ``data_parallel`` averages the gradients over ``state.dp_cp_group``: ``"ddp"`` wraps
+    ``data_parallel`` averages the dense gradients over ``state.dp_cp_group`` (and reduces
+    expert weights' over ``edp_group``, see the module docstring): ``"ddp"`` wraps
     each stage module in DistributedDataParallel (reductions overlap the last
     micro-batch's backward; not with the zero-bubble schedules, whose split backward DDP
     does not follow), ``"allreduce"`` issues one flattened all-reduce per dtype after each
@@ -307,7 +370,8 @@ def build_pipeline(model: nn.Module, *, microbatches: int, schedule: str = "1F1B
                          "2.13); use data_parallel='allreduce', or more micro-batches")
     if device is None:
         device = next(iter(model.parameters())).device
-    mine = [PipelineStageModule(model, s, plan.num_stages, plan.blocks_of(s))
+    mine = [PipelineStageModule(model, s, plan.num_stages, plan.blocks_of(s),
+                                aux_scale=1.0 / plan.microbatches)
             for s in plan.stages_of(state.pp_rank)]
     _drop_unused(model, mine)
     ddp = data_parallel == "ddp" and state.dp_cp_size > 1
@@ -320,11 +384,15 @@ def build_pipeline(model: nn.Module, *, microbatches: int, schedule: str = "1F1B
     sched = cls(stages[0] if plan.style == "single" else stages, plan.microbatches,
                 loss_fn=loss_fn, scale_grads=False)
     return Pipeline(plan, wrapped, sched, state,
-                    average=data_parallel == "allreduce" and state.dp_cp_size > 1)
+                    average=data_parallel == "allreduce" and state.dp_cp_size > 1,
+                    reduce_experts=data_parallel is not None)
 
 
 def _ddp(module: nn.Module, state, device: torch.device) -> nn.Module:
     ids = None if device.type == "cpu" else [device.index]
+    # expert weights are summed over edp by Pipeline.step, never averaged over dp x cp
+    nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+        module, [n for n, p in module.named_parameters() if is_expert(p)])
     return nn.parallel.DistributedDataParallel(module, device_ids=ids,
                                                process_group=state.dp_cp_group)
 

@@ -221,11 +221,7 @@ class TPKitStrategy(ParallelStrategy):
         if experts and self._data_parallel == "fsdp":
             raise ValueError("data_parallel='fsdp' does not shard expert weights (tpkit.nn."
                              f"MoE: {experts[0]}, ...) yet; use data_parallel='ddp'")
-        if state.pp_size > 1:
-            if experts:
-                raise ValueError(f"pp={state.pp_size} with expert weights (tpkit.nn.MoE: "
-                                 f"{experts[0]}, ...): TPKitStrategy does not pipeline MoE "
-                                 "models yet; use pp=1")
+        if state.pp_size > 1:   # expert weights: summed over edp by Pipeline.step
             return self._setup_pipeline(module, state)
         if self._data_parallel == "fsdp":
             self._check_optimizers_after(module)
@@ -400,8 +396,14 @@ class TPKitStrategy(ParallelStrategy):
                                  "directory with fabric.load(path, {'model': model, ...})")
             full = self._torch_load(path, weights_only)
             if isinstance(state, nn.Module):
-                checkpoint.load_full_state_dict(checkpoint.unwrap_module(state), full, s,
-                                                strict=strict)
+                module = checkpoint.unwrap_module(state)
+                if s.pp_size > 1:   # a whole model's file: other stages' keys are theirs
+                    mine = set(module.state_dict())
+                    every = [None] * s.pp_size
+                    dist.all_gather_object(every, sorted(mine), group=s.pp_group)
+                    theirs = set().union(*map(set, every)) - mine
+                    full = {k: v for k, v in full.items() if k not in theirs}
+                checkpoint.load_full_state_dict(module, full, s, strict=strict)
             else:
                 checkpoint.load_full_optimizer_state_dict(state, full, self._modules, s)
             return {}

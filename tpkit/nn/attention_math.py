@@ -95,9 +95,13 @@ def block_backward(q, k, v, dout, lse, delta, scale: float, causal: bool,
 
 
 def merge_into(out: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, l: torch.Tensor) -> None:
-    """Fold a block result ``(o, l)`` into the running ``(out, lse)`` in place (views ok)."""
+    """Fold a block result ``(o, l)`` into the running ``(out, lse)`` in place (views ok).
+    ``o`` is the caller's temporary: when it has ``out``'s dtype it is scaled in place
+    (no temporary of its size)."""
     new = torch.logaddexp(lse, l)
-    out.mul_(torch.exp(lse - new).unsqueeze(-1)).add_(o * torch.exp(l - new).unsqueeze(-1))
+    w = torch.exp(l - new).unsqueeze(-1)
+    scaled = o.mul_(w) if o.dtype == out.dtype else o * w
+    out.mul_(torch.exp(lse - new).unsqueeze(-1)).add_(scaled)
     lse.copy_(new)
 
 

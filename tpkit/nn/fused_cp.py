@@ -12,10 +12,13 @@ to ``dst = r + i`` (mod n). Causal masking with the layout of ``tpkit.data.shard
 (rank r holds chunks r and 2n-1-r) needs only the *first* chunk of a lower rank's K/V
 (for all local queries) and all of a higher rank's (for the second local chunk), so only
 that much travels. Transfers are cut into pieces (up to ``PIECES_PER_CHUNK`` per chunk,
-none smaller than the op's ``min_piece_rows``); the next piece is in flight while the
-current one is computed, so two pieces are buffered, whatever the sequence length.
-Backward receives the pieces again, computes their dK/dV partials in query tiles of two
-pieces (which bounds the kernel's dQ buffer) and sends each partial straight back to its
+none smaller than the op's ``min_piece_rows``; forward: ``min_fwd_piece_rows``, which
+the CPU op sets to whole chunks, since the forward holds no gradient buffers and its peak
+stays under the backward's); the next piece is in flight while the current one is
+computed, so two pieces are buffered, whatever the sequence length.
+Backward receives the pieces again, computes their dK/dV partials in query tiles of a
+few pieces (the op's ``tile_pieces``, up to ``max_tile_rows`` rows: a tile bounds the
+kernel's dQ output) and sends each partial straight back to its
 owner, which adds it to its own dK/dV before the next piece is computed. Every rank posts every exchange at the same position of one
 schedule (``ring_schedule``), so the batches pair up in order on any backend.
 
@@ -54,6 +57,14 @@ def pieces_per_chunk(chunk_rows: int, min_rows: int) -> int:
     return max(1, min(PIECES_PER_CHUNK, chunk_rows // max(1, min_rows)))
 
 
+def tile_pieces(op, chunk_rows: int, m: int) -> int:
+    """Pieces per backward query tile: the op's ``tile_pieces``, as far as its
+    ``max_tile_rows`` allows (a tile's rows bound the kernel's dQ output)."""
+    if op.max_tile_rows is None:
+        return op.tile_pieces
+    return max(1, min(op.tile_pieces, op.max_tile_rows // max(1, chunk_rows // m)))
+
+
 @dataclasses.dataclass(frozen=True)
 class Unit:
     """One position of the p2p schedule: ``send`` (dst, rows) of this rank's K/V, ``recv``
@@ -64,14 +75,15 @@ class Unit:
     q_tiles: tuple[tuple[int, int], ...]
 
 
-def ring_schedule(rank: int, n: int, causal: bool, s: int, m: int) -> list[Unit]:
+def ring_schedule(rank: int, n: int, causal: bool, s: int, m: int,
+                  tile: int = 2) -> list[Unit]:
     """The exchanges of group rank ``rank`` after its diagonal block: for each step, ``2m``
     units (pieces of a local shard of ``s`` rows, ``m`` per chunk) on every rank, so that
     position k of one rank's schedule pairs with position k of its peers'. Query tiles
-    are pairs of pieces."""
+    are ``tile`` pieces long."""
     c = s // 2
     pieces = _split(0, c, m) + _split(c, s, m)
-    mt = max(1, m // 2)
+    mt = max(1, m // tile)
     tiles = _split(0, c, mt) + _split(c, s, mt)
     units = []
     for i in range(1, n):
@@ -138,7 +150,10 @@ class FusedRingAttention(torch.autograd.Function):
         cdt, mdt = _dtypes(op, q.dtype)
         s = q.shape[-2]
         m = pieces_per_chunk(s // 2, op.min_piece_rows)
-        units = ring_schedule(ring.rank, ring.n, causal, s, m)
+        # forward holds no gradients, so it can take bigger pieces (fewer calls, merges
+        # and messages); with dropout, forward and backward blocks pair one to one
+        mf = m if dropout_p > 0.0 else pieces_per_chunk(s // 2, op.min_fwd_piece_rows)
+        units = ring_schedule(ring.rank, ring.n, causal, s, mf, tile_pieces(op, s // 2, mf))
         qc, kc, vc = (t.to(cdt) for t in (q, k, v))
         kw, vw = (_wire(t) for t in (k, v)) if units else (None, None)
         pending = ring.post_kv(units[0], kw, vw) if units else None
@@ -158,6 +173,7 @@ class FusedRingAttention(torch.autograd.Function):
                     o, l, st = op.forward(qc[..., a:b, :], kp, vp, FULL, scale, dropout_p)
                     merge_into(out[..., a:b, :], lse[..., a:b], o, l)
                     states.append(st)
+                    del o, l  # not alive during the next call (peak memory)
             pending = nxt
         ctx.save_for_backward(q, k, v, out.to(cdt), lse)
         ctx.args = (ring, causal, scale, op, dropout_p, m, states)
@@ -169,7 +185,7 @@ class FusedRingAttention(torch.autograd.Function):
         ring, causal, scale, op, dropout_p, m, states = ctx.args
         cdt, mdt = _dtypes(op, q.dtype)
         s = q.shape[-2]
-        units = ring_schedule(ring.rank, ring.n, causal, s, m)
+        units = ring_schedule(ring.rank, ring.n, causal, s, m, tile_pieces(op, s // 2, m))
         qc, kc, vc, dout = (t.to(cdt) for t in (q, k, v, dout))
         kw, vw = (_wire(t) for t in (k, v)) if units else (None, None)
         pending = ring.post_kv(units[0], kw, vw) if units else None
@@ -194,6 +210,7 @@ class FusedRingAttention(torch.autograd.Function):
                     dq[..., a:b, :] += dq_t
                     pk += dk_t
                     pv += dv_t
+                    del dq_t, dk_t, dv_t  # not alive during the next tile's call
                 del kp, vp
             pending = nxt
             partial = _post_partial(ring, unit, part, kw, mdt)
@@ -248,6 +265,7 @@ class BlockAttention(torch.autograd.Function):
                 out = torch.zeros(q.shape, dtype=mdt, device=q.device)
                 lse = torch.full(q.shape[:-1], float("-inf"), dtype=mdt, device=q.device)
             merge_into(out[..., qa:qb, :], lse[..., qa:qb], o, l)
+            del o, l
         ctx.save_for_backward(q, k, v, out.to(cdt), lse)
         ctx.args = (blocks, scale, op, dropout_p, states)
         return out.to(q.dtype)
@@ -266,6 +284,7 @@ class BlockAttention(torch.autograd.Function):
             dq[..., qa:qb, :] += g[0]
             dk[..., ka:kb, :] += g[1]
             dv[..., ka:kb, :] += g[2]
+            del g
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)) + (None,) * 4
 
 
