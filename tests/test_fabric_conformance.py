@@ -47,8 +47,10 @@ CHECKS = [
 PP_CHECKS = ["setup", "pipeline_step", "clip_gradients_norm", "clip_gradients_value",
              "collectives", "save", "load_without_state", "load_remainder", "load_into_state",
              "load_strict", "load_raw_model", "refused"]
-# At the expert layout: FSDP is refused with experts (checked), autocast is not run.
-EP_CHECKS = [c for c in CHECKS if not c.startswith(("fsdp_", "autocast"))] + ["fsdp_refused"]
+# At the expert layout: FSDP and fp8 are refused with experts (checked); bf16/fp16 autocast
+# run against the reference under the same autocast.
+EP_CHECKS = [c for c in CHECKS if not c.startswith("fsdp_") and c != "autocast[fp8]"] + [
+    "fsdp_refused", "fp8_refused"]
 
 
 def _env(**extra):
