@@ -120,3 +120,51 @@ def run_tp2(fn, *args):
     mp.start_processes(_tp2_rank, args=(port, queue, fn, args), nprocs=2,
                        start_method="spawn")
     return queue.get()
+
+
+def gloo_rank(rank: int, world: int, port: int) -> None:
+    """In a spawned benchmark rank: one thread, the default gloo group on localhost."""
+    import torch
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+
+
+def token_batch(state, batch: int, seq: int, vocab: int = 256, seed: int = 1):
+    """This data-parallel rank's contiguous share of a random ``[batch, seq]`` token batch
+    and its next-token targets (the same global batch at every layout)."""
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, vocab, (batch, seq + 1), generator=g)
+    rows = slice(state.dp_rank * batch // state.dp_size,
+                 (state.dp_rank + 1) * batch // state.dp_size)
+    return x[rows, :-1].contiguous(), x[rows, 1:].contiguous()
+
+
+def spawn(worker, world: int, *args):
+    """``worker(rank, world, port, *args, queue)`` on ``world`` spawned processes; the one
+    value rank 0 puts on the queue."""
+    import socket
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    q = mp.get_context("spawn").Queue()
+    mp.start_processes(worker, args=(world, port, *args, q), nprocs=world,
+                       start_method="spawn")
+    return q.get()
+
+
+def median_step(step, warmup: int, iters: int) -> float:
+    """Median wall time of ``step()`` over ``iters`` calls after ``warmup``, every rank
+    starting and ending each call together (barriers, outside the timed region's ends)."""
+    import torch.distributed as dist
+    times = []
+    for _ in range(warmup + iters):
+        dist.barrier()
+        t0 = time.perf_counter()
+        step()
+        dist.barrier()
+        times.append(time.perf_counter() - t0)
+    return sorted(times[warmup:])[iters // 2]

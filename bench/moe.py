@@ -22,13 +22,12 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from bench.common import ROOT, fmt, table, write_section
+from bench.common import (ROOT, fmt, gloo_rank, median_step, spawn, table, token_batch,
+                          write_section)
 
 sys.path.insert(0, os.path.join(ROOT, "launch"))
 WORLD, BATCH, SEQ, HIDDEN, LAYERS, EXPERTS, TOPK = 4, 16, 128, 128, 2, 8, 2
@@ -83,18 +82,12 @@ def _remote_pairs(model, state) -> int:
 
 
 def _worker(rank, world, port, ep, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    gloo_rank(rank, world, port)
     import tpkit
     from tpkit.grads import reduce_expert_grads
     from tpkit.param_tags import is_expert
     state = tpkit.init_parallel(ep=ep)
-    g = torch.Generator().manual_seed(1)
-    x = torch.randint(0, 256, (BATCH, SEQ + 1), generator=g)
-    rows = slice(state.dp_rank * BATCH // state.dp_size,
-                 (state.dp_rank + 1) * BATCH // state.dp_size)
-    x, y = x[rows, :-1].contiguous(), x[rows, 1:].contiguous()
+    x, y = token_batch(state, BATCH, SEQ)
     model = _model(state)
     DDP = torch.nn.parallel.DistributedDataParallel
     DDP._set_params_and_buffers_to_ignore_for_model(
@@ -106,31 +99,21 @@ def _worker(rank, world, port, ep, out):
         ddp(x, y).backward()
         reduce_expert_grads(model, state)
 
-    times = []
-    for _ in range(WARMUP + ITERS):
-        dist.barrier()
-        t0 = time.perf_counter()
-        step()
-        dist.barrier()
-        times.append(time.perf_counter() - t0)
+    t = median_step(step, WARMUP, ITERS)
     with _Bytes() as b:
         step()
     want = 4 * _remote_pairs(model, state) * HIDDEN * 4
     sums = torch.tensor([b.tokens, b.counts, want], dtype=torch.float64)
     dist.all_reduce(sums)
     if rank == 0:
-        out.put((sorted(times[WARMUP:])[ITERS // 2], *sums.tolist()))
+        out.put((t, *sums.tolist()))
     tpkit.destroy_parallel()
     dist.destroy_process_group()
 
 
 def measure(ep: int):
     """(median step time s, token bytes, count bytes, analytical token bytes) at ``ep``."""
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = 29000 + (os.getpid() + 13 * ep) % 2000
-    mp.start_processes(_worker, args=(WORLD, port, ep, q), nprocs=WORLD, start_method="spawn")
-    return q.get()
+    return spawn(_worker, WORLD, ep)
 
 
 def main() -> None:

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from bench.common import ROOT, fmt, table, write_section
+from bench.common import (ROOT, fmt, gloo_rank, median_step, spawn, table, token_batch,
+                          write_section)
 
 sys.path.insert(0, os.path.join(ROOT, "launch"))
 BATCH, SEQ, HIDDEN, LAYERS, M = 16, 64, 128, 8, 8
@@ -35,17 +34,11 @@ def _model(state):
 
 
 def _worker(rank, world, port, pp, microbatches, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    gloo_rank(rank, world, port)
     import tpkit
     from tpkit.pipeline import build_pipeline
     state = tpkit.init_parallel(pp=pp)
-    g = torch.Generator().manual_seed(1)
-    x = torch.randint(0, 256, (BATCH, SEQ + 1), generator=g)
-    rows = slice(state.dp_rank * BATCH // state.dp_size,
-                 (state.dp_rank + 1) * BATCH // state.dp_size)
-    x, y = x[rows, :-1].contiguous(), x[rows, 1:].contiguous()
+    x, y = token_batch(state, BATCH, SEQ)
     model = _model(state)
     if pp > 1:
         pipe = build_pipeline(model, microbatches=microbatches, data_parallel="allreduce")
@@ -53,27 +46,16 @@ def _worker(rank, world, port, pp, microbatches, out):
     else:
         ddp = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
         step = lambda: ddp(x, y).backward()     # noqa: E731
-    times = []
-    for i in range(WARMUP + ITERS):
-        dist.barrier()
-        t0 = time.perf_counter()
-        step()
-        dist.barrier()
-        times.append(time.perf_counter() - t0)
+    t = median_step(step, WARMUP, ITERS)
     if rank == 0:
-        out.put(sorted(times[WARMUP:])[ITERS // 2])
+        out.put(t)
     tpkit.destroy_parallel()
     dist.destroy_process_group()
 
 
 def measure(world: int, pp: int, microbatches: int = M) -> float:
     """Median step time (s) of the layout, over ``world`` spawned gloo ranks."""
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = 29000 + (os.getpid() + world * 7 + pp) % 2000
-    mp.start_processes(_worker, args=(world, port, pp, microbatches, q), nprocs=world,
-                       start_method="spawn")
-    return q.get()
+    return spawn(_worker, world, pp, microbatches)
 
 
 def main() -> None:

@@ -12,6 +12,7 @@ API only. Every rank checks, then prints one ``OK`` line:
    the layout after it still works.
 """
 import math
+import sys
 
 import torch
 import torch.distributed as dist
@@ -111,7 +112,9 @@ def main() -> None:
     assert (st.etp_size, st.ep_size, st.edp_size) == (1, 2, 2) and math.isclose(
         st.edp_rank, r // 2)
     tpkit.destroy_parallel()
-    print(f"rank {r} OK", flush=True)
+    # one write per line: the ranks share tpkit-launch's stdout
+    sys.stdout.write(f"rank {r} OK\n")
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":
