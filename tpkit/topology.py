@@ -179,16 +179,16 @@ def _sub(mesh: DeviceMesh, config: ParallelConfig, dims: tuple[str, ...], name: 
     return mesh[real]._flatten(name)
 
 
-def _expert_meshes(mesh: DeviceMesh, config: ParallelConfig, stage: DeviceMesh) -> dict:
+def _expert_meshes(mesh: DeviceMesh, config: ParallelConfig, stage: DeviceMesh,
+                   dp_cp: DeviceMesh) -> dict:
     """The etp, ep, edp and etp x ep meshes: ``stage`` (the flattened tp*cp*dp ranks of
     this pipeline stage) unflattened as (edp, ep, etp). Without an expert decomposition
     (ep = 1, etp = tp) the dense groups are the same rank sets and are reused: etp = tp,
-    edp = dp x cp, etp x ep = tp, and ep is any size-1 mesh of the layout."""
+    edp = ``dp_cp``, etp x ep = tp, and ep is any size-1 mesh of the layout."""
     if not config.has_experts:
         one = next((mesh[d] for d in MESH_DIMS if mesh[d].size() == 1), None)
         if one is not None:
-            return dict(etp_mesh=mesh["tp"], ep_mesh=one,
-                        edp_mesh=_sub(mesh, config, ("dp", "cp"), "dp_cp"),
+            return dict(etp_mesh=mesh["tp"], ep_mesh=one, edp_mesh=dp_cp,
                         etp_ep_mesh=mesh["tp"],
                         expert_mesh=None if config.tp == 1 else
                         mesh[(one.mesh_dim_names[0], "tp")])
@@ -219,6 +219,7 @@ def build_state(config: ParallelConfig, *, device_type: str | None = None) -> Pa
                                      ("cp_p2p", "cp_a2a"))
         a2a, p2p = hier["cp_a2a"], hier["cp_p2p"]
     amax = _sub(mesh, config, ("dp", "cp", "tp"), "amax")
+    dp_cp = _sub(mesh, config, ("dp", "cp"), "dp_cp")
     if device_type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
     else:
@@ -227,11 +228,11 @@ def build_state(config: ParallelConfig, *, device_type: str | None = None) -> Pa
         config=config, mesh=mesh, rank=dist.get_rank(), world_size=world, backend=backend,
         device=device,
         tp_mesh=mesh["tp"], cp_mesh=mesh["cp"], dp_mesh=mesh["dp"], pp_mesh=mesh["pp"],
-        dp_cp_mesh=_sub(mesh, config, ("dp", "cp"), "dp_cp"),
+        dp_cp_mesh=dp_cp,
         tp_cp_mesh=_sub(mesh, config, ("cp", "tp"), "tp_cp"),
         mp_mesh=_sub(mesh, config, ("pp", "tp"), "mp"),
         amax_mesh=amax, cp_a2a_mesh=a2a, cp_p2p_mesh=p2p,
-        **_expert_meshes(mesh, config, amax))
+        **_expert_meshes(mesh, config, amax, dp_cp))
     if backend == "gloo" and device_type == "cpu" and config.tp > 1:
         shm.setup(state.tp_group)   # collective over the TP group; None keeps gloo
     state.build_seconds = time.perf_counter() - t0
