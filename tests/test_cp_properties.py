@@ -315,3 +315,45 @@ def test_ring_dropout_masks_match_autograd_reference():
         assert not torch.allclose(out, ((torch.softmax(s, -1)) @ v))
     finally:
         tracker.reset()
+
+
+@pytest.mark.parametrize("n,s,m,tile,max_rows", [(2, 64, 8, 4, 64), (4, 32, 4, 2, 8),
+                                                  (8, 48, 6, 2, None)])
+def test_backward_units_have_equal_work_and_cover_the_causal_mask(n, s, m, tile, max_rows):
+    """The fused p2p backward's schedule (pure function, no ranks): the (query, key)
+    pairs each rank computes in its exchange units, plus its local causal diagonal, are
+    exactly the causally visible pairs of its queries, each once (global positions of the
+    load-balanced layout, written here: rank r holds chunks r and 2n-1-r); and at every
+    unit position all ranks compute the same number of scores, so no rank idles while
+    its peer finishes a longer unit (the units pair up: each settles the peer's dK/dV
+    partial of the previous unit)."""
+    from tpkit.nn.fused_cp import ring_schedule
+    c = s // 2
+
+    def pos(r, j):  # global position of local row j of rank r
+        return r * c + j if j < c else (2 * n - 1 - r) * c + j - c
+
+    scheds = [ring_schedule(r, n, True, s, m, tile, balanced=True, max_tile_rows=max_rows)
+              for r in range(n)]
+    assert len({len(u) for u in scheds}) == 1
+    for r, units in enumerate(scheds):
+        seen = {(pos(r, i), pos(r, j)) for i in range(s) for j in range(i + 1)}  # diagonal
+        count = len(seen)
+        for u in units:
+            if u.recv is None:
+                continue
+            src, (a, b) = u.recv
+            for qa, qb in u.q_tiles:
+                pairs = {(pos(r, i), pos(src, j)) for i in range(qa, qb) for j in range(a, b)}
+                assert all(k <= q for q, k in pairs), (r, u)  # unmasked blocks only
+                seen |= pairs
+                count += len(pairs)
+        want = {(pos(r, i), k) for i in range(s) for k in range(pos(r, i) + 1)}
+        assert seen == want and count == len(want), r
+    for k in range(len(scheds[0])):
+        work = set()
+        for units in scheds:
+            u = units[k]
+            rows = 0 if u.recv is None else u.recv[1][1] - u.recv[1][0]
+            work.add(rows * sum(b - a for a, b in u.q_tiles))
+        assert len(work) == 1, (k, work)

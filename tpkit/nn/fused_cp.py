@@ -75,26 +75,46 @@ class Unit:
     q_tiles: tuple[tuple[int, int], ...]
 
 
-def ring_schedule(rank: int, n: int, causal: bool, s: int, m: int,
-                  tile: int = 2) -> list[Unit]:
+def ring_schedule(rank: int, n: int, causal: bool, s: int, m: int, tile: int = 2,
+                  balanced: bool = False, max_tile_rows: int | None = None) -> list[Unit]:
     """The exchanges of group rank ``rank`` after its diagonal block: for each step, ``2m``
     units (pieces of a local shard of ``s`` rows, ``m`` per chunk) on every rank, so that
     position k of one rank's schedule pairs with position k of its peers'. Query tiles
-    are ``tile`` pieces long."""
+    are ``tile`` pieces long.
+
+    ``balanced`` (causal): a first chunk that travels alone (to a higher rank) is cut into
+    ``2m`` half-size pieces instead of ``m``, so that every unit of every rank computes
+    the same number of scores: a lower rank's half piece meets all our ``s`` queries, a
+    higher rank's piece only our second chunk's ``s/2``. Units that pair up are where the
+    ranks wait for each other (each settles its peer's dK/dV partial of the previous
+    unit), so with unequal units one rank idles every unit. Those units' query tiles are
+    twice as long (as far as ``max_tile_rows`` allows): the same op calls, each with the
+    same scores, as the other units'."""
     c = s // 2
     pieces = _split(0, c, m) + _split(c, s, m)
+    first = _split(0, c, min(2 * m, c)) if balanced else pieces[:m]  # chunk 0 alone
     mt = max(1, m // tile)
     tiles = _split(0, c, mt) + _split(c, s, mt)
+    # half pieces meet all s queries: mt tiles over them, twice the rows of the others
+    wide = balanced and (max_tile_rows is None or -(-s // mt) <= max_tile_rows)
+    tiles1 = _split(0, s, mt) if wide else tiles
     units = []
     for i in range(1, n):
         dst, src = (rank + i) % n, (rank - i) % n
-        n_send = m if causal and rank < dst else 2 * m   # a higher rank needs chunk 0 only
-        n_recv = m if causal and src < rank else 2 * m
-        q_tiles = tuple(tiles[mt:] if causal and src > rank else tiles)
+        sends = first if causal and rank < dst else pieces  # a higher rank needs chunk 0 only
+        recvs = first if causal and src < rank else pieces
+        # a lower rank's first chunk meets all our queries, a higher rank's our second chunk
+        q_tiles = tuple(tiles[mt:] if causal and src > rank else
+                        tiles1 if causal and src < rank else tiles)
         for u in range(2 * m):
-            units.append(Unit(i, (dst, pieces[u]) if u < n_send else None,
-                              (src, pieces[u]) if u < n_recv else None, q_tiles))
+            units.append(Unit(i, (dst, sends[u]) if u < len(sends) else None,
+                              (src, recvs[u]) if u < len(recvs) else None, q_tiles))
     return units
+
+
+def _schedule(ring, causal: bool, s: int, op, m: int, balanced: bool) -> list[Unit]:
+    return ring_schedule(ring.rank, ring.n, causal, s, m, tile_pieces(op, s // 2, m),
+                         balanced, op.max_tile_rows)
 
 
 def _wire(x: torch.Tensor) -> torch.Tensor:
@@ -153,7 +173,10 @@ class FusedRingAttention(torch.autograd.Function):
         # forward holds no gradients, so it can take bigger pieces (fewer calls, merges
         # and messages); with dropout, forward and backward blocks pair one to one
         mf = m if dropout_p > 0.0 else pieces_per_chunk(s // 2, op.min_fwd_piece_rows)
-        units = ring_schedule(ring.rank, ring.n, causal, s, mf, tile_pieces(op, s // 2, mf))
+        # the backward's units are balanced (see ring_schedule); the forward's need not be
+        # (nothing there waits on a peer's computation, and whole chunks make few calls)
+        # unless dropout pairs forward and backward blocks one to one
+        units = _schedule(ring, causal, s, op, mf, dropout_p > 0.0)
         qc, kc, vc = (t.to(cdt) for t in (q, k, v))
         kw, vw = (_wire(t) for t in (k, v)) if units else (None, None)
         pending = ring.post_kv(units[0], kw, vw) if units else None
@@ -185,7 +208,7 @@ class FusedRingAttention(torch.autograd.Function):
         ring, causal, scale, op, dropout_p, m, states = ctx.args
         cdt, mdt = _dtypes(op, q.dtype)
         s = q.shape[-2]
-        units = ring_schedule(ring.rank, ring.n, causal, s, m, tile_pieces(op, s // 2, m))
+        units = _schedule(ring, causal, s, op, m, True)
         qc, kc, vc, dout = (t.to(cdt) for t in (q, k, v, dout))
         kw, vw = (_wire(t) for t in (k, v)) if units else (None, None)
         pending = ring.post_kv(units[0], kw, vw) if units else None
