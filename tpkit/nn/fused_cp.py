@@ -19,8 +19,11 @@ computed, so two pieces are buffered, whatever the sequence length.
 Backward receives the pieces again, computes their dK/dV partials in query tiles of a
 few pieces (the op's ``tile_pieces``, up to ``max_tile_rows`` rows: a tile bounds the
 kernel's dQ output) and sends each partial straight back to its
-owner, which adds it to its own dK/dV before the next piece is computed. Every rank posts every exchange at the same position of one
-schedule (``ring_schedule``), so the batches pair up in order on any backend.
+owner, which adds it to its own dK/dV before the next piece is computed. Every rank
+posts every exchange at the same position of one schedule (``ring_schedule``), so the
+batches pair up in order on any backend. As paired units wait on each other, the
+backward's units carry equal work on every rank: a first chunk sent alone travels in
+half-size pieces (it meets all the receiver's queries, a higher rank's pieces only half).
 
 all_gather: K/V gathered (dK/dV reduce-scattered), then one block per (query chunk, key
 chunk) the causal mask needs. a2a / a2a+p2p: the reference's all-to-alls around a single
