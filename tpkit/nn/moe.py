@@ -21,7 +21,9 @@ rank's CP shard under CP):
    tokens of its experts).
 4. *Experts*: a grouped GEMM over this rank's ``num_experts/ep`` experts (each ``fc1 ->
    act -> fc2``, ``ffn_hidden_size/etp`` wide here): ``grouped_mm``, the one place that
-   chooses ``torch._grouped_mm`` or a per-expert loop.
+   chooses ``torch._grouped_mm``, a per-expert loop, or (inside tpkit.fp8's autocast,
+   installed with ``set_grouped_mm``) emulated fp8 GEMMs with per-expert scales kept by
+   global expert index (docs/precision.md).
 5. *Combine*: the reverse path (reduce-scatter over etp, all-to-all back), the outputs
    weighted by their probabilities and summed per token, plus the shared experts.
 
@@ -51,7 +53,7 @@ from ._common import ParallelModule, check_sbh, divide, resolve_sp
 from .mappings import gather_from_tp_region, reduce_from_tp_region, scatter_to_sp_region
 from .mlp import _GATED, _PLAIN, ACTIVATIONS, ParallelMLP
 
-__all__ = ["MoE", "grouped_mm", "SCORE_FUNCTIONS"]
+__all__ = ["MoE", "grouped_mm", "plain_grouped_mm", "set_grouped_mm", "SCORE_FUNCTIONS"]
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 # "sequence": the load-balancing loss of each data-parallel replica's micro-batch
@@ -61,7 +63,7 @@ AUX_LOSS_SCOPES = ("sequence", "global")
 
 
 # --- the grouped GEMM (one place chooses) ------------------------------------------------
-def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
+def plain_grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """Rows of ``x`` ([sum(counts), k]) in groups of ``counts``, group e times ``w[e]``
     ([E, k, n]) -> [sum(counts), n]. ``torch._grouped_mm`` on CUDA bf16 (where the
     installed torch has it), else one matmul per group (any device and dtype)."""
@@ -71,6 +73,33 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Ten
         return torch._grouped_mm(x, w, offs=offs)
     outs = [xe @ w[e] for e, xe in enumerate(x.split(counts, 0))]
     return torch.cat(outs, 0) if outs else x.new_zeros(0, w.shape[-1])
+
+
+def _plain(layer, name, x, w, counts, first_expert, num_experts):
+    return plain_grouped_mm(x, w, counts)
+
+
+_GROUPED_MM = _plain
+
+
+def set_grouped_mm(fn):
+    """Install ``fn(layer, name, x, w, counts, first_expert, num_experts)`` as the grouped
+    GEMM of every MoE (None: ``plain_grouped_mm`` again); returns the previous one.
+    tpkit.fp8 installs its emulated fp8 grouped GEMM when imported, as nn.linear's
+    ``set_matmul`` (docs/design.md, "Layers")."""
+    global _GROUPED_MM
+    prev, _GROUPED_MM = _GROUPED_MM, (fn or _plain)
+    return prev
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: list[int], layer=None,
+               name: str = "", first_expert: int = 0, num_experts: int | None = None):
+    """The ONE place where expert GEMMs happen: the installed grouped GEMM
+    (``plain_grouped_mm`` unless tpkit.fp8 installed its own, which keeps per-expert
+    fp8 scales on ``layer`` under ``name`` for the global experts ``first_expert`` ..
+    of ``num_experts``)."""
+    return _GROUPED_MM(layer, name, x, w, counts, first_expert,
+                       w.shape[0] if num_experts is None else num_experts)
 
 
 # --- variable-size all-to-all with autograd ------------------------------------------------
@@ -337,13 +366,15 @@ class MoE(ParallelModule):
                 for e in range(L) for i in range(c.shape[0])]
         perm = torch.cat(perm).to(x.device) if perm else torch.zeros(0, dtype=torch.long)
         per_expert = c.sum(0).tolist()
-        h = grouped_mm(xs.index_select(0, perm), self.experts_fc1.to(x.dtype), per_expert)
+        ids = dict(layer=self, first_expert=self.first_expert, num_experts=E)
+        h = grouped_mm(xs.index_select(0, perm), self.experts_fc1.to(x.dtype), per_expert,
+                       name="fc1", **ids)
         if self._gated:
             gate, up = h.chunk(2, dim=-1)
             h = self._act(gate) * up
         else:
             h = self._act(h)
-        out = grouped_mm(h, self.experts_fc2.to(x.dtype), per_expert)
+        out = grouped_mm(h, self.experts_fc2.to(x.dtype), per_expert, name="fc2", **ids)
         out = torch.empty_like(out).index_copy(0, perm, out)               # back to received
         if s.etp_size > 1:
             out = _a2av(out, [mine] * s.etp_size, lens, s.etp_group, s.etp_size)
