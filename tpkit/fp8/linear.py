@@ -17,6 +17,12 @@ GEMMs on the original ``x``, ``w`` and ``g``; "dequantized": on the dequantized 
 operands and the original ``g``) or, for delayed scaling, ``override_linear_precision``
 keep unquantized. Per-tensor amaxes and scales live in ``layer.fp8_meta``
 (tpkit.fp8.amax).
+
+Expert GEMMs (``grouped_linear``, installed into tpkit.nn.moe with ``set_grouped_mm``):
+one such GEMM per local expert, as TE's GroupedLinear, each expert with its own scales,
+kept in ``moe.fp8_meta_fc1/fc2`` by *global* expert index (so the amax reduction over the
+amax group never mixes two experts), all in one autograd Function so that delayed
+scaling's backward update runs once, after every expert's gradient amax.
 """
 from __future__ import annotations
 
