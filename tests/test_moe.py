@@ -387,3 +387,13 @@ def test_train_moe_bad_input(argv, words, capsys):
         train.parse_args(argv)
     assert e.value.code == 2
     assert words in capsys.readouterr().err
+
+
+def test_train_moe_fp8_accepted():
+    """--precision fp8 with --moe-experts (once refused: expert GEMMs had no fp8 path) and
+    every fp8 recipe pass train.py's checks; the runs: test_train_moe_same_curve_at_every_ep."""
+    sys.path.insert(0, os.path.join(ROOT, "launch"))
+    import train
+    for recipe in ("delayed", "current", "block", "mxfp8"):
+        args = train.parse_args(MOE + ["--ep", "2", "--precision", "fp8", "--fp8-recipe", recipe])
+        assert (args.moe_experts, args.precision, args.fp8_recipe) == (4, "fp8", recipe)
