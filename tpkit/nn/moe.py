@@ -47,6 +47,7 @@ from torch import nn
 from ..collectives import all_gather, group_rank
 from ..param_tags import set_expert_attrs
 from ..random import EXPERT_PARALLEL_RNG, get_rng_tracker
+from ._backend import build_te, resolve_backend
 from ._common import ParallelModule, check_sbh, divide, resolve_sp
 from .mappings import gather_from_tp_region, reduce_from_tp_region, scatter_to_sp_region
 from .mlp import _GATED, _PLAIN, ACTIVATIONS, ParallelMLP
@@ -134,9 +135,11 @@ class MoE(ParallelModule):
                  capacity_factor: float | None = None,
                  shared_ffn_hidden_size: int | None = None,
                  sequence_parallel: bool | None = None, init_method=None,
-                 output_layer_init_method=None, state=None, device=None, dtype=None):
+                 output_layer_init_method=None, state=None, device=None, dtype=None,
+                 backend: str = "torch"):
         super().__init__()
         check_moe_args(num_experts, top_k, capacity_factor, score_func, activation)
+        self.backend = resolve_backend(backend)   # "te": TE and CUDA, or it raises
         if aux_loss_scope not in AUX_LOSS_SCOPES:
             raise ValueError(f"aux_loss_scope={aux_loss_scope!r} is unknown; use one of "
                              f"{AUX_LOSS_SCOPES}")
@@ -168,6 +171,8 @@ class MoE(ParallelModule):
                          etp_partition_sizes=(ffn_hidden_size,) * 2 if self._gated else None)
         set_expert_attrs(self.experts_fc2, num_experts=num_experts, etp_partition_dim=1)
         self._init(init_method, output_layer_init_method)
+        # backend "te": the two expert GEMMs are TE GroupedLinear modules (see _TEExperts)
+        self.te_experts = _TEExperts(self, s, dtype) if self.backend == "te" else None
         self.shared_experts = None
         if shared_ffn_hidden_size:
             self.shared_experts = ParallelMLP(
@@ -337,13 +342,13 @@ class MoE(ParallelModule):
                 for e in range(L) for i in range(c.shape[0])]
         perm = torch.cat(perm).to(x.device) if perm else torch.zeros(0, dtype=torch.long)
         per_expert = c.sum(0).tolist()
-        h = grouped_mm(xs.index_select(0, perm), self.experts_fc1.to(x.dtype), per_expert)
+        h = self._expert_gemm(0, xs.index_select(0, perm), per_expert)
         if self._gated:
             gate, up = h.chunk(2, dim=-1)
             h = self._act(gate) * up
         else:
             h = self._act(h)
-        out = grouped_mm(h, self.experts_fc2.to(x.dtype), per_expert)
+        out = self._expert_gemm(1, h, per_expert)
         out = torch.empty_like(out).index_copy(0, perm, out)               # back to received
         if s.etp_size > 1:
             out = _a2av(out, [mine] * s.etp_size, lens, s.etp_group, s.etp_size)
@@ -351,6 +356,73 @@ class MoE(ParallelModule):
         out = _a2av(out, send.sum(1).tolist(), recv.sum(1).tolist(), s.ep_group, s.ep_size)
         slots = x.new_zeros(x.shape[0] * self.top_k, x.shape[1]).index_copy(0, pos, out)
         return slots.view(x.shape[0], self.top_k, x.shape[1])
+
+    def _expert_gemm(self, i: int, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Expert GEMM ``i`` (0: fc1, 1: fc2) of rows grouped by local expert: tpkit's
+        ``grouped_mm`` or TE's GroupedLinear, on the same weights."""
+        w = (self.experts_fc1, self.experts_fc2)[i].to(x.dtype)
+        if self.te_experts is None:
+            return grouped_mm(x, w, counts)
+        return self.te_experts(i, x, w, counts)
+
+
+class _TEExperts(nn.Module):
+    """The expert GEMMs of ``MoE(backend="te")``: two TE ``GroupedLinear`` modules
+    (``num_gemms`` = local experts, ``m_splits`` = tokens per local expert), built by
+    tpkit.te.make("grouped_linear"): no TE communication (tpkit dispatches), no weights of
+    their own. The weights stay the MoE's ``experts_fc1``/``experts_fc2`` (the torch
+    backend's names, shapes, tags, RNG stream and checkpoints); each call hands TE expert
+    j's ``[out, in]`` matrix as ``weight{j}`` (one transposed copy per forward, whose
+    gradient autograd carries back into the MoE's parameter). The modules' fp8 metadata
+    (TE's ``_extra_state``) is kept out of the state dict, as tpkit's checkpoints drop it
+    for every TE module, so both backends have the same keys."""
+
+    def __init__(self, moe: "MoE", state, dtype):
+        super().__init__()
+        if dtype == torch.float64:
+            raise ValueError("dtype=torch.float64 is not available with backend='te' "
+                             "(TE's GEMMs run in fp32, bf16 or fp16); use dtype=torch.float32 "
+                             "or backend='torch'")
+        gemms = []
+        for w in (moe.experts_fc1, moe.experts_fc2):
+            lin = build_te("grouped_linear", state, num_gemms=moe.local_experts,
+                           in_features=w.shape[1], out_features=w.shape[2], bias=False,
+                           params_dtype=w.dtype, device="meta")
+            if getattr(lin, "primary_weights_in_fp8", False):
+                raise ValueError("MoE(backend='te') was built under TE's quantized_model_init "
+                                 "(fp8 primary weights), which expert weights do not have: "
+                                 "they are the MoE's experts_fc1/experts_fc2 in high "
+                                 "precision (TE quantizes them per forward under "
+                                 "te_autocast); build the MoE outside quantized_model_init")
+            for j in range(moe.local_experts):
+                delattr(lin, f"weight{j}")   # TE's (deferred, meta) weights: unused
+            lin.register_state_dict_post_hook(_drop_extra_state)
+            lin.register_load_state_dict_pre_hook(_keep_extra_state)
+            gemms.append(lin)
+        self.fc1, self.fc2 = gemms
+
+    def forward(self, i: int, x: torch.Tensor, w: torch.Tensor, counts: list[int]):
+        lin = (self.fc1, self.fc2)[i]
+        wt = w.transpose(1, 2).contiguous()                    # [L, out, in]: TE's layout
+        names = [f"weight{j}" for j in range(wt.shape[0])]
+        for j, name in enumerate(names):
+            lin.__dict__[name] = wt[j]
+            lin.__dict__[f"bias{j}"] = x.new_empty(0)          # bias=False, on x's device
+        try:
+            return lin(x, counts)
+        finally:
+            for name in names:                                 # no reference past the call
+                del lin.__dict__[name]
+
+
+def _drop_extra_state(module, state_dict, prefix, local_metadata):
+    state_dict.pop(prefix + "_extra_state", None)
+
+
+def _keep_extra_state(module, state_dict, prefix, *args):
+    """A state dict without the expert GEMMs' extra state (both backends write none) loads
+    strictly: the module's own fp8 metadata is kept."""
+    state_dict.setdefault(prefix + "_extra_state", module.get_extra_state())
 
 
 def check_moe_args(num_experts, top_k, capacity_factor, score_func="softmax",
