@@ -21,7 +21,8 @@ rank's CP shard under CP):
    tokens of its experts).
 4. *Experts*: a grouped GEMM over this rank's ``num_experts/ep`` experts (each ``fc1 ->
    act -> fc2``, ``ffn_hidden_size/etp`` wide here): ``grouped_mm``, the one place that
-   chooses ``torch._grouped_mm`` or a per-expert loop.
+   chooses ``torch._grouped_mm`` or a per-expert loop; with ``backend="te"``, TE's
+   ``GroupedLinear`` on the same weights (``_TEExperts``; TE communicates nothing).
 5. *Combine*: the reverse path (reduce-scatter over etp, all-to-all back), the outputs
    weighted by their probabilities and summed per token, plus the shared experts.
 
@@ -125,7 +126,10 @@ class MoE(ParallelModule):
     dropless, else each expert keeps at most ``ceil(top_k*T*cf/E)`` tokens of a sequence;
     ``shared_ffn_hidden_size``: a ParallelMLP of that width over every token (TP-sharded
     like the dense MLP). Expert weights: ``experts_fc1`` ``[E/ep, h, ffn/etp (x2 gated)]``
-    and ``experts_fc2`` ``[E/ep, ffn/etp, h]`` (no biases).
+    and ``experts_fc2`` ``[E/ep, ffn/etp, h]`` (no biases). ``backend``: "torch" (tpkit's
+    grouped GEMM), "te" (Transformer Engine's GroupedLinear for the two expert GEMMs,
+    same parameters and state dict; needs TE and CUDA) or "auto" (TE when both are
+    there), as the dense layers' ``backend``.
     """
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int,
