@@ -4,7 +4,9 @@ the aux loss, tokens per expert (routed and kept), the input gradient and the gr
 every parameter after the library's reductions (router: SP sum + the dp x cp sum DDP
 does; experts: tpkit.grads.reduce_expert_grads over edp), dropless and with capacity
 dropping, fp64 (1e-10) and fp32 (1e-6). Also the layout checks before any group exists,
-the expert RNG streams and the expert-aware gradient norm."""
+the expert RNG streams and the expert-aware gradient norm, and the TE backend (expert
+GEMMs through tests/fake_te's GroupedLinear) against the same reference and the torch
+backend."""
 import math
 import os
 import re
