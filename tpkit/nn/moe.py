@@ -176,7 +176,7 @@ class MoE(ParallelModule):
         set_expert_attrs(self.experts_fc2, num_experts=num_experts, etp_partition_dim=1)
         self._init(init_method, output_layer_init_method)
         # backend "te": the two expert GEMMs are TE GroupedLinear modules (see _TEExperts)
-        self.te_experts = _TEExperts(self, s, dtype) if self.backend == "te" else None
+        self.te_experts = _TEExperts(self, s) if self.backend == "te" else None
         self.shared_experts = None
         if shared_ffn_hidden_size:
             self.shared_experts = ParallelMLP(
@@ -365,7 +365,7 @@ class MoE(ParallelModule):
         """Expert GEMM ``i`` (0: fc1, 1: fc2) of rows grouped by local expert: tpkit's
         ``grouped_mm`` or TE's GroupedLinear, on the same weights."""
         w = (self.experts_fc1, self.experts_fc2)[i].to(x.dtype)
-        if self.te_experts is None:
+        if self.te_experts is None or x.shape[0] == 0:   # no token here: an empty product
             return grouped_mm(x, w, counts)
         return self.te_experts(i, x, w, counts)
 
@@ -381,9 +381,9 @@ class _TEExperts(nn.Module):
     (TE's ``_extra_state``) is kept out of the state dict, as tpkit's checkpoints drop it
     for every TE module, so both backends have the same keys."""
 
-    def __init__(self, moe: "MoE", state, dtype):
+    def __init__(self, moe: "MoE", state):
         super().__init__()
-        if dtype == torch.float64:
+        if moe.experts_fc1.dtype == torch.float64:   # dtype=, or the default dtype
             raise ValueError("dtype=torch.float64 is not available with backend='te' "
                              "(TE's GEMMs run in fp32, bf16 or fp16); use dtype=torch.float32 "
                              "or backend='torch'")
