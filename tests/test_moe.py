@@ -334,7 +334,7 @@ def _rank_te_build():
     import tpkit
     import tpkit.te
     from tpkit.nn import MoE
-    from tpkit.random import EXPERT_PARALLEL_RNG
+    from tpkit.random import EXPERT_PARALLEL_RNG, model_parallel_seed
     te_fake.install()
     cuda, tpkit.te._cuda_available = tpkit.te._cuda_available, lambda: True
     try:
@@ -352,6 +352,12 @@ def _rank_te_build():
         tags = {n: (p.expert_parallel, p.num_experts) for n, p in moe.named_parameters()
                 if getattr(p, "expert_parallel", False)}
         assert tags == {"experts_fc1": (True, E), "experts_fc2": (True, E)}
+        built = {}
+        for backend in ("torch", "te"):   # initialised on the same streams as torch's
+            model_parallel_seed(7, st)
+            built[backend] = MoE(H, F, E, 2, activation="swiglu", backend=backend)
+        for (n, a), b in zip(built["torch"].named_parameters(), built["te"].parameters()):
+            assert torch.equal(a, b), n
         for kw, words in [(dict(dtype=torch.float64), "dtype=torch.float64"),
                           (dict(backend="gpu"), "backend='gpu'")]:
             try:
