@@ -2,16 +2,17 @@
 
 Every layer that ran in fp8 holds ``layer.fp8_meta`` (not part of the state dict): its
 recipe and ``scale`` ``[3]`` (input, weight, grad). A grouped (expert) GEMM holds one meta
-per role (``moe.fp8_meta_fc1``/``fc2``) with a last dimension of ``num_experts``: scale
-``[3, E]`` and history ``[len, 3, E]``, indexed by *global* expert (``ExpertMeta`` is one
-expert's view), so the reduction below gives each expert the max over every rank that
-touched it and never mixes two experts (docs/precision.md). Under *current* scaling ``scale``
-holds the scales the layer's last quantization used (nothing else is kept); block
-recipes keep no per-tensor scale. Under *delayed* scaling it also holds an amax history
+(``moe.fp8_meta_fc1``/``fc2``) with a last dimension of ``num_experts``: scale ``[3, E]``
+and history ``[len, 3, E]``, indexed by *global* expert (``ExpertMeta`` is one expert's
+view), so the reduction below gives each expert the max over every rank that touched it
+and never mixes two experts (docs/moe.md, "fp8"). Under *current* scaling ``scale`` holds
+the scales the layer's last quantization used (nothing else is kept); block recipes keep
+no per-tensor scale. Under *delayed* scaling it also holds an amax history
 ``[amax_history_len, 3]`` (row 0 is the step being recorded), and an update (one per
 step for the forward slots, one per backward for the grad slot) runs:
 1. the recorded row-0 amaxes of all layers (and experts) are all-reduced (MAX) over
-   ``fp8_group`` in ONE collective on one flat tensor (skipped for a group of one or ``reduce_amax=False``);
+   ``fp8_group`` in ONE collective on one flat tensor (skipped for a group of one or
+   ``reduce_amax=False``);
 2. every ``interval``-th update the scale becomes ``fp8_max * 2**-margin / amax`` (float32,
    TE 2.x's formula, not rounded to a power of two) with amax = max of the history
    ('max'), row 0 ('most_recent') or ``algo(history)``; an amax of 0 or inf/nan keeps the
