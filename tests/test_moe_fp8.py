@@ -7,7 +7,7 @@ replica's tokens) through each expert's own GEMMs, each (expert, role) with its 
 - delayed: the scale of step k is ``fp8_max / (max amax of steps < k)`` per *global*
   expert (1 before any amax; an expert no token reached keeps its scale), the amax being
   over every token the expert saw in the global batch and over its whole weight (all etp
-  shards), so every layout gives bitwise the reference's scales;
+  shards), so every layout gives the reference's scales (input and weight bitwise);
 - current: ``fp8_max / amax`` of the tensor the rank's GEMM sees: the expert's tokens
   (edp = 1 here: one rank sees all of them) and, under etp > 1, the etp shard of the
   weight and of the expert's hidden activation and its gradient;
@@ -17,8 +17,10 @@ replica's tokens) through each expert's own GEMMs, each (expert, role) with its 
 
 Outputs, the input gradient, the router's and every expert shard's gradient are compared
 after the reductions a training loop does, step by step; delayed scaling's
-``moe.fp8_meta_fc1/fc2.scale`` equal the reference's bitwise on every rank; a recomputed
-(tpkit.recompute.checkpoint) step replays the same scales and counts no amax twice."""
+``moe.fp8_meta_fc1/fc2.scale`` equal the reference's on every rank (input and weight
+scales bitwise; gradient scales to float32 rounding, the backward's sums running in
+another order at another layout); a recomputed (tpkit.recompute.checkpoint) step
+replays the same scales and counts no amax twice."""
 import torch
 
 from dist import run
