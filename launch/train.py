@@ -501,10 +501,6 @@ def check_moe_args(args, ap) -> None:
     if getattr(args, "pack", False):
         ap.error("--moe-experts with --pack is not supported yet (packed rows hold unequal "
                  "token counts, which the aux loss's share assumes equal); drop one of them")
-    if args.precision == "fp8":
-        ap.error("--precision fp8 with --moe-experts: expert weights have no fp8 path yet "
-                 "(docs/moe.md, \"Not yet\"); their GEMMs would silently stay in high "
-                 "precision. Use --precision bf16-mixed or 32-true, or drop --moe-experts")
     from tpkit.config import ParallelConfig
     from tpkit.nn.moe import check_moe_args as check
     try:

@@ -36,6 +36,12 @@ SIGNATURES = {
     "Linear.__init__": (PT + "module/linear.py", "Linear.__init__"),
     "LayerNormLinear.__init__": (PT + "module/layernorm_linear.py", "LayerNormLinear.__init__"),
     "LayerNormMLP.__init__": (PT + "module/layernorm_mlp.py", "LayerNormMLP.__init__"),
+    "GroupedLinear.__init__": (PT + "module/grouped_linear.py", "GroupedLinear.__init__"),
+    "GroupedLinear.forward": (PT + "module/grouped_linear.py", "GroupedLinear.forward"),
+    "GroupedLinear.get_extra_state": (PT + "module/base.py",
+                                      "TransformerEngineBaseModule.get_extra_state"),
+    "GroupedLinear.set_extra_state": (PT + "module/base.py",
+                                      "TransformerEngineBaseModule.set_extra_state"),
     "LayerNorm.__init__": (PT + "module/layernorm.py", "LayerNorm.__init__"),
     "RMSNorm.__init__": (PT + "module/rmsnorm.py", "RMSNorm.__init__"),
     "_TPModule.set_tensor_parallel_group": (
@@ -69,7 +75,7 @@ SIGNATURES = {
 OPTIONAL = ("is_fp8_available", "is_mxfp8_available", "is_fp8_block_scaling_available",
             "is_nvfp4_available")
 # Names tpkit.te reads from ``transformer_engine.pytorch``.
-EXPORTS = ("Linear", "LayerNormLinear", "LayerNormMLP", "LayerNorm", "RMSNorm",
+EXPORTS = ("Linear", "GroupedLinear", "LayerNormLinear", "LayerNormMLP", "LayerNorm", "RMSNorm",
            "DotProductAttention", "TransformerLayer", "autocast", "fp8_autocast",
            "quantized_model_init", "fp8_model_init", "checkpoint")
 # Renamed in TE 2.9: tpkit.te uses the new name when TE exports it, else the old one.
@@ -81,6 +87,12 @@ TPKIT_PASSES = {
     "Linear.__init__": _TP | {"in_features", "out_features", "bias", "init_method",
                               "return_bias", "params_dtype", "parallel_mode"},
     "LayerNormLinear.__init__": _TP | {"in_features", "out_features", "parallel_mode"},
+    # tpkit.nn.MoE's expert GEMMs (tpkit.te.make("grouped_linear"), tpkit/nn/moe.py)
+    "GroupedLinear.__init__": _TP | {"num_gemms", "in_features", "out_features", "bias",
+                                     "params_dtype", "parallel_mode", "rng_tracker_name"},
+    "GroupedLinear.forward": ("inp", "m_splits"),
+    "GroupedLinear.get_extra_state": (),
+    "GroupedLinear.set_extra_state": ("state",),
     "LayerNormMLP.__init__": _TP | {"hidden_size", "ffn_hidden_size", "set_parallel_mode"},
     "LayerNorm.__init__": {"normalized_shape", "eps", "sequence_parallel", "device", "dtype"},
     "RMSNorm.__init__": {"normalized_shape", "eps", "sequence_parallel", "device", "dtype"},
@@ -114,6 +126,7 @@ TPKIT_PASSES = {
 # Classes whose constructor sets the ``tp_size`` attribute wire_parallel_groups checks.
 TP_SIZE_CLASSES = {
     PT + "module/linear.py": "Linear", PT + "module/layernorm_linear.py": "LayerNormLinear",
+    PT + "module/grouped_linear.py": "GroupedLinear",
     PT + "module/layernorm_mlp.py": "LayerNormMLP", PT + "transformer.py": "TransformerLayer",
     PT + "attention/dot_product_attention/dot_product_attention.py": "DotProductAttention"}
 # The fused ops TE's LayerNorm/RMSNorm forward ``**kwargs`` to.

@@ -240,3 +240,21 @@ def test_tpkit_blocks_torch_and_auto_on_cpu():
             assert type(ParallelMLP(8, 16, state=s, backend=backend)) is ParallelMLP
     finally:
         destroy_fake_state(s)
+
+
+def test_fake_grouped_linear_math_and_init(fake_te):
+    """The fake GroupedLinear (what tpkit.nn.MoE's TE backend is tested through): split i
+    of the rows times weight{i} transposed plus bias{i}, each weight initialised by
+    init_method; a split list of the wrong length is TE's ValueError."""
+    seen = []
+    lin = fake_te.GroupedLinear(3, 4, 5, init_method=lambda w: seen.append(w) or
+                                torch.nn.init.normal_(w), device="cpu")
+    assert [id(w) for w in seen] == [id(lin.weight0), id(lin.weight1), id(lin.weight2)]
+    for i in range(3):
+        getattr(lin, f"bias{i}").data.fill_(float(i))
+    x, splits = torch.randn(6, 4), [2, 0, 4]
+    ref = torch.cat([x[:2] @ lin.weight0.t(), x[2:] @ lin.weight2.t() + 2.0])
+    torch.testing.assert_close(lin(x, splits), ref)
+    torch.testing.assert_close(lin(x, torch.tensor(splits)), ref)
+    with pytest.raises(ValueError, match="number of GEMMs"):
+        lin(x, [6])

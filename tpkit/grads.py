@@ -8,7 +8,7 @@ which need a TP sum is read off their tags (tpkit.param_tags).
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
@@ -19,7 +19,7 @@ from .param_tags import is_expert, is_sequence_parallel, tp_spec
 from .topology import resolve_state
 
 __all__ = ["sync_sequence_parallel_grads", "reduce_expert_grads", "grad_norm",
-           "clip_grad_norm", "clip_grad_value"]
+           "clip_grad_norm", "clip_grad_value", "snapshot_grads", "reduce_since"]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -31,6 +31,25 @@ def _tagged_grads(module_or_params, tagged) -> list[torch.Tensor]:
     params = module_or_params.parameters() if isinstance(module_or_params, nn.Module) \
         else module_or_params
     return [_local(p.grad) for p in params if tagged(p) and p.grad is not None]
+
+
+def snapshot_grads(params: Iterable[nn.Parameter]) -> list:
+    """``(param, a copy of its local gradient)`` for each parameter holding one: the
+    part of the gradients ``reduce_since`` sets aside."""
+    return [(p, _local(p.grad).detach().clone()) for p in params if p.grad is not None]
+
+
+def reduce_since(snapshot: list, reduce: Callable[[], object]) -> None:
+    """Run ``reduce`` (an in-place reduction of gradients over ranks) on only what was
+    added to the gradients since ``snapshot`` (``snapshot_grads``): the earlier part is
+    subtracted first and added back after. For a reduction that is not idempotent (a sum
+    over ranks) when gradients accumulate over several backwards or steps."""
+    deltas = [(g, base) for p, base in snapshot if (g := _local(p.grad)) is not None]
+    for g, base in deltas:
+        g.sub_(base)
+    reduce()
+    for g, base in deltas:
+        g.add_(base)
 
 
 def sync_sequence_parallel_grads(module_or_params: nn.Module | Iterable[nn.Parameter],

@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from .collectives import all_reduce_flat, all_reduce_sum
-from .grads import reduce_expert_grads
+from .grads import reduce_expert_grads, reduce_since, snapshot_grads
 from .param_tags import is_expert
 from .topology import resolve_state
 
@@ -308,19 +308,14 @@ class Pipeline:
         # Expert gradients: only what this step adds is reduced (the sum over edp is not
         # idempotent, unlike an average), so earlier steps' accumulated parts are set aside.
         reduce_experts = self._reduce_experts and (s.edp_size > 1 or s.dp_cp_size > 1)
-        base = [(p.grad, p.grad.detach().clone()) for p in self._experts
-                if p.grad is not None] if reduce_experts else []
+        base = snapshot_grads(self._experts) if reduce_experts else []
         self.schedule.step(*inputs, target=target, losses=losses, return_outputs=False)
         if self._average:
             grads = [p.grad for p in self._dense if p.grad is not None]
             all_reduce_flat(grads, s.dp_cp_group)
             torch._foreach_div_(grads, float(s.dp_cp_size))
         if reduce_experts:
-            for g, b in base:
-                g.sub_(b)
-            reduce_expert_grads(self._experts, s)
-            for g, b in base:
-                g.add_(b)
+            reduce_since(base, lambda: reduce_expert_grads(self._experts, s))
         device = next(iter(self.module.parameters())).device
         loss = torch.stack([x.detach().float() for x in losses]).sum() if losses \
             else torch.zeros((), dtype=torch.float32, device=device)

@@ -8,7 +8,8 @@
   ``quantized_model_init`` since TE 2.9; ``fp8_autocast``/``fp8_model_init`` before).
 - ``wire_parallel_groups``: feed a ParallelState's TP and CP groups into every TE module
   of a model (TE modules keep groups as attributes set through ``set_*_parallel_group``).
-- ``make``: build one TE module (the ``backend="te"`` path of tpkit.nn) from a state.
+- ``make``: build one TE module (the ``backend="te"`` path of tpkit.nn) from a state;
+  ``"grouped_linear"`` is the expert GEMMs of tpkit.nn.MoE (no TE communication).
 - ``holds_te_modules``/``checkpoint``: tpkit.recompute hands TE modules to TE's checkpoint.
 
 Checked against TE 2.20.2's sources (tests/te_contract.py); TE 2.9 or newer 2.x expected.
@@ -25,7 +26,7 @@ from collections.abc import Mapping
 import torch
 
 from .config import FP8_RECIPES
-from .random import get_rng_tracker
+from .random import EXPERT_PARALLEL_RNG, get_rng_tracker
 from .topology import is_initialized, resolve_state
 
 CHECKED_TE_VERSION = "2.20.2"
@@ -280,6 +281,8 @@ def wire_parallel_groups(model: torch.nn.Module, state=None) -> list[tuple[str, 
     every TE module of ``model`` that has them; return ``(module name, method)`` per call
     (empty for a model without TE modules, e.g. one built with backend="auto" on CPU).
 
+    Expert GEMMs built by ``make("grouped_linear")`` (marked ``tpkit_explicit_comm``) are
+    left alone: tpkit's MoE dispatcher does their communication and TE has no group.
     Modules whose ``tp_size`` differs from the state's were built for another layout
     (their weights are sharded differently) and are refused before anything is set.
     With cp == 1 nothing CP-related is set: TE treats ``cp_group=None`` as no CP, and no
@@ -288,7 +291,8 @@ def wire_parallel_groups(model: torch.nn.Module, state=None) -> list[tuple[str, 
     """
     state = resolve_state(state)
     modules = [(name, m) for name, m in model.named_modules() if is_te_module(m) and (
-        hasattr(m, "set_tensor_parallel_group") or hasattr(m, "set_context_parallel_group"))]
+        hasattr(m, "set_tensor_parallel_group") or hasattr(m, "set_context_parallel_group"))
+        and not getattr(m, EXPLICIT_COMM, False)]  # expert GEMMs: tpkit communicates
     for name, m in modules:
         tp_size = getattr(m, "tp_size", None)
         if isinstance(tp_size, int) and tp_size != state.tp_size:
@@ -350,7 +354,15 @@ KINDS = {
     "layernorm_mlp": ("LayerNormMLP", {"set_parallel_mode": True}),
     "attention": ("DotProductAttention", {}),
     "transformer_layer": ("TransformerLayer", {"set_parallel_mode": True}),
+    # Expert GEMMs (tpkit.nn.MoE, backend="te"): tpkit's dispatcher does every expert
+    # communication (all-to-all over ep, gather / reduce-scatter over etp), so TE gets no
+    # group and no parallel mode and the sizes are the local shard's, as Megatron-Core's
+    # TEGroupedLinear with explicit expert communication; wire_parallel_groups skips it.
+    "grouped_linear": ("GroupedLinear", {"parallel_mode": None, "tp_size": 1,
+                                         "tp_group": None, "sequence_parallel": False}),
 }
+# Kinds whose communication is tpkit's, not TE's (the modules carry this attribute).
+EXPLICIT_COMM = "tpkit_explicit_comm"
 
 
 def make(kind: str, state=None, **kwargs) -> torch.nn.Module:
@@ -370,17 +382,22 @@ def make(kind: str, state=None, **kwargs) -> torch.nn.Module:
             raise ValueError(f"{key}={kwargs[key]!r} contradicts kind={kind!r}, which needs "
                              f"{key}={value!r}; drop the argument")
     for key, value in (("tp_size", state.tp_size), ("tp_group", state.tp_group)):
-        if key in kwargs and kwargs[key] is not value and kwargs[key] != value:
+        if key in kwargs and key not in fixed and kwargs[key] is not value and \
+                kwargs[key] != value:
             raise ValueError(f"{key}={kwargs[key]!r} contradicts the parallel state "
                              f"(tp={state.tp_size}); drop it, tpkit passes the state's")
     defaults = {"tp_group": state.tp_group, "tp_size": state.tp_size,
                 "sequence_parallel": state.sequence_parallel,
                 "get_rng_state_tracker": get_rng_tracker}
+    if kind == "grouped_linear" and EXPERT_PARALLEL_RNG in get_rng_tracker().states_:
+        defaults["rng_tracker_name"] = EXPERT_PARALLEL_RNG  # TE's own init: the expert stream
     args = {k: v for k, v in defaults.items() if k in accepted}
     args.update(fixed)
     args.update(kwargs)
     if cls_name in ("LayerNorm", "RMSNorm") and args.get("params_dtype") is not None:
         args["dtype"] = args.pop("params_dtype")  # params_dtype is deprecated on TE norms
     module = cls(**args)
+    if kind == "grouped_linear":
+        setattr(module, EXPLICIT_COMM, True)
     wire_parallel_groups(module, state)
     return module

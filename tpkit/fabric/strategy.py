@@ -221,11 +221,6 @@ class TPKitStrategy(ParallelStrategy):
         if experts and self._data_parallel == "fsdp":
             raise ValueError("data_parallel='fsdp' does not shard expert weights (tpkit.nn."
                              f"MoE: {experts[0]}, ...) yet; use data_parallel='ddp'")
-        if experts and getattr(self.precision, "precision", None) == "fp8":
-            raise ValueError(f"TPKitPrecision('fp8') with expert weights (tpkit.nn.MoE: "
-                             f"{experts[0]}, ...): expert GEMMs have no fp8 path yet and "
-                             "would silently stay in high precision; use 'bf16-mixed' or "
-                             "'32-true'")
         if state.pp_size > 1:   # expert weights: summed over edp by Pipeline.step
             return self._setup_pipeline(module, state)
         if self._data_parallel == "fsdp":

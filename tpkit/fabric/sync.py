@@ -21,7 +21,6 @@ from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from torch import nn
 
 from .. import grads
-from ..grads import _local
 from ..param_tags import is_expert, is_sequence_parallel
 
 
@@ -53,8 +52,7 @@ class SequenceParallelSum:
 
     def before_backward(self, state) -> None:
         if not self.pending and self._needed(state):
-            self._base = [(p, _local(p.grad).detach().clone()) for p in self.params
-                          if p.grad is not None]
+            self._base = grads.snapshot_grads(self.params)
 
     def after_backward(self, state) -> None:
         self.pending = True
@@ -65,12 +63,7 @@ class SequenceParallelSum:
         """Sum what was added since the last sum (idempotent until the next backward)."""
         if not self.pending:
             return
-        deltas = [(g, base) for p, base in self._base if (g := _local(p.grad)) is not None]
-        for g, base in deltas:
-            g.sub_(base)
-        self._reduce(self.params, state)
-        for g, base in deltas:
-            g.add_(base)
+        grads.reduce_since(self._base, lambda: self._reduce(self.params, state))
         self._base = []
         self.pending = False
 

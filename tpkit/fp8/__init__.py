@@ -11,7 +11,9 @@ weight, bias)`` (tpkit.nn's one linear function) runs in emulated fp8:
 - ``amax``: ``layer.fp8_meta``, delayed scaling's amax histories and their reduction
   over the amax group;
 - ``autocast``: ``fp8_autocast``, the process-wide state (``reset``), recompute replay;
-- ``linear``: the emulated GEMMs (installed into tpkit.nn.linear on import).
+- ``linear``: the emulated GEMMs (installed into tpkit.nn.linear on import), and the
+  grouped one of MoE experts (installed into tpkit.nn.moe: per-expert scales by global
+  expert index, docs/moe.md).
 
 Which tensors share a scale across ranks, per recipe: docs/precision.md.
 """

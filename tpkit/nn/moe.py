@@ -21,7 +21,10 @@ rank's CP shard under CP):
    tokens of its experts).
 4. *Experts*: a grouped GEMM over this rank's ``num_experts/ep`` experts (each ``fc1 ->
    act -> fc2``, ``ffn_hidden_size/etp`` wide here): ``grouped_mm``, the one place that
-   chooses ``torch._grouped_mm`` or a per-expert loop.
+   chooses ``torch._grouped_mm``, a per-expert loop, or (inside tpkit.fp8's autocast,
+   installed with ``set_grouped_mm``) emulated fp8 GEMMs with per-expert scales kept by
+   global expert index (docs/moe.md, "fp8"); with ``backend="te"``, TE's
+   ``GroupedLinear`` on the same weights (``_TEExperts``; TE communicates nothing).
 5. *Combine*: the reverse path (reduce-scatter over etp, all-to-all back), the outputs
    weighted by their probabilities and summed per token, plus the shared experts.
 
@@ -47,11 +50,12 @@ from torch import nn
 from ..collectives import all_gather, group_rank
 from ..param_tags import set_expert_attrs
 from ..random import EXPERT_PARALLEL_RNG, get_rng_tracker
+from ._backend import build_te, resolve_backend
 from ._common import ParallelModule, check_sbh, divide, resolve_sp
 from .mappings import gather_from_tp_region, reduce_from_tp_region, scatter_to_sp_region
 from .mlp import _GATED, _PLAIN, ACTIVATIONS, ParallelMLP
 
-__all__ = ["MoE", "grouped_mm", "SCORE_FUNCTIONS"]
+__all__ = ["MoE", "grouped_mm", "plain_grouped_mm", "set_grouped_mm", "SCORE_FUNCTIONS"]
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 # "sequence": the load-balancing loss of each data-parallel replica's micro-batch
@@ -61,7 +65,7 @@ AUX_LOSS_SCOPES = ("sequence", "global")
 
 
 # --- the grouped GEMM (one place chooses) ------------------------------------------------
-def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
+def plain_grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """Rows of ``x`` ([sum(counts), k]) in groups of ``counts``, group e times ``w[e]``
     ([E, k, n]) -> [sum(counts), n]. ``torch._grouped_mm`` on CUDA bf16 (where the
     installed torch has it), else one matmul per group (any device and dtype)."""
@@ -71,6 +75,33 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Ten
         return torch._grouped_mm(x, w, offs=offs)
     outs = [xe @ w[e] for e, xe in enumerate(x.split(counts, 0))]
     return torch.cat(outs, 0) if outs else x.new_zeros(0, w.shape[-1])
+
+
+def _plain(layer, name, x, w, counts, first_expert, num_experts):
+    return plain_grouped_mm(x, w, counts)
+
+
+_GROUPED_MM = _plain
+
+
+def set_grouped_mm(fn):
+    """Install ``fn(layer, name, x, w, counts, first_expert, num_experts)`` as the grouped
+    GEMM of every MoE (None: ``plain_grouped_mm`` again); returns the previous one.
+    tpkit.fp8 installs its emulated fp8 grouped GEMM when imported, as nn.linear's
+    ``set_matmul`` (docs/design.md, "Layers")."""
+    global _GROUPED_MM
+    prev, _GROUPED_MM = _GROUPED_MM, (fn or _plain)
+    return prev
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: list[int], layer=None,
+               name: str = "", first_expert: int = 0, num_experts: int | None = None):
+    """The ONE place where expert GEMMs happen: the installed grouped GEMM
+    (``plain_grouped_mm`` unless tpkit.fp8 installed its own, which keeps per-expert
+    fp8 scales on ``layer`` under ``name`` for the global experts ``first_expert`` ..
+    of ``num_experts``)."""
+    return _GROUPED_MM(layer, name, x, w, counts, first_expert,
+                       w.shape[0] if num_experts is None else num_experts)
 
 
 # --- variable-size all-to-all with autograd ------------------------------------------------
@@ -124,7 +155,10 @@ class MoE(ParallelModule):
     dropless, else each expert keeps at most ``ceil(top_k*T*cf/E)`` tokens of a sequence;
     ``shared_ffn_hidden_size``: a ParallelMLP of that width over every token (TP-sharded
     like the dense MLP). Expert weights: ``experts_fc1`` ``[E/ep, h, ffn/etp (x2 gated)]``
-    and ``experts_fc2`` ``[E/ep, ffn/etp, h]`` (no biases).
+    and ``experts_fc2`` ``[E/ep, ffn/etp, h]`` (no biases). ``backend``: "torch" (tpkit's
+    grouped GEMM), "te" (Transformer Engine's GroupedLinear for the two expert GEMMs,
+    same parameters and state dict; needs TE and CUDA) or "auto" (TE when both are
+    there), as the dense layers' ``backend``.
     """
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int,
@@ -134,9 +168,11 @@ class MoE(ParallelModule):
                  capacity_factor: float | None = None,
                  shared_ffn_hidden_size: int | None = None,
                  sequence_parallel: bool | None = None, init_method=None,
-                 output_layer_init_method=None, state=None, device=None, dtype=None):
+                 output_layer_init_method=None, state=None, device=None, dtype=None,
+                 backend: str = "torch"):
         super().__init__()
         check_moe_args(num_experts, top_k, capacity_factor, score_func, activation)
+        self.backend = resolve_backend(backend)   # "te": TE and CUDA, or it raises
         if aux_loss_scope not in AUX_LOSS_SCOPES:
             raise ValueError(f"aux_loss_scope={aux_loss_scope!r} is unknown; use one of "
                              f"{AUX_LOSS_SCOPES}")
@@ -168,6 +204,8 @@ class MoE(ParallelModule):
                          etp_partition_sizes=(ffn_hidden_size,) * 2 if self._gated else None)
         set_expert_attrs(self.experts_fc2, num_experts=num_experts, etp_partition_dim=1)
         self._init(init_method, output_layer_init_method)
+        # backend "te": the two expert GEMMs are TE GroupedLinear modules (see _TEExperts)
+        self.te_experts = _TEExperts(self, s) if self.backend == "te" else None
         self.shared_experts = None
         if shared_ffn_hidden_size:
             self.shared_experts = ParallelMLP(
@@ -337,13 +375,13 @@ class MoE(ParallelModule):
                 for e in range(L) for i in range(c.shape[0])]
         perm = torch.cat(perm).to(x.device) if perm else torch.zeros(0, dtype=torch.long)
         per_expert = c.sum(0).tolist()
-        h = grouped_mm(xs.index_select(0, perm), self.experts_fc1.to(x.dtype), per_expert)
+        h = self._expert_gemm(0, xs.index_select(0, perm), per_expert)
         if self._gated:
             gate, up = h.chunk(2, dim=-1)
             h = self._act(gate) * up
         else:
             h = self._act(h)
-        out = grouped_mm(h, self.experts_fc2.to(x.dtype), per_expert)
+        out = self._expert_gemm(1, h, per_expert)
         out = torch.empty_like(out).index_copy(0, perm, out)               # back to received
         if s.etp_size > 1:
             out = _a2av(out, [mine] * s.etp_size, lens, s.etp_group, s.etp_size)
@@ -351,6 +389,76 @@ class MoE(ParallelModule):
         out = _a2av(out, send.sum(1).tolist(), recv.sum(1).tolist(), s.ep_group, s.ep_size)
         slots = x.new_zeros(x.shape[0] * self.top_k, x.shape[1]).index_copy(0, pos, out)
         return slots.view(x.shape[0], self.top_k, x.shape[1])
+
+    def _expert_gemm(self, i: int, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Expert GEMM ``i`` (0: fc1, 1: fc2) of rows grouped by local expert: tpkit's
+        ``grouped_mm`` or TE's GroupedLinear, on the same weights."""
+        w = (self.experts_fc1, self.experts_fc2)[i].to(x.dtype)
+        if self.te_experts is None:   # tpkit.fp8 keeps its scales by global expert
+            return grouped_mm(x, w, counts, layer=self, name=("fc1", "fc2")[i],
+                              first_expert=self.first_expert, num_experts=self.num_experts)
+        if x.shape[0] == 0:   # no token here: an empty product (TE's GEMMs are TE's fp8)
+            return plain_grouped_mm(x, w, counts)
+        return self.te_experts(i, x, w, counts)
+
+
+class _TEExperts(nn.Module):
+    """The expert GEMMs of ``MoE(backend="te")``: two TE ``GroupedLinear`` modules
+    (``num_gemms`` = local experts, ``m_splits`` = tokens per local expert), built by
+    tpkit.te.make("grouped_linear"): no TE communication (tpkit dispatches), no weights of
+    their own. The weights stay the MoE's ``experts_fc1``/``experts_fc2`` (the torch
+    backend's names, shapes, tags, RNG stream and checkpoints); each call hands TE expert
+    j's ``[out, in]`` matrix as ``weight{j}`` (one transposed copy per forward, whose
+    gradient autograd carries back into the MoE's parameter). The modules' fp8 metadata
+    (TE's ``_extra_state``) is kept out of the state dict, as tpkit's checkpoints drop it
+    for every TE module, so both backends have the same keys."""
+
+    def __init__(self, moe: "MoE", state):
+        super().__init__()
+        if moe.experts_fc1.dtype == torch.float64:   # dtype=, or the default dtype
+            raise ValueError("dtype=torch.float64 is not available with backend='te' "
+                             "(TE's GEMMs run in fp32, bf16 or fp16); use dtype=torch.float32 "
+                             "or backend='torch'")
+        gemms = []
+        for w in (moe.experts_fc1, moe.experts_fc2):
+            lin = build_te("grouped_linear", state, num_gemms=moe.local_experts,
+                           in_features=w.shape[1], out_features=w.shape[2], bias=False,
+                           params_dtype=w.dtype, device="meta")
+            if getattr(lin, "primary_weights_in_fp8", False):
+                raise ValueError("MoE(backend='te') was built under TE's quantized_model_init "
+                                 "(fp8 primary weights), which expert weights do not have: "
+                                 "they are the MoE's experts_fc1/experts_fc2 in high "
+                                 "precision (TE quantizes them per forward under "
+                                 "te_autocast); build the MoE outside quantized_model_init")
+            for j in range(moe.local_experts):
+                delattr(lin, f"weight{j}")   # TE's (deferred, meta) weights: unused
+            lin.register_state_dict_post_hook(_drop_extra_state)
+            lin.register_load_state_dict_pre_hook(_keep_extra_state)
+            gemms.append(lin)
+        self.fc1, self.fc2 = gemms
+
+    def forward(self, i: int, x: torch.Tensor, w: torch.Tensor, counts: list[int]):
+        lin = (self.fc1, self.fc2)[i]
+        wt = w.transpose(1, 2).contiguous()                    # [L, out, in]: TE's layout
+        names = [f"weight{j}" for j in range(wt.shape[0])]
+        for j, name in enumerate(names):
+            lin.__dict__[name] = wt[j]
+            lin.__dict__[f"bias{j}"] = x.new_empty(0)          # bias=False, on x's device
+        try:
+            return lin(x, counts)
+        finally:
+            for name in names:                                 # no reference past the call
+                del lin.__dict__[name]
+
+
+def _drop_extra_state(module, state_dict, prefix, local_metadata):
+    state_dict.pop(prefix + "_extra_state", None)
+
+
+def _keep_extra_state(module, state_dict, prefix, *args):
+    """A state dict without the expert GEMMs' extra state (both backends write none) loads
+    strictly: the module's own fp8 metadata is kept."""
+    state_dict.setdefault(prefix + "_extra_state", module.get_extra_state())
 
 
 def check_moe_args(num_experts, top_k, capacity_factor, score_func="softmax",

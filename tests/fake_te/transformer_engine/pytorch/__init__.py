@@ -4,9 +4,11 @@ Every constructor records its bound arguments (defaults included) in ``init_args
 every ``set_*_parallel_group`` call in ``calls``; the container setters recurse into
 children the way TE's do. ``tp_size`` follows TE: the group's size when ``tp_group`` is
 given, else the ``tp_size`` argument. No math: ``forward`` raises, except
-``DotProductAttention.forward``, which records its bound arguments in ``calls`` (what tpkit
-passes through) and returns zeros of the output's shape. ``tests/te_contract.py``
-compares these signatures with TE's real sources.
+``GroupedLinear.forward`` (the expert GEMMs, computed in torch: tpkit.nn.MoE's TE backend
+is checked against the torch backend through it) and ``DotProductAttention.forward``,
+which records its bound arguments in ``calls`` (what tpkit passes through) and returns
+zeros of the output's shape. ``tests/te_contract.py`` compares these signatures with
+TE's real sources.
 """
 from __future__ import annotations
 
@@ -131,6 +133,84 @@ class LayerNormMLP(_TPModule):
         self.sequence_parallel = sequence_parallel
         self.set_parallel_mode = set_parallel_mode
         self._init_tp(tp_group, tp_size)
+
+
+class GroupedLinear(_TPModule):
+    """TE's grouped GEMM for experts, with math (pure torch, any device): ``forward(inp,
+    m_splits)`` multiplies the i-th block of ``m_splits[i]`` rows by ``weight{i}``
+    ([out, in], read with ``getattr`` on every call, as TE does) transposed, plus
+    ``bias{i}``. Weights are initialised per GEMM by ``init_method`` (TE's default
+    normal(0, 0.023) when None) on ``rng_tracker_name``'s stream of the tracker, except
+    on the meta device (TE defers initialisation there)."""
+
+    def __init__(self, num_gemms, in_features, out_features, sequence_parallel=False,
+                 fuse_wgrad_accumulation=False, tp_group=None, tp_size=1,
+                 get_rng_state_tracker=None, rng_tracker_name=None, init_method=None,
+                 bias=True, return_bias=False, params_dtype=None, parallel_mode=None,
+                 device='cuda', ub_overlap_rs=False, ub_overlap_ag=False, ub_name=None,
+                 delay_wgrad_compute=False, save_original_input=False,
+                 single_grouped_weight=False, single_grouped_bias=False, name=None,
+                 use_grouped_tensor=None):
+        self._record_init(GroupedLinear.__init__, locals())
+        dtype = torch.get_default_dtype() if params_dtype is None else params_dtype
+        self.num_gemms, self.in_features, self.out_features = num_gemms, in_features, out_features
+        self.use_bias, self.return_bias = bias, return_bias
+        self._init_tp(tp_group, tp_size)
+        if self.tp_size > 1 and bias:
+            raise ValueError("GroupedLinear doesn't support bias when TP > 1.")
+        if parallel_mode not in ("column", "row", None):
+            raise ValueError(f"parallel_mode {parallel_mode!r} not supported.")
+        self.parallel_mode = parallel_mode
+        if parallel_mode == "column":
+            self.out_features //= self.tp_size
+        elif parallel_mode == "row":
+            self.in_features //= self.tp_size
+        self.sequence_parallel = self.tp_size > 1 and sequence_parallel
+        self.primary_weights_in_fp8 = False
+        for i in range(num_gemms):
+            self.register_parameter(f"weight{i}", torch.nn.Parameter(torch.empty(
+                self.out_features, self.in_features, device=device, dtype=dtype)))
+            if bias:
+                self.register_parameter(f"bias{i}", torch.nn.Parameter(torch.zeros(
+                    self.out_features, device=device, dtype=dtype)))
+            else:
+                setattr(self, f"bias{i}", torch.Tensor().to(dtype=dtype, device=device))
+        if torch.device(device).type != "meta":
+            init = init_method or (lambda w: torch.nn.init.normal_(w, 0.0, 0.023))
+            for i in range(num_gemms):
+                fork = (get_rng_state_tracker().fork(rng_tracker_name) if rng_tracker_name
+                        else get_rng_state_tracker().fork()) if get_rng_state_tracker else None
+                with torch.no_grad():
+                    if fork is None:
+                        init(getattr(self, f"weight{i}"))
+                    else:
+                        with fork:
+                            init(getattr(self, f"weight{i}"))
+
+    def forward(self, inp, m_splits, is_first_microbatch=None, out=None, dgrad_out=None):
+        splits = [int(m) for m in (m_splits.tolist() if isinstance(m_splits, torch.Tensor)
+                                   else m_splits)]
+        if len(splits) != self.num_gemms:
+            raise ValueError(f"Shape of splits tensor (({len(splits)},)) does not match "
+                             f"number of GEMMs ({self.num_gemms}).")
+        self.calls.append(("forward", {"m_splits": list(splits)}))
+        outs = []
+        for i, x in enumerate(inp.split(splits, 0)):
+            y = x @ getattr(self, f"weight{i}").t()
+            if self.use_bias and not self.return_bias:
+                y = y + getattr(self, f"bias{i}")
+            outs.append(y)
+        y = torch.cat(outs, 0) if outs else inp.new_zeros(0, self.out_features)
+        if self.return_bias:
+            return y, [getattr(self, f"bias{i}") for i in range(self.num_gemms)]
+        return y
+
+    # TE's TransformerEngineBaseModule keeps fp8 metadata as extra state (a uint8 tensor)
+    def get_extra_state(self):
+        return torch.empty(0, dtype=torch.uint8)
+
+    def set_extra_state(self, state):
+        self.calls.append(("set_extra_state", {"state": state}))
 
 
 # Keyword-only options TE's LayerNorm/RMSNorm forward through **kwargs to their fused op
