@@ -91,7 +91,8 @@ def test_strided_tensors():
 
 def _mismatch(kind):
     """Rank 1 sends what rank 0 did not post (another tag, or another size); or rank 1
-    posts nothing and rank 0 waits out a short timeout."""
+    posts nothing and rank 0 waits out a short timeout, or (``dead``) sees rank 1's
+    process gone."""
     import tpkit
     from tpkit import shm
     from tpkit.collectives import start_p2p
@@ -100,12 +101,18 @@ def _mismatch(kind):
     msg = "no error"
     if st.rank == 0:
         t.timeout_s = 0.5
+        if kind == "dead":   # rank 1 "exited": its process id line names a reaped process
+            import subprocess
+            import sys
+            proc = subprocess.Popen([sys.executable, "-c", "pass"])
+            proc.wait()
+            t.timeout_s, t._flags[t._pid_at[1]] = 60.0, proc.pid
         try:
             for w in start_p2p([], [(torch.empty(8), 1)], st.cp_group, tag=2):
                 w.wait()
         except RuntimeError as e:
             msg = str(e)
-    elif kind != "silent":
+    elif kind not in ("silent", "dead"):
         n, tag = (8, 3) if kind == "tag" else (9, 2)
         for w in start_p2p([(torch.ones(n), 0)], [], st.cp_group, tag=tag):
             w.wait()
@@ -124,6 +131,14 @@ def test_missing_peer_times_out_naming_it():
     msg, other = run(_mismatch, 2, "silent")
     assert other == "no error"
     assert "rank 0 waited 0.5 s" in msg and "with ranks [1]" in msg, msg
+
+
+def test_exited_peer_is_named_before_the_timeout():
+    import time
+    t0 = time.monotonic()
+    msg, other = run(_mismatch, 2, "dead")
+    assert other == "no error" and time.monotonic() - t0 < 30
+    assert "rank 1 (pid" in msg and "exited while rank 0 waited" in msg, msg
 
 
 def _ring(disable):

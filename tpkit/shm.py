@@ -152,6 +152,7 @@ P2P_SLOTS = 4                 # slots per ordered pair of ranks (chunks in fligh
 P2P_PAIR_BYTES = 4 << 20      # bytes per ordered pair ...
 P2P_SEGMENT_BYTES = 64 << 20  # ... as far as this bound on the whole segment allows
 _P2P_SPIN_YIELDS = 200
+_P2P_ALIVE_EVERY_S = 0.5      # how often a long wait checks that its peers still run
 
 
 def _p2p_layout(size: int) -> tuple[int, int, int]:
@@ -161,7 +162,8 @@ def _p2p_layout(size: int) -> tuple[int, int, int]:
     pairs = size * (size - 1)
     per_pair = min(P2P_PAIR_BYTES, P2P_SEGMENT_BYTES // pairs)
     slot = max(4096, per_pair // P2P_SLOTS // 4096 * 4096)
-    header = -(-(pairs * P2P_SLOTS * 2 * _LINE + _TOKEN) // 4096) * 4096
+    # the slots' lines, then one line per rank with its process id
+    header = -(-((pairs * P2P_SLOTS * 2 + size) * _LINE + _TOKEN) // 4096) * 4096
     return header + pairs * P2P_SLOTS * slot, header, slot
 
 
@@ -202,7 +204,8 @@ class ShmP2P:
     ``start`` moves what fits and every ``wait`` moves whatever any posted send or receive
     can, so two ranks that post each other more than a mailbox holds still finish. A chunk
     whose tag or size is not what the receiver posted raises (the two ranks' schedules
-    differ), and a wait raises after the group's timeout naming the peer."""
+    differ); a wait raises naming the peer when the peer's process has exited, or after
+    the group's timeout."""
 
     def __init__(self, mm: mmap.mmap, size: int, rank: int, timeout_s: float,
                  ranks: list[int]):
@@ -218,6 +221,9 @@ class ShmP2P:
         self._taken = [0] * size    # chunks received from each peer
         self._out: dict[int, collections.deque] = {j: collections.deque() for j in range(size)}
         self._in: dict[int, collections.deque] = {j: collections.deque() for j in range(size)}
+        self._pid_at = [(size * (size - 1) * P2P_SLOTS * 2 + j) * (_LINE // 8)
+                        for j in range(size)]
+        self._flags[self._pid_at[rank]] = os.getpid()   # peers check it while they wait
 
     def _pair(self, src: int, dst: int) -> int:
         return src * (self.size - 1) + (dst if dst < src else dst - 1)
@@ -308,7 +314,8 @@ class ShmP2P:
 
     def wait_for(self, ops) -> None:
         """Progress until every op of ``ops`` is complete: spin (yielding the CPU) for a
-        short while, then sleep between tries; raise after the group's timeout."""
+        short while, then sleep between tries; raise after the group's timeout, or as soon
+        as a peer it waits for has exited (checked every ``_P2P_ALIVE_EVERY_S``)."""
         spins, deadline = 0, None
         while any(op.chunks for op in ops):
             if self.progress():
@@ -320,14 +327,27 @@ class ShmP2P:
                 continue
             now = time.monotonic()
             if deadline is None:
-                deadline = now + self.timeout_s
-            elif now > deadline:
+                deadline, alive_at = now + self.timeout_s, now + _P2P_ALIVE_EVERY_S
+            elif now > alive_at:
+                alive_at = now + _P2P_ALIVE_EVERY_S
+                self._check_alive(ops)
+            if now > deadline:
                 late = sorted({self.ranks[op.peer] for op in ops if op.chunks})
                 raise RuntimeError(
                     f"tpkit shared-memory p2p: rank {self.ranks[self.rank]} waited "
                     f"{self.timeout_s:g} s for point-to-point transfers with ranks {late} "
                     "that never completed (did a rank die or skip the exchange?)")
             time.sleep(_SLEEP_S)
+
+    def _check_alive(self, ops) -> None:
+        """Raise if a peer we wait for has exited (its process id is gone from this host)."""
+        for peer in sorted({op.peer for op in ops if op.chunks}):
+            pid = self._flags[self._pid_at[peer]]
+            if pid and not _alive(pid):
+                raise RuntimeError(
+                    f"tpkit shared-memory p2p: rank {self.ranks[peer]} (pid {pid}) exited "
+                    f"while rank {self.ranks[self.rank]} waited for its point-to-point "
+                    "transfer")
 
     def close(self) -> None:
         self._out.clear()
