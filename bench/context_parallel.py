@@ -13,7 +13,7 @@ cores and their wall time is not a per-rank figure: CPU time is):
   tried on the same tensors; where it does not run, its error is reported instead.
 
 Per rank (the slowest / largest rank is reported): the median fwd+bwd wall time and
-process CPU time (gloo's threads included) causal, the bytes saved for backward
+process CPU time (every thread: gloo's too, where it carries the K/V) causal, the bytes saved for backward
 (``saved_tensors_hooks``) and the peak transient memory: the highest total of tensor bytes
 allocated during one fwd+bwd above the total before it (PyTorch profiler memory events;
 the output and the q/k/v gradients count, as they are allocated in the step). The
@@ -32,6 +32,7 @@ from .common import fmt, table, write_section
 
 SEQS, BATCH, HEADS, HEAD_DIM = (4096, 16384), 1, 4, 64
 ITERS = {4096: 5, 16384: 3}
+ROUNDS = {4096: 5, 16384: 1}   # cp=1, cp=2, cp=4 alternate, each in fresh processes
 
 
 def _free_port() -> int:
@@ -118,8 +119,10 @@ def _rank(rank: int, world: int, port: int, seq: int, kind: str, iters: int, que
         step()
         walls.append(time.perf_counter() - w0)
         cpus.append(time.process_time() - c0)
+    from tpkit import shm
+    via = "shared memory" if shm.get_p2p(tpkit.get_parallel_state().cp_group) else "gloo"
     queue.put((rank, statistics.median(walls), statistics.median(cpus), sum(saved), peak,
-               dpa.kernel or "PyTorch SDPA (no CP)"))
+               f"{dpa.kernel}, K/V via {via}" if dpa.kernel else "PyTorch SDPA (no CP)"))
     tpkit.destroy_parallel()
     dist.destroy_process_group()
 
@@ -144,6 +147,16 @@ def measure(world: int, seq: int, kind: str = "tpkit", iters: int = 3) -> dict:
             "kernel": rows[0][5]}
 
 
+def _over_rounds(results: list[dict]) -> dict:
+    """One layout's figures over alternating rounds: median times, largest memory."""
+    out = dict(results[0])
+    for key in ("wall", "cpu"):
+        out[key] = statistics.median(r[key] for r in results)
+    for key in ("saved", "peak"):
+        out[key] = max(r[key] for r in results)
+    return out
+
+
 def _load() -> float:
     return os.getloadavg()[0]
 
@@ -154,9 +167,10 @@ def main(argv=None) -> None:
     load0 = _load()
     rows, notes = [], {}
     for seq in seqs:
-        it = ITERS[seq]
-        base = measure(1, seq, iters=it)
-        res = {cp: measure(cp, seq, iters=it) for cp in (2, 4)}
+        it, rounds = ITERS[seq], ROUNDS[seq]
+        runs = [[measure(cp, seq, iters=it) for cp in (1, 2, 4)] for _ in range(rounds)]
+        base, res2, res4 = (_over_rounds([r[i] for r in runs]) for i in range(3))
+        res = {2: res2, 4: res4}
         peers = {cp: measure(cp, seq, "torch_cp", 1) for cp in (2, 4)}
         shape = f"S={seq}, b={BATCH}, heads={HEADS}, d={HEAD_DIM}, causal, fp32"
         print(f"[context_parallel] {shape}: cp=1 {base}; cp=2 {res[2]}; cp=4 {res[4]}; "
@@ -196,13 +210,19 @@ def main(argv=None) -> None:
                     ratio=res[cp]["cpu"] / p["cpu"], target="<= 1.0"))
     load1 = _load()
     body = table(rows) + (
-        "\n\nPer-rank figures are the slowest / largest rank; one thread per rank; 1-minute "
+        "\n\nPer-rank figures are the slowest / largest rank; one thread per rank; times are "
+        f"medians over {ROUNDS[SEQS[0]]} rounds at S={SEQS[0]} (cp=1, cp=2, cp=4 in turn, "
+        "each in fresh processes, so a change in the machine's speed reaches every layout "
+        f"alike) and one round at S={SEQS[1]}; 1-minute "
         f"load average {load0:.1f} before, {load1:.1f} after (on {os.cpu_count()} cores): "
         "wall times include the time a rank waits for a core, so on a loaded machine the "
         "CPU-time rows are the per-rank figures. "
         "Peak transient memory counts every tensor allocated in one fwd+bwd (output, "
         "gradients, communication buffers, kernel workspace) above what existed before "
-        "it. PyTorch's `context_parallel` (torch.distributed.tensor.experimental): "
+        "it; the K/V travel through tpkit.shm's point-to-point segment (the default on one "
+        "host: mapped once by init_parallel, 4 MiB per ordered pair of ranks, so 8 MiB "
+        "shared by the two ranks at cp=2 and 48 MiB by the four at cp=4), which is not a "
+        "tensor and is not counted, like gloo's socket buffers. PyTorch's `context_parallel` (torch.distributed.tensor.experimental): "
         + ("; ".join(f"does not run here ({', '.join(where)}): {err}"
                      for err, where in notes.items()) if notes else "measured above") + ".")
     write_section("context_parallel", "Context parallelism (fused ring attention, gloo)", body)

@@ -11,7 +11,8 @@ positionally is counted as the world.
 One op has one name: torch 2.13's ``all_gather_single``/``reduce_scatter_single`` are
 recorded as the ``all_gather_into_tensor``/``reduce_scatter_tensor`` every torch has.
 ``isend``/``irecv`` are left alone (``P2POp`` accepts only the real ones); a ring hop is
-counted as its ``batch_isend_irecv``.
+counted as its ``batch_isend_irecv``, whether gloo or tpkit.shm's point-to-point
+transport (CP groups on CPU) carries it.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import dataclasses
 
 import torch.distributed as dist
 
-from tpkit.shm import ShmAllReduce
+from tpkit.shm import ShmAllReduce, ShmP2P
 
 OPS = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
        "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all",
@@ -78,12 +79,21 @@ def count_collectives():
         calls.append(Call("all_reduce", self.size))
         return shm_orig(self, x)
 
+    p2p_orig = ShmP2P.start
+
+    def p2p_inner(self, sends, recvs, tag):
+        if sends or recvs:
+            calls.append(Call("batch_isend_irecv", self.size))
+        return p2p_orig(self, sends, recvs, tag)
+
     for op, fn in originals.items():
         setattr(dist, op, wrap(op, fn))
     ShmAllReduce.all_reduce_ = shm_inner
+    ShmP2P.start = p2p_inner
     try:
         yield calls
     finally:
         for op, fn in originals.items():
             setattr(dist, op, fn)
         ShmAllReduce.all_reduce_ = shm_orig
+        ShmP2P.start = p2p_orig

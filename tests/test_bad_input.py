@@ -146,6 +146,8 @@ LAUNCH = [
     # the environment
     Row("env-shm-switch", "TPKIT_SHM_ALLREDUCE='sometimes'", "use 0", ["--tp", "2", SCRIPT],
         env={"TPKIT_SHM_ALLREDUCE": "sometimes"}),
+    Row("env-shm-p2p-switch", "TPKIT_SHM_P2P='often'", "use 0", ["--cp", "2", SCRIPT],
+        env={"TPKIT_SHM_P2P": "often"}),
     Row("env-fused-attn-switch", "TPKIT_FUSED_ATTN='sometimes'", "or 0 (reference kernels)",
         ["--tp", "2", SCRIPT],
         env={"TPKIT_FUSED_ATTN": "sometimes"}),

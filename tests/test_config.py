@@ -92,6 +92,14 @@ def test_shm_allreduce_switch():
         shm_allreduce_enabled({"TPKIT_SHM_ALLREDUCE": "sometimes"})
 
 
+def test_shm_p2p_switch():
+    from tpkit.shm import shm_p2p_enabled
+    assert shm_p2p_enabled({}) is True
+    assert shm_p2p_enabled({"TPKIT_SHM_P2P": "0"}) is False
+    with pytest.raises(ValueError, match="TPKIT_SHM_P2P='often' is not a boolean"):
+        shm_p2p_enabled({"TPKIT_SHM_P2P": "often"})
+
+
 def test_fused_attn_switch():
     from tpkit.config import fused_attn_enabled
     assert fused_attn_enabled({}) is True

@@ -86,16 +86,22 @@ def _counts(fused=False):
     from commcount import count_collectives
     from tpkit.nn.dot_product_attention import DotProductAttention
 
-    real, sent = dist.batch_isend_irecv, [0]
+    from tpkit.shm import ShmP2P
+
+    real, real_shm, sent = dist.batch_isend_irecv, ShmP2P.start, [0]
 
     def sizing(ops):
         sent[0] += sum(o.tensor.numel() * o.tensor.element_size() for o in ops
                        if o.op is dist.isend)
         return real(ops)
 
+    def shm_sizing(self, sends, recvs, tag):   # CP groups on CPU: shared memory
+        sent[0] += sum(t.numel() * t.element_size() for t, _ in sends)
+        return real_shm(self, sends, recvs, tag)
+
     out = {}
     os.environ["TPKIT_FUSED_ATTN"] = "1" if fused else "0"  # the pool's processes live on
-    dist.batch_isend_irecv = sizing
+    dist.batch_isend_irecv, ShmP2P.start = sizing, shm_sizing
     try:
         for comm, a2a in (("p2p", None), ("all_gather", None), ("a2a", None), ("a2a+p2p", 2)):
             tpkit.init_parallel(cp=4, cp_comm_type=comm, cp_a2a_size=a2a)
@@ -111,7 +117,7 @@ def _counts(fused=False):
                          (fwd_bytes, sent[0] - fwd_bytes), dpa.kernel)
             tpkit.destroy_parallel()
     finally:
-        dist.batch_isend_irecv = real
+        dist.batch_isend_irecv, ShmP2P.start = real, real_shm
         del os.environ["TPKIT_FUSED_ATTN"]
     return out
 

@@ -110,7 +110,8 @@ def _killed_rank0_leftover():
     import subprocess
     import sys
     code = ("import os, signal\nfrom tpkit import shm\n"
-            "path, mm = shm._create(2, b'0' * 16)\nprint(path, flush=True)\n"
+            "path, mm = shm._create(shm._HEADER + 4 * shm.SLOT_BYTES, shm._HEADER, b'0' * 16)\n"
+            "print(path, flush=True)\n"
             "os.kill(os.getpid(), signal.SIGKILL)")
     env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
@@ -125,7 +126,8 @@ def test_segment_of_a_killed_rank0_is_removed_by_the_next_setup():
     live = f"/dev/shm/tpkit-{os.getpid()}-{'ab' * 6}"   # a live process's segment: kept
     open(live, "wb").close()
     try:
-        path, mm = shm._create(2, b"1" * 16)   # rank 0's first step of every set-up
+        # rank 0's first step of every set-up
+        path, mm = shm._create(shm._HEADER + 4 * shm.SLOT_BYTES, shm._HEADER, b"1" * 16)
         mm.close()
         os.unlink(path)
         assert not os.path.exists(left)
@@ -206,7 +208,7 @@ def _no_space():
     import tpkit
     from tpkit import shm
 
-    def full(size, token):
+    def full(nbytes, header, token):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     orig, shm._create = shm._create, full

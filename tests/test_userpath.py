@@ -102,6 +102,12 @@ def check_reinit(summary: dict, world: int, rounds: int) -> None:
     assert len(distinct) >= (5 if world > 1 else 1), distinct
     assert summary["world"] == world and summary["cycles"] == rounds * len(LAYOUTS[world])
     assert summary["float64_attention_max_err"] <= 1e-10
+    # on gloo, every CP ring group (the cp group, and a2a+p2p's p2p group) had its
+    # shared-memory transport
+    rings = sum(1 + (lay[3].get("cp_comm_type") == "a2a+p2p"
+                     and lay[1] // lay[3]["cp_a2a_size"] > 1)
+                for lay in LAYOUTS[world] if lay and lay[1] > 1)
+    assert summary["shm_p2p_groups"] == rounds * rings, (summary, rings)
     if world > 1:  # launched: a hand-destroyed default group is refused, not re-created
         assert "cannot be created again on the same rendezvous store" in summary["recreate_error"]
 

@@ -142,7 +142,12 @@ def exchange(send: torch.Tensor, recv: torch.Tensor, group, nxt: int, prv: int, 
 def start_p2p(sends, recvs, group, tag: int):
     """Start the sends ``[(tensor, global rank)]`` and receives ``[(buffer, global rank)]``
     as one batch; returns the works to wait on (none when both lists are empty). Every
-    rank of a batch's peers must post its matching batch in the same order."""
+    rank of a batch's peers must post its matching batch in the same order. A group with
+    a shared-memory point-to-point transport (``tpkit.shm.setup_p2p``: CP groups on CPU)
+    moves CPU tensors through it."""
+    t = shm.get_p2p(group)
+    if t is not None and all(x.device.type == "cpu" for x, _ in sends + recvs):
+        return t.start(sends, recvs, tag)
     ops = [dist.P2POp(dist.isend, t, peer, group=group, tag=tag) for t, peer in sends]
     ops += [dist.P2POp(dist.irecv, t, peer, group=group, tag=tag) for t, peer in recvs]
     return dist.batch_isend_irecv(ops) if ops else []

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from . import topology
 from .config import ParallelConfig, fused_attn_enabled
 from .random import get_rng_tracker, model_parallel_seed
-from .shm import shm_allreduce_enabled
+from .shm import shm_allreduce_enabled, shm_p2p_enabled
 from .topology import (ParallelState, build_state, get_parallel_state,  # noqa: F401
                        is_initialized, resolve_state, set_parallel_state)
 
@@ -129,6 +129,7 @@ def init_parallel(tp: int | None = None, cp: int | None = None, pp: int | None =
     except ValueError as e:
         raise ValueError(f"{e} [world size {world}: {where}]") from None
     shm_allreduce_enabled()   # a bad TPKIT_SHM_ALLREDUCE fails before any group exists
+    shm_p2p_enabled()         # so does a bad TPKIT_SHM_P2P
     fused_attn_enabled()      # and so does a bad TPKIT_FUSED_ATTN
     if backend == "nccl" and not torch.cuda.is_available():
         raise ValueError("backend='nccl' needs CUDA GPUs and none are visible; use backend='gloo'")

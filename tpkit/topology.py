@@ -235,14 +235,29 @@ def build_state(config: ParallelConfig, *, device_type: str | None = None) -> Pa
         **_expert_meshes(mesh, config, amax, dp_cp))
     if backend == "gloo" and device_type == "cpu" and config.tp > 1:
         shm.setup(state.tp_group)   # collective over the TP group; None keeps gloo
+    if backend == "gloo" and device_type == "cpu" and config.cp > 1:
+        for group in _ring_groups(state):   # collective over each; None keeps gloo
+            shm.setup_p2p(group)
     state.build_seconds = time.perf_counter() - t0
     return state
+
+def _ring_groups(state: ParallelState) -> list:
+    """The groups the context-parallel ring exchanges K/V over: the CP group (p2p) and,
+    for a2a+p2p, its point-to-point sub-group."""
+    groups = [state.cp_group]
+    if state.cp_p2p_mesh is not None and state.cp_p2p_mesh.size() > 1:
+        groups.append(state.cp_p2p_mesh.get_group())
+    return groups
+
 
 def destroy_groups(state: ParallelState) -> None:
     """Release the TP group's shared-memory transport and destroy every group of
     ``state`` except the default one. Collective; the caller makes sure no rank is still
     inside a collective on them (destroy_parallel starts with a barrier)."""
     shm.release(state.tp_group)
+    if state.config.cp > 1:
+        for group in _ring_groups(state):
+            shm.release(group)
     world = dist.group.WORLD
     groups = {}  # resolve every group first: meshes share groups by name
     for mesh in (state.mesh, state.dp_cp_mesh, state.tp_cp_mesh, state.mp_mesh,

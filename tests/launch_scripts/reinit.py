@@ -12,7 +12,8 @@ them). For each layout every rank checks, against the rank formula of docs/desig
 - the TP sums of tpkit.nn (shared memory on CPU) through a column -> row parallel MLP
   equal to the same MLP computed whole;
 - with cp > 1, float64 DotProductAttention (the layout's comm type, causal) equal to
-  float64 SDPA of the full sequence within 1e-10, output and q/k/v gradients;
+  float64 SDPA of the full sequence within 1e-10, output and q/k/v gradients; on gloo
+  the CP ring groups have their shared-memory transport (released with the layout);
 - after destroy_parallel: no current state, the default process group is the *same* one
   (never re-created), the layout's groups are unregistered from torch.distributed.
 Launched (RANK set), it then destroys tpkit's default group by hand and checks that
@@ -114,12 +115,14 @@ def main():
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     import tpkit
+    from tpkit import shm
 
     created = not dist.is_initialized()  # true under tpkit-launch/torchrun/srun
     atexit.register(_at_exit, created)  # before tpkit's own hook: runs after it
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     layouts = LAYOUTS[world]
     default_group, cycles, worst64, t0 = None, 0, 0.0, time.perf_counter()
+    shm_rings = 0
     for rnd in range(args.rounds):
         for lay in layouts:
             if lay is None:
@@ -140,10 +143,17 @@ def main():
                 dist.all_reduce(t, group=getattr(state, f"{name}_group"))
                 assert t.item() == sum(ranks), (lay, name, t.item(), ranks)
             check_mlp(state)
+            ring = []
             if cp > 1:
+                if state.backend == "gloo":   # one host: the ring goes through /dev/shm
+                    ring = [g for g in (state.cp_group, state.cp_p2p_group) if g is not None
+                            and dist.get_world_size(g) > 1]
+                    assert all(shm.get_p2p(g) is not None for g in ring), (lay, "shm p2p")
+                    shm_rings += len(ring)
                 worst64 = max(worst64, check_attention64(state))
             groups = [g for g in state.all_groups().values() if g is not dist.group.WORLD]
             tpkit.destroy_parallel()
+            assert all(shm.get_p2p(g) is None for g in ring), (lay, "shm p2p not released")
             assert not tpkit.is_initialized()
             assert dist.is_initialized() and dist.group.WORLD is default_group, \
                 "destroy_parallel destroyed the default process group"
@@ -168,7 +178,7 @@ def main():
     if rank == 0:
         summary = {"world": world, "cycles": cycles, "layouts": len(layouts),
                    "recreate_error": recreate_error,
-                   "float64_attention_max_err": worst64,
+                   "float64_attention_max_err": worst64, "shm_p2p_groups": shm_rings,
                    "seconds": round(time.perf_counter() - t0, 2)}
         if args.out:
             with open(args.out, "w") as f:
