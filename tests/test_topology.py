@@ -135,6 +135,50 @@ def test_destroy_then_reinit_other_layout():
     assert run(_reinit_worker, 4) == [(2, 4, 1, 4.0)] * 4
 
 
+def _gloo_loops() -> int:
+    """gloo's TCP loop threads of this process (one per live gloo context)."""
+    import os
+    names = []
+    for t in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{t}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:   # a thread that just ended
+            pass
+    return names.count("gloo_tcp_loop")
+
+
+def _cycles_release_groups():
+    """Layouts built and destroyed with the cyclic GC off: each destroy must free its
+    groups at once (their gloo loop threads end), however the meshes refer to each
+    other. Returns the loop-thread counts before, while a layout lives, and after each
+    destroy."""
+    import gc
+
+    import tpkit
+    gc.collect()
+    gc.disable()
+    try:
+        before, live, after = _gloo_loops(), [], []
+        for layout in ({"tp": 2, "cp": 2}, {"tp": 2, "cp": 2},
+                       {"cp": 4, "cp_comm_type": "a2a+p2p", "cp_a2a_size": 2},
+                       {"tp": 2, "ep": 2}, {"pp": 2, "tp": 2}):
+            st = tpkit.init_parallel(**layout)
+            live.append(_gloo_loops())
+            del st
+            tpkit.destroy_parallel()
+            after.append(_gloo_loops())
+        return before, live, after
+    finally:
+        gc.enable()
+
+
+def test_destroy_frees_the_groups_at_once():
+    for before, live, after in run(_cycles_release_groups, 4):
+        assert min(live) > before            # the layouts made groups of their own
+        assert after == [before] * len(after), (before, live, after)
+
+
 def _bad_world_worker():
     import tpkit
     with pytest.raises(ValueError, match="world size 4"):

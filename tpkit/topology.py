@@ -251,8 +251,9 @@ def _ring_groups(state: ParallelState) -> list:
 
 
 def destroy_groups(state: ParallelState) -> None:
-    """Release the TP group's shared-memory transport and destroy every group of
-    ``state`` except the default one. Collective; the caller makes sure no rank is still
+    """Release the TP and CP groups' shared-memory transports and destroy every group of
+    ``state`` except the default one, releasing them at once (not at the next cyclic
+    garbage collection). Collective; the caller makes sure no rank is still
     inside a collective on them (destroy_parallel starts with a barrier)."""
     shm.release(state.tp_group)
     if state.config.cp > 1:
@@ -260,13 +261,22 @@ def destroy_groups(state: ParallelState) -> None:
             shm.release(group)
     world = dist.group.WORLD
     groups = {}  # resolve every group first: meshes share groups by name
-    for mesh in (state.mesh, state.dp_cp_mesh, state.tp_cp_mesh, state.mp_mesh,
-                 state.amax_mesh, state.cp_a2a_mesh, state.cp_p2p_mesh, state.etp_mesh,
-                 state.ep_mesh, state.edp_mesh, state.etp_ep_mesh):
-        if mesh is not None:
-            groups.update((id(g), g) for g in mesh.get_all_groups() if g is not world)
+    meshes = [m for m in (state.mesh, state.dp_cp_mesh, state.tp_cp_mesh, state.mp_mesh,
+                          state.amax_mesh, state.cp_a2a_mesh, state.cp_p2p_mesh,
+                          state.etp_mesh, state.ep_mesh, state.edp_mesh, state.etp_ep_mesh)
+              if m is not None]
+    for mesh in meshes:
+        groups.update((id(g), g) for g in mesh.get_all_groups() if g is not world)
     for g in groups.values():
         dist.destroy_process_group(g)
+    # A DeviceMesh holds its groups in ``_pg_registry``, and a root mesh and the meshes
+    # flattened from it refer to each other: without this the destroyed groups (gloo's
+    # loop threads, which wake every 10 ms; NCCL communicators) live on until Python's
+    # cyclic GC happens to run, and a process that builds many layouts piles them up.
+    for mesh in meshes:
+        registry = getattr(mesh, "_pg_registry", None)
+        if isinstance(registry, dict):
+            registry.clear()
 
 
 # --- the current state ---------------------------------------------------------------

@@ -15,7 +15,9 @@ them). For each layout every rank checks, against the rank formula of docs/desig
   float64 SDPA of the full sequence within 1e-10, output and q/k/v gradients; on gloo
   the CP ring groups have their shared-memory transport (released with the layout);
 - after destroy_parallel: no current state, the default process group is the *same* one
-  (never re-created), the layout's groups are unregistered from torch.distributed.
+  (never re-created), the layout's groups are unregistered from torch.distributed, and
+  freed: with the cyclic GC off, the process has as many threads after every round as
+  after the first (gloo's loop threads of destroyed groups would pile up otherwise).
 Launched (RANK set), it then destroys tpkit's default group by hand and checks that
 init_parallel() refuses with a RuntimeError (re-creating it on the rendezvous store would
 hang). At exit (an atexit hook registered before tpkit's, so it runs after it) the default
@@ -25,6 +27,7 @@ script runs on nccl (``--backend nccl``, one rank per GPU).
 """
 import argparse
 import atexit
+import gc
 import json
 import os
 import sys
@@ -122,7 +125,10 @@ def main():
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     layouts = LAYOUTS[world]
     default_group, cycles, worst64, t0 = None, 0, 0.0, time.perf_counter()
-    shm_rings = 0
+    shm_rings, threads = 0, []
+    # the cyclic GC off: a destroyed layout must free its groups (gloo's loop threads) by
+    # itself, so the process's threads after every round are those after the first
+    gc.disable()
     for rnd in range(args.rounds):
         for lay in layouts:
             if lay is None:
@@ -163,7 +169,11 @@ def main():
                 except KeyError:
                     continue
                 raise AssertionError(f"a group of {lay} outlived destroy_parallel")
+            del groups, state
             cycles += 1
+        threads.append(len(os.listdir("/proc/self/task")))
+    assert len(set(threads)) == 1, f"threads after each round grew: {threads}"
+    gc.enable()
     recreate_error = None
     if created and "RANK" in os.environ:
         # Destroying tpkit's default group by hand and asking for a layout again would hang
