@@ -170,19 +170,29 @@ class HangWatchdog:
         frame = sys._current_frames().get(self._ident)
         info = describe_stack(traceback.extract_stack(frame) if frame is not None else [])
         info.update(step=self._step, dump=self._dump(rank, frame))
-        verdict = self._exchange(rank, world, info)
+        recorded = []
+
+        def record(verdict: str) -> None:
+            """stderr and torchrun's error file, with the main thread's stack as the
+            traceback. Rank 0 records before it publishes its verdict: the others exit as
+            soon as they read it, and the agent then stops rank 0."""
+            os.write(2, (f"hang watchdog: {verdict}\n" if rank == 0 else
+                         f"rank {rank}: hang watchdog fired; stacks: {info['dump']}\n").encode())
+            try:
+                from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+                raise HangError(verdict).with_traceback(_traceback_of(frame))
+            except HangError as e:
+                get_error_handler().record_exception(e)
+            except Exception:  # noqa: BLE001 - the exit below matters more than the record
+                pass
+            recorded.append(verdict)
+
+        verdict = self._exchange(rank, world, info, record)
         if verdict is None:
             verdict = (f"rank {rank}: {hang_verdict({rank: info}, 1, self.timeout)} (rank 0's "
                        "verdict did not reach it)")
-        os.write(2, (f"hang watchdog: {verdict}\n" if rank == 0 else
-                     f"rank {rank}: hang watchdog fired; stacks: {info['dump']}\n").encode())
-        try:  # torchrun's error file, with the main thread's stack as the traceback
-            from torch.distributed.elastic.multiprocessing.errors import get_error_handler
-            raise HangError(verdict).with_traceback(_traceback_of(frame))
-        except HangError as e:
-            get_error_handler().record_exception(e)
-        except Exception:  # noqa: BLE001 - the exit below matters more than the record
-            pass
+        if not recorded:
+            record(verdict)
         os._exit(EXIT_HANG)
 
     def _dump(self, rank: int, frame) -> str | None:
@@ -208,8 +218,9 @@ class HangWatchdog:
                 f.write(trace)
         return _rel(path)
 
-    def _exchange(self, rank: int, world: int, info: dict) -> str | None:
-        """Reports to the store, rank 0's verdict back (None if it never comes)."""
+    def _exchange(self, rank: int, world: int, info: dict, record=None) -> str | None:
+        """Reports to the store, rank 0's verdict back (None if it never comes). Rank 0
+        calls ``record(verdict)`` before it publishes the verdict."""
         try:
             store = dist.distributed_c10d._get_default_store() if world > 1 else None
         except Exception:  # noqa: BLE001 - no default group: a verdict from this rank only
@@ -231,6 +242,8 @@ class HangWatchdog:
         reports = {r: json.loads(store.get(f"{_KEY}report/{r}")) for r in range(world)
                    if store.check([f"{_KEY}report/{r}"])}
         verdict = hang_verdict(reports, world, self.timeout)
+        if record is not None:
+            record(verdict)
         store.set(f"{_KEY}verdict", verdict)
         until = time.monotonic() + 5  # the store may live in this process: let them read
         while store.add(f"{_KEY}read", 0) < len(reports) - 1 and time.monotonic() < until:
