@@ -140,12 +140,17 @@ class ShmAllReduce:
 
     def close(self) -> None:
         self._views.clear()
-        self._data = None
-        self._flags.release()
-        try:
-            self._mm.close()
-        except BufferError:  # a caller still holds a view; the mapping dies with it
-            pass
+        _unmap(self)
+
+
+def _unmap(t) -> None:
+    """Drop a transport's views of its segment and unmap it."""
+    t._data = None
+    t._flags.release()
+    try:
+        t._mm.close()
+    except BufferError:  # a caller still holds a view; the mapping dies with it
+        pass
 
 
 P2P_SLOTS = 4                 # slots per ordered pair of ranks (chunks in flight)
@@ -352,12 +357,7 @@ class ShmP2P:
     def close(self) -> None:
         self._out.clear()
         self._in.clear()
-        self._data = None
-        self._flags.release()
-        try:
-            self._mm.close()
-        except BufferError:  # a caller still holds a view; the mapping dies with it
-            pass
+        _unmap(self)
 
 
 def shm_allreduce_enabled(env: Mapping[str, str] | None = None) -> bool:
