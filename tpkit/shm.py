@@ -58,8 +58,9 @@ _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _DIR = "/dev/shm"
 _NAME = re.compile(r"tpkit-(\d+)-[0-9a-f]{12}")   # tpkit-<creator pid>-<random hex>
 
-# group_name -> (group, transport), one registry per kind; release() clears. The group object is kept and compared
-# so a later group that reuses a destroyed group's name never finds a stale transport.
+# group_name -> (group, transport), one registry per kind; release() clears. The group
+# object is kept and compared so a later group that reuses a destroyed group's name never
+# finds a stale transport.
 _TRANSPORTS: dict[str, tuple] = {}
 _P2P: dict[str, tuple] = {}
 
@@ -488,9 +489,9 @@ def _setup(group, registry: dict, layout: tuple[int, int], reason: str | None, w
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     if size == 1:
         return None
-    entry = registry.get(group.group_name)
-    if entry is not None and entry[0] is group:
-        return entry[1]
+    existing = _lookup(registry, group)
+    if existing is not None:
+        return existing
     path, mm = None, None
     token = secrets.token_bytes(_TOKEN)
     if rank == 0 and reason is None:
@@ -539,20 +540,21 @@ def setup_p2p(group) -> ShmP2P | None:
                   "context-parallel point-to-point transfers", ShmP2P)
 
 
+def _lookup(registry: dict, group):
+    if not registry or group is None:
+        return None
+    entry = registry.get(group.group_name)
+    return entry[1] if entry is not None and entry[0] is group else None
+
+
 def get(group) -> ShmAllReduce | None:
     """The transport of ``group`` if setup() made one (a dict lookup)."""
-    if not _TRANSPORTS or group is None:
-        return None
-    entry = _TRANSPORTS.get(group.group_name)
-    return entry[1] if entry is not None and entry[0] is group else None
+    return _lookup(_TRANSPORTS, group)
 
 
 def get_p2p(group) -> ShmP2P | None:
     """The point-to-point transport of ``group`` if setup_p2p() made one."""
-    if not _P2P or group is None:
-        return None
-    entry = _P2P.get(group.group_name)
-    return entry[1] if entry is not None and entry[0] is group else None
+    return _lookup(_P2P, group)
 
 
 def release(group) -> None:

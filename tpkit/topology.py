@@ -241,24 +241,23 @@ def build_state(config: ParallelConfig, *, device_type: str | None = None) -> Pa
     state.build_seconds = time.perf_counter() - t0
     return state
 
+
 def _ring_groups(state: ParallelState) -> list:
     """The groups the context-parallel ring exchanges K/V over: the CP group (p2p) and,
     for a2a+p2p, its point-to-point sub-group."""
     groups = [state.cp_group]
     if state.cp_p2p_mesh is not None and state.cp_p2p_mesh.size() > 1:
-        groups.append(state.cp_p2p_mesh.get_group())
+        groups.append(state.cp_p2p_group)
     return groups
 
 
 def destroy_groups(state: ParallelState) -> None:
     """Release the TP and CP groups' shared-memory transports and destroy every group of
     ``state`` except the default one, releasing them at once (not at the next cyclic
-    garbage collection). Collective; the caller makes sure no rank is still
-    inside a collective on them (destroy_parallel starts with a barrier)."""
-    shm.release(state.tp_group)
-    if state.config.cp > 1:
-        for group in _ring_groups(state):
-            shm.release(group)
+    garbage collection). Collective; the caller makes sure no rank is still inside a
+    collective on them (destroy_parallel starts with a barrier)."""
+    for group in (state.tp_group, *_ring_groups(state)):
+        shm.release(group)   # a group without a transport: nothing to do
     world = dist.group.WORLD
     groups = {}  # resolve every group first: meshes share groups by name
     meshes = [m for m in (state.mesh, state.dp_cp_mesh, state.tp_cp_mesh, state.mp_mesh,
