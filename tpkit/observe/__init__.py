@@ -7,6 +7,10 @@ A training loop builds one ``MetricsLogger`` and calls it once per step; tpkit's
 does the same."""
 from .flops import (mfu, model_flops_per_token, peak_tflops, tflops_per_device,
                     transformer_flops_per_token)
+from .metrics import PHASES, MetricsLogger, measured_memory, moe_scalars
+from .profile import StepProfiler, parse_profile_steps
+from .progress import ProgressLine
 
 __all__ = ["mfu", "model_flops_per_token", "peak_tflops", "tflops_per_device",
-           "transformer_flops_per_token"]
+           "transformer_flops_per_token", "MetricsLogger", "PHASES", "measured_memory",
+           "moe_scalars", "StepProfiler", "parse_profile_steps", "ProgressLine"]
