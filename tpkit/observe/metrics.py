@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from ..collectives import all_gather
+from ..recovery.signals import flag_device
 from ..recovery.stragglers import straggler_report
 from .flops import mfu, peak_tflops as _peak_tflops, tflops_per_device
 from .profile import StepProfiler, parse_profile_steps
@@ -103,12 +104,6 @@ def moe_scalars(model: torch.nn.Module, state=None) -> dict[str, float]:
 
 def _rank_zero() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
-
-
-def _gather_device() -> torch.device:
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 class MetricsLogger:
@@ -276,7 +271,7 @@ class MetricsLogger:
         mem = measured_memory(self.device)
         mine = [self._phase[p] / n for p in PHASES]
         mine += [sum(mine)] + list(mem.values())
-        table = torch.tensor(mine, dtype=torch.float64, device=_gather_device())
+        table = torch.tensor(mine, dtype=torch.float64, device=flag_device())
         if dist.is_initialized() and self.world > 1:
             table = all_gather(table[None], self.group)
         table = table.reshape(-1, len(mine)).cpu()

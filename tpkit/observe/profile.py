@@ -56,10 +56,10 @@ class StepProfiler:
         if self.memory:
             torch.cuda.memory._record_memory_history(max_entries=100_000)
         # A schedule marks each step in the trace: ProfilerStep#0 is step A.
-        sched = torch.profiler.schedule(wait=0, warmup=0, active=self.stop - self.start,
-                                        repeat=1)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", "Profiler won't be using warmup")
+            sched = torch.profiler.schedule(wait=0, warmup=0, active=self.stop - self.start,
+                                            repeat=1)
             self._prof = torch.profiler.profile(activities=acts, schedule=sched,
                                                 on_trace_ready=self._write,
                                                 record_shapes=True, profile_memory=True)
