@@ -156,3 +156,40 @@ def test_unknown_phase(tmp_path):
         with log.phase("backward"):
             pass
     log.close()
+
+
+def test_wandb_when_asked_gets_the_same_rows(tmp_path, monkeypatch):
+    """wandb=dict: Lightning's WandbLogger is built with those arguments (save_dir
+    defaulting to the log directory) and receives every row; wandb itself is stubbed
+    (offline W&B needs the package, not the network)."""
+    import sys
+    import types
+    import lightning.pytorch.loggers as pl_loggers
+    from tpkit.observe import MetricsLogger
+    made = []
+
+    class FakeWandb:
+        def __init__(self, **kw):
+            self.kw, self.rows, self.final = kw, [], None
+            made.append(self)
+
+        def log_metrics(self, metrics, step):
+            self.rows.append((step, dict(metrics)))
+
+        def save(self):
+            pass
+
+        def finalize(self, status):
+            self.final = status
+
+    monkeypatch.setitem(sys.modules, "wandb", types.ModuleType("wandb"))
+    monkeypatch.setattr(pl_loggers, "WandbLogger", FakeWandb)
+    log = MetricsLogger(str(tmp_path), tokens_per_step=8, every=1, progress=False,
+                        wandb={"offline": True, "project": "p"})
+    rows = _loop(log, 2)
+    log.log(1, val_loss=3.0)
+    log.close()
+    (w,) = made
+    assert w.kw == {"offline": True, "project": "p", "save_dir": str(tmp_path)}
+    assert w.rows == [(1, rows[0]), (2, rows[1]), (2, {"val_loss": 3.0})]
+    assert w.final == "success"
