@@ -1,7 +1,8 @@
 """tpkit.observe the user's way: a launched tp 2 x cp 2 loop (tests/launch_scripts/
 observe_run.py) logs with MetricsLogger; the TensorBoard event files, read back with
 tensorboard's EventAccumulator, hold exactly the rows rank 0 printed, metrics.csv holds
-the same rows, and each rank's profiler trace of steps 2..3 loads as a Chrome trace."""
+the same rows, the phase times are the ranks' mean (a checkpoint's stall in its window),
+and each rank's profiler trace of steps 2..3 loads as a Chrome trace."""
 import csv
 import json
 import math
@@ -20,12 +21,13 @@ def run(tmp_path_factory):
     out, _ = launched("--nproc-per-node", "4", "--tp", "2", "--cp", "2",
                       os.path.join(SCRIPTS, "observe_run.py"), work)
     rows = [json.loads(line[4:]) for line in out.splitlines() if line.startswith("ROW ")]
-    return work, rows, out
+    ranks = [json.loads(line[6:]) for line in out.splitlines() if line.startswith("RANKS ")]
+    return work, rows, out, ranks
 
 
 def test_tensorboard_and_csv_hold_the_printed_rows(run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    work, rows, out = run
+    work, rows, out, ranks = run
     assert [r["step"] for r in rows] == [2, 4, 6, 6], rows
     for key in ("loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "step_time_s",
                 "time_data_s", "time_fwd_bwd_s", "time_optimizer_s", "time_checkpoint_s",
@@ -35,6 +37,12 @@ def test_tensorboard_and_csv_hold_the_printed_rows(run):
         assert all(key in r for r in rows[:3]), key
     assert rows[3].keys() == {"step", "val_loss"}
     assert not any("mfu" in r for r in rows), "MFU on a CPU (no honest peak)"
+    for r, by_rank in zip(rows[:3], ranks):      # the rows' phase times: the ranks' mean
+        assert len(by_rank) == 4
+        for phase in ("data", "fwd_bwd", "optimizer", "checkpoint"):
+            key = f"time_{phase}_s"
+            assert math.isclose(r[key], sum(t[key] for t in by_rank) / 4, rel_tol=1e-9), key
+    assert rows[0]["time_checkpoint_s"] == 0 < rows[1]["time_checkpoint_s"]   # saved in step 3
     for r in rows[:3]:
         assert r["time_fwd_bwd_s"] > 0 and 0 <= r["slowest_rank"] < 4, r
         assert r["moe_load_max"] >= r["moe_load_min"] > 0, r
@@ -69,7 +77,7 @@ def test_tensorboard_and_csv_hold_the_printed_rows(run):
 
 
 def test_profile_trace_per_rank(run):
-    work, _, _ = run
+    work, _, _, _ = run
     for rank in range(4):
         path = os.path.join(work, "run", "profile", f"rank{rank}.pt.trace.json")
         with open(path) as f:

@@ -1,7 +1,7 @@
 """Launched by tests/test_observe_launch.py as ``tpkit-launch --nproc-per-node 4 --tp 2
 --cp 2 observe_run.py WORKDIR``: a user's own loop over the reference GPT with MoE
 layers, logged with tpkit.observe's MetricsLogger (public API only): 6 steps, a window
-of 2, steps 2..3 profiled, a validation loss at the end. Rank 0 prints each row it
+of 2, steps 2..3 profiled, a checkpoint saved in step 3, a validation loss at the end. Rank 0 prints each row it
 wrote as ``ROW {json}`` (the test compares them with the TensorBoard event files and
 metrics.csv under WORKDIR/run); every rank writes its trace under WORKDIR/run/profile."""
 import json
@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 import tpkit
+import tpkit.checkpoint
 from tpkit.collectives import all_reduce_sum
 from tpkit.grads import grad_norm
 from tpkit.observe import MetricsLogger, model_flops_per_token, moe_scalars
@@ -51,10 +52,14 @@ def main(workdir: str) -> None:
             norm = grad_norm(model.parameters(), state)
             opt.step()
             opt.zero_grad(set_to_none=True)
+        if step == 3:                                 # a checkpoint stall in window 2
+            with log.phase("checkpoint"):
+                tpkit.checkpoint.save(os.path.join(workdir, "ckpt"), {"model": model})
         mean_loss = all_reduce_sum(loss.detach().clone(), state.dp_cp_group) / n
         row = log.step(step, loss=mean_loss, lr=LR, grad_norm=norm, **moe_scalars(model))
         if row is not None:
             print("ROW " + json.dumps({"step": step + 1, **row}), flush=True)
+            print("RANKS " + json.dumps(log.ranks), flush=True)
     with torch.no_grad():
         x = torch.randint(0, cfg.vocab_size, (BATCH, SEQ + 1), generator=data)
         val = all_reduce_sum(model(x[:, :-1], x[:, 1:]), state.dp_cp_group) / n

@@ -120,7 +120,8 @@ class MetricsLogger:
     arguments (``{"offline": True}`` needs no network) also logs to W&B (needs ``pip
     install wandb``). ``profile_steps``: "A:B" or (A, B), the steps ``A <= step < B`` to
     trace with torch.profiler (``StepProfiler``, under ``log_dir/profile``). ``progress``:
-    print the progress line on rank 0 (to ``stream``). ``group``: the ranks to gather
+    print the progress line on rank 0 (to ``stream``). After a window, rank 0's
+    ``ranks`` holds each rank's phase times (the rows hold their mean). ``group``: the ranks to gather
     over (default: the world). Construction is collective over ``group`` (a barrier)."""
 
     def __init__(self, log_dir: str, *, tokens_per_step: int, flops_per_token: float | None = None,
@@ -175,6 +176,7 @@ class MetricsLogger:
             dist.barrier(group)
         self._t_window = time.perf_counter()
         self.last: dict | None = None   # rank 0: the last row written
+        self.ranks: list[dict] = []     # rank 0: the last window's phase times, by rank
 
     # --- loggers ------------------------------------------------------------------------
     def _make_loggers(self, wandb) -> list:
@@ -293,6 +295,8 @@ class MetricsLogger:
                 row["mfu_fp8"] = mfu(t, self.peak_fp8)
         for i, p in enumerate(PHASES):
             row[f"time_{p}_s"] = float(table[:, i].mean())
+        self.ranks = [{f"time_{p}_s": float(t[i]) for i, p in enumerate(PHASES)}
+                      for t in table]
         rep = straggler_report(table[:, len(PHASES)].tolist(), self.threshold)
         row.update(slowest_rank=rep["slowest"], slowest_ratio=rep["ratio"],
                    stragglers=len(rep["flagged"]))
