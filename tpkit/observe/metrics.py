@@ -143,6 +143,9 @@ class MetricsLogger:
                              "be > 1 (a ratio to the median)")
         if profile_steps is not None:
             profile_steps = parse_profile_steps(profile_steps)
+        for name, v in (("peak_tflops", peak_tflops), ("peak_tflops_fp8", peak_tflops_fp8)):
+            if v is not None and not v > 0:
+                raise ValueError(f"MetricsLogger({name}={v!r}) must be a positive TFLOP/s")
         self.device = torch.device(device) if device is not None else (
             torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
             else torch.device("cpu"))
@@ -154,9 +157,11 @@ class MetricsLogger:
         if self.precision == "fp8":
             self.peak_fp8 = peak_tflops_fp8 if peak_tflops_fp8 is not None else \
                 _peak_tflops(self.device, "fp8")
-        for name, v in (("peak_tflops", peak_tflops), ("peak_tflops_fp8", peak_tflops_fp8)):
-            if v is not None and not v > 0:
-                raise ValueError(f"MetricsLogger({name}={v!r}) must be a positive TFLOP/s")
+        if self.device.type == "cuda" and not self.peak and _rank_zero():
+            import warnings
+            warnings.warn(f"MFU is not logged: no dense {low} peak is known for "
+                          f"{torch.cuda.get_device_name(self.device)!r}; pass "
+                          "MetricsLogger(peak_tflops=...) from its datasheet", stacklevel=2)
         self.log_dir, self.every = str(log_dir), every
         self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
         self.total_steps, self.group, self.threshold = total_steps, group, straggler_threshold
