@@ -46,6 +46,9 @@ def test_tensorboard_and_csv_hold_the_printed_rows(run):
     for r in rows[:3]:
         assert r["time_fwd_bwd_s"] > 0 and 0 <= r["slowest_rank"] < 4, r
         assert r["moe_load_max"] >= r["moe_load_min"] > 0, r
+        # routed slots per expert, summed over the 2 MoE layers: 2 x 32 tokens x top-2 over
+        # 4 experts is a mean of 32 (dropless), so max / imbalance must be 32
+        assert math.isclose(r["moe_load_max"] / r["moe_load_imbalance"], 32.0), r
         # 2 steps x 2 sequences x 16 tokens, 4 devices: the rate and TFLOP/s per device
         assert math.isclose(r["tokens_per_s"] * r["step_time_s"], 32, rel_tol=1e-9), r
 
