@@ -312,6 +312,11 @@ def _recovery(*args, **kw):
     return Recovery(*args, **kw)
 
 
+def _observe(name):
+    import tpkit.observe
+    return getattr(tpkit.observe, name)
+
+
 def _touch(path):
     path.write_text("")
     return path
@@ -418,6 +423,14 @@ API = [
             _touch(tmp / "x.pt") / "ck", {"model": torch.nn.Linear(2, 2)})),
     Row("load-empty-dir", "{tmp}/.metadata is missing", "load another checkpoint",
         call=_load(lambda tmp: tmp)),
+    Row("observe-profile-steps", "--profile-steps='4:2'", "need 0 <= A < B",
+        call=lambda tmp: _observe("parse_profile_steps")("4:2")),
+    Row("observe-every", "every=0", "must be a positive number of steps",
+        call=lambda tmp: _observe("MetricsLogger")(tmp, tokens_per_step=8, every=0)),
+    Row("observe-peak", "peak_tflops=0", "must be a positive TFLOP/s",
+        call=lambda tmp: _observe("MetricsLogger")(tmp, tokens_per_step=8, peak_tflops=0)),
+    Row("observe-flops-model", "does not know object", "transformer_flops_per_token(",
+        call=lambda tmp: _observe("model_flops_per_token")(object(), 8)),
 ]
 
 
