@@ -322,17 +322,18 @@ class _Rank:
         a, t, tsp, h, d = self.a, self.t, self.t_sp, mo.hidden, self.d
         hl, gl, f = self.hl, self.gl, self.f
         fp8 = j.precision == "fp8"
-        # norms: input, x*rstd, output (+ rstd); under SP the next linear keeps the
-        # all-gathered input as well
-        norm = 3 * tsp * h * a + tsp * 4
-        gathered = t * h * a if self.sp else 0
-        lin_in = t * h * (1 if fp8 else 0)            # fp8 keeps a 1-byte copy of the input
-        if fp8 and not self.sp:
-            norm -= tsp * h * a                        # the norm's output is not kept
-        norm_total = 2 * (norm + gathered + lin_in) - tsp * h * a  # x_in counted once
-        qkv = t * (hl + 2 * gl) * d * a               # V's view keeps QKV's output
-        rope = t * (hl + gl) * d * a + 4 * self.s * d * 4 * (self.b if j.packed else 1)
-        attn = self.attention_bytes()
+        # norms: input, x*rstd and rstd; the output too when the next linear keeps it
+        # (not under SP, where it keeps the all-gathered input, nor with fp8, where it
+        # keeps a 1-byte copy)
+        norm = 2 * tsp * h * a + tsp * 4
+        if self.sp:
+            norm += t * h * (1 if fp8 else a)
+        elif fp8:
+            norm += t * h
+        else:
+            norm += tsp * h * a
+        norm_total = 2 * norm - tsp * h * a           # the block's input counted once
+        qkv, rope, attn = self.attention_parts()
         resid = tsp * h * a                           # x + attention (the MLP's input)
         acts = {"norms": norm_total + resid, "qkv": qkv, "rope": rope, "attention": attn}
         if mo.is_moe(i):
@@ -348,28 +349,31 @@ class _Rank:
             acts["dropout masks"] = 2 * tsp * h        # bool masks of both hidden dropouts
         return acts
 
-    def attention_bytes(self) -> int:
-        """What the attention core keeps: out (+ log-sum-exp), and per CP kernel its copies
-        of q/k/v (fused_cp's grouped q, all_gather's gathered K/V, a2a's exchanged ones)."""
+    def attention_parts(self) -> tuple[int, int, int]:
+        """(QKV's output, RoPE's outputs, the core's) kept per kernel path, as each path's
+        code keeps them: the plain path keeps QKV's output (V is a view of it), RoPE'd
+        q and k, the core's out and log-sum-exp (the projection's input is a view of
+        out); the ring (p2p) adds the projection's input copy; all_gather keeps RoPE'd q,
+        the gathered K and V, out and the copy, but not QKV's output nor RoPE'd k; the
+        a2a kinds keep only the exchanged q/k/v, out and the copy."""
         j, c = self.job, self.c
         a, t, d, hl, gl = self.a, self.t, self.d, self.hl, self.gl
         q, kv = t * hl * d * a, t * gl * d * a
         lse = self.b * hl * self.s * 4
-        out = q + lse
+        trig = 4 * self.s * d * 4 * (self.b if j.packed else 1)   # RoPE's cos/sin
+        qkv, rope = q + 2 * kv, q + kv + trig
         if j.packed:
-            return out + q + kv * 2      # the packed kernel's [1, h, t, d] copies
+            return qkv, rope, q + lse + q + 2 * kv      # the packed kernel's [1, h, t, d] copies
         if j.attention_dropout > 0:      # reference kernel: the probabilities and the mask
-            return out + q + self.b * hl * self.s * (self.s * c.cp) * (a + 1)
+            return qkv, rope, q + lse + q + self.b * hl * self.s * (self.s * c.cp) * (a + 1)
         if c.cp == 1:
-            return out
+            return qkv, rope, q + lse
         comm = c.cp_comm_type
         if comm == "p2p":
-            return out + q + q          # grouped q copy, proj's ctx copy
+            return qkv, rope, 2 * q + lse
         if comm == "all_gather":
-            return out + q + q + 2 * kv * c.cp   # the gathered K and V
-        if comm == "a2a":
-            return out + 2 * q + 2 * kv + q      # exchanged q/k/v, ctx copy
-        return out + 2 * q + 2 * kv + q          # a2a+p2p: the a2a level's copies
+            return 0, q + trig, 2 * q + 2 * kv * c.cp + lse
+        return 0, trig, 3 * q + 2 * kv + lse     # a2a, a2a+p2p
 
     def moe_bytes(self) -> int:
         """Router (logits, probabilities), dispatched tokens at the capacity factor (or
@@ -467,8 +471,8 @@ def _estimate(job: MemoryJob, c: ParallelConfig, r: int, *, ranks: str,
     terms: dict[str, int] = {}
     notes: list[str] = []
     terms["parameters"] = params // shard
-    if fsdp:
-        terms["fsdp gathered parameters"] = params
+    if fsdp:   # FSDP2's unsharded parameters and its all-gather buffer (one unit: the root)
+        terms["fsdp gathered parameters"] = 2 * params
     grads = n_params * p_bytes
     terms["gradients"] = grads // shard
     buckets = 0
@@ -497,8 +501,8 @@ def _estimate(job: MemoryJob, c: ParallelConfig, r: int, *, ranks: str,
                     detail[k] = detail.get(k, 0) + val
         if st == 0:
             kept += R.stem_bytes()[0]
-        if pp > 1:
-            kept += R.t_sp * mo.hidden * R.a * ((st > 0) + (st < pp * v - 1))   # stage in/out
+        if pp > 1 and st < pp * v - 1:
+            kept += R.t_sp * mo.hidden * R.a         # the stage's output, until its backward
         stage_acts.append((st, kept))
     units = _in_flight(schedule, pp, v, job.microbatches, r)
     per_unit = sum(k for _, k in stage_acts) / len(stage_acts)
@@ -516,8 +520,14 @@ def _estimate(job: MemoryJob, c: ParallelConfig, r: int, *, ranks: str,
         terms["activations: embedding"] = R.stem_bytes()[0] * units // len(mine)
     if last:
         terms["activations: loss (softmax)"] = head_kept
+    p2p = 0
     if pp > 1:
         terms["pipeline in-flight micro-batches"] = units
+        # torch's PipelineStage allocates a receive buffer per micro-batch: activations
+        # into every stage but the first, their gradients into every stage but the last
+        p2p = sum(job.microbatches * ((st > 0) + (st < pp * v - 1)) for st, _ in mine) \
+            * R.t_sp * mo.hidden * R.a
+        terms["pipeline receive buffers"] = p2p
     # fp8: weight copies (1 byte per linear weight element, per in-flight forward) and
     # amax histories (3 per linear: input, weight, grad)
     fp8 = 0
@@ -533,8 +543,8 @@ def _estimate(job: MemoryJob, c: ParallelConfig, r: int, *, ranks: str,
         terms["async-save staging copy (host)"] = save
         notes.append("the async-save copy is in host memory, not on the device")
     # --- the peak: what is alive together ---------------------------------------------
-    static = terms["parameters"] + buckets + opt + fp8
-    gathered = params if fsdp else 0
+    static = terms["parameters"] + buckets + opt + fp8 + p2p
+    gathered = 2 * params if fsdp else 0
     act_total = acts + head_kept
     recompute_tmp = layer_full if job.recompute else 0
     grads_alive = grads if (job.microbatches > 1 or pp > 1) else 0   # accumulation
@@ -542,7 +552,7 @@ def _estimate(job: MemoryJob, c: ParallelConfig, r: int, *, ranks: str,
     bwd = static + gathered + act_total - head_kept + recompute_tmp + grads_alive // shard \
         + R.t * R.f * R.a * 2
     if fsdp:
-        end = static + gathered + 2 * grads + grads // shard     # unsharded grads + RS buffer
+        end = static + gathered + grads + grads // shard     # unsharded grads + RS output
     else:
         end = static + grads + (grads if pp > 1 else 0)          # pp: the flat all-reduce copy
     opt_step = static + grads // shard + (max(R.block_params(0)) * p_bytes)
