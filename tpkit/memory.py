@@ -615,30 +615,45 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def step_cost(job: MemoryJob, c: ParallelConfig) -> float:
-    """The ranking of ``suggest_layouts``: a relative step time, compute x (1 + the
-    pipeline bubble (pp-1)/(m*v)) x 4/3 with recompute (one more forward), plus
-    communication volumes weighted by where they run (tp inside a node: 1; cp ring: 1;
-    dp/fsdp over the network: 2 per parameter byte, 3 with fsdp's extra gathers). Not a
-    time: only the order means something."""
+# step_cost's machine: dense bf16 throughput and link speeds of a typical 8-GPU node
+FLOPS, NVLINK, NETWORK = 400e12, 200e9, 25e9
+
+
+def step_cost(job: MemoryJob, c: ParallelConfig, nproc_per_node: int = 8) -> float:
+    """The ranking of ``suggest_layouts``: an idealised step time in seconds on
+    ``FLOPS``/``NVLINK``/``NETWORK`` (400 TFLOP/s per device, 200 GB/s inside a node,
+    25 GB/s per device across nodes): the model FLOPs (6 per parameter and token, plus
+    attention) / (tp*cp*pp) stretched by the pipeline bubble (pp-1)/(m*v) and by 4/3 with
+    recompute, plus the bytes of the tp all-reduces (or SP's gathers), the cp K/V
+    exchange, the dp gradient all-reduce (fsdp: gathers as well) and the pp sends, each
+    over the link it uses. Only the order means something."""
     mo = job.model
-    tokens = job.micro_batch * job.microbatches * job.seq_len
-    flops = 6 * tokens * (mo.layers * (4 * mo.hidden ** 2 + 3 * mo.hidden * mo.ffn)
-                          + mo.vocab * mo.hidden) / (c.tp * c.cp * c.pp)
+    a = _dtype_bytes(job.precision)
+    m = job.microbatches
+    tokens = job.micro_batch * m * job.seq_len
+    per_layer = 2 * mo.hidden * mo.hidden + 2 * mo.hidden * mo.groups * mo.head_dim \
+        + (3 if mo.gated else 2) * mo.hidden * mo.ffn
+    flops = 6 * tokens * (mo.layers * per_layer + mo.vocab * mo.hidden) \
+        + 6 * tokens * job.seq_len * mo.hidden * mo.layers      # causal attention
     v = (job.virtual_stages or 2) if c.pp > 1 and job.pp_schedule.lower() != "1f1b" else 1
-    compute = flops * (1 + (c.pp - 1) / (job.microbatches * v))
+    t = flops / (c.tp * c.cp * c.pp) / FLOPS * (1 + (c.pp - 1) / (m * v))
     if job.recompute:
-        compute *= 4 / 3
-    act = tokens / c.cp * mo.hidden * mo.layers / c.pp
-    comm = 0.0
+        t *= 4 / 3
+    act = tokens / c.cp * mo.hidden * a * mo.layers / c.pp       # one [s, b, h] per layer
     if c.tp > 1:
-        comm += 4 * act * (c.tp - 1) / c.tp * 20
+        t += 4 * 2 * act * (c.tp - 1) / c.tp / NVLINK
     if c.cp > 1:
-        comm += 2 * act * (c.cp - 1) / c.cp * 20
-    params = mo.layers * (4 * mo.hidden ** 2 + 3 * mo.hidden * mo.ffn) / (c.tp * c.pp)
-    if c.dp * c.cp > 1:
-        comm += params * (3 if job.data_parallel == "fsdp" else 2) * 40
-    return compute + comm
+        link = NVLINK if c.tp * c.cp <= nproc_per_node else NETWORK
+        kv = act * 2 * mo.groups / mo.heads
+        t += 2 * kv * (c.cp - 1) / link
+    params = (mo.layers * per_layer + 2 * mo.vocab * mo.hidden) / (c.tp * c.pp) * 4
+    dp = c.dp * c.cp
+    if dp > 1:
+        link = NVLINK if c.tp * c.cp * c.dp <= nproc_per_node else NETWORK
+        t += 2 * params * (dp - 1) / dp * (1.5 if job.data_parallel == "fsdp" else 1) / link
+    if c.pp > 1:
+        t += 2 * m * v * tokens / m / c.cp * mo.hidden * a / c.tp / NETWORK
+    return t
 
 
 def suggest_layouts(job: MemoryJob, world_size: int, device_bytes: float, *,
@@ -684,8 +699,8 @@ def suggest_layouts(job: MemoryJob, world_size: int, device_bytes: float, *,
                         peak = max(_estimate(j, c, r, ranks="").peak
                                    for r in sorted({0, pp - 1, min(1, pp - 1)}))
                         if peak <= budget:
-                            out.append((step_cost(j, c), c, j, peak))
-    out.sort(key=lambda x: x[0])
+                            out.append((step_cost(j, c, node), c, j, peak))
+    out.sort(key=lambda x: (x[0], x[1].cp, x[1].pp, x[1].tp))
     return out[:limit]
 
 
@@ -705,8 +720,7 @@ def format_estimate(est: MemoryEstimate, device_bytes: float | None = None) -> l
             lines.append(f"    {k:<44} {_g(v):>9} GiB")
     for n in est.notes:
         lines.append(f"    ({n})")
-    dev = f" of {_g(device_bytes)} GiB device memory" if device_bytes else ""
-    lines.append(f"    peak during: {est.phase}{dev}")
+    lines.append(f"    peak during: {est.phase}")
     lines.append(f"  estimated peak: {est.peak / GiB:.2f} GiB per rank")
     return lines
 
