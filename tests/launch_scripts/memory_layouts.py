@@ -5,9 +5,9 @@ storages and knows nothing of the estimator), at many layouts in one launch.
     tpkit-launch --nproc-per-node 4 memory_layouts.py [NAME ...]
 
 For each layout of LAYOUTS (or those named): init_parallel at that layout, a small GPT
-(launch/gpt.py) trained three steps with AdamW the way launch/train.py does it (DDP or
+(launch/gpt.py) trained two steps with AdamW the way launch/train.py does it (DDP or
 FSDP2 over dp x cp, tpkit.pipeline schedules, recompute, emulated fp8, experts, packed
-documents), all inside the counting mode; the peak of live bytes during the third step
+documents), all inside the counting mode; the peak of live bytes during the second step
 is compared with ``tpkit.memory.estimate_memory`` for that rank; destroy_parallel.
 Rank 0 prints one line per layout: ``MEM name estimate measured ratio`` (the ratio of
 the worst rank), then ``DONE``.
@@ -112,8 +112,8 @@ def run_layout(name: str):
         if job.precision == "fp8":
             from tpkit import fp8 as fp8mod
             fp8 = fp8mod
-        for step in range(3):
-            if step == 2:
+        for step in range(2):   # the second step: the optimizer states exist
+            if step == 1:
                 counter.reset_peak()
             ctx = fp8.fp8_autocast(enabled=True, recipe="delayed",
                                    fp8_group=state.dp_cp_group) if fp8 else _null()

@@ -506,7 +506,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:
             from .plan import report
             print(report(plan, limit=DRY_RUN_ROWS), flush=True)
-        print("\n".join(e.report), file=sys.stdout if args.dry_run else sys.stderr, flush=True)
+        if e.report:
+            print("\n".join(e.report), file=sys.stdout if args.dry_run else sys.stderr,
+                  flush=True)
         print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
         return 2
     if args.dry_run:
