@@ -503,17 +503,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         memory = check_memory(args, plan, plan.memory_jobs)
     except MemoryError_ as e:
-        if args.dry_run:
+        if args.dry_run and e.report:   # the report, the estimate, the layouts that fit
             from .plan import report
-            print(report(plan, limit=DRY_RUN_ROWS), flush=True)
-        if e.report:
-            print("\n".join(e.report), file=sys.stdout if args.dry_run else sys.stderr,
-                  flush=True)
+            print(report(plan, limit=DRY_RUN_ROWS, memory=e.report), flush=True)
         print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
         return 2
     if args.dry_run:
         from .plan import report
-        print("\n".join([report(plan, limit=DRY_RUN_ROWS), *memory]), flush=True)
+        print(report(plan, limit=DRY_RUN_ROWS, memory=memory), flush=True)
         return 0
     return _launch(args, plan)
 

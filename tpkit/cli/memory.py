@@ -156,15 +156,17 @@ def check_memory(args, plan, jobs: list) -> list[str]:
         for cost, c, j, peak in fits:
             lines.append(f"  suggest: {format_layout(c, j)}: {peak / GiB:.2f} GiB per rank, "
                          f"step cost {cost / best:.2f} x the first")
-        hint = "suggested layouts above"
+        hint = (f"the cheapest layout that fits is {format_layout(*fits[0][1:3])} "
+                f"({fits[0][3] / GiB:.2f} GiB per rank)"
+                + ("; --dry-run lists it and the others" if not args.dry_run else
+                   "; the lines above list it and the others"))
     else:
-        lines.append(f"no layout of {world} ranks fits {budget / GiB:.2f} GiB per rank "
-                     "(tp, cp, pp, dp, recompute and fsdp searched): use more ranks or a "
-                     "smaller micro-batch")
-        hint = "more ranks"
+        hint = (f"no layout of {world} ranks fits (tp, cp, pp, dp, recompute and fsdp "
+                "searched): use more ranks or a smaller micro-batch")
+        lines.append(hint)
     raise MemoryError_(
         f"the estimated peak of {worst.role} is "
         f"{worst.peak / GiB:.2f} GiB per rank, over the {device / GiB:.2f} GiB device "
         f"memory less the {margin:.0%} margin ({budget / GiB:.2f} GiB); its biggest term is "
-        f"{name} ({size / GiB:.2f} GiB); use one of the {hint}, or check "
-        "--device-memory/--memory-margin", lines)
+        f"{name} ({size / GiB:.2f} GiB); {hint}; or check "
+        "--device-memory/--memory-margin", lines if args.dry_run else [])
