@@ -209,3 +209,26 @@ def test_estimate_within_10_percent_of_cuda_max_memory_allocated():
         assert 0.9 <= est.peak / measured <= 1.1, (est, measured)
     finally:
         tpkit.destroy_parallel()
+
+
+def test_docs_memory_output_is_the_commands(capsys):
+    """docs/launch.md's "Memory" example: its text block is the dry run's output (lines in
+    order; "..." stands for omitted ones) and the command exits 2."""
+    text = open(os.path.join(ROOT, "docs", "launch.md")).read()
+    section = text[text.index("## Memory"):]
+    command = re.search(r"```bash\ntpkit-launch (.*)\n```", section).group(1).split()
+    shown = re.search(r"```text\n(.*?)\n```", section, re.S).group(1).splitlines()
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        assert launch.main(command) == 2
+    finally:
+        os.chdir(cwd)
+    out = capsys.readouterr().out.splitlines()
+    i = 0
+    for line in shown:
+        if line.strip() == "...":
+            continue
+        while i < len(out) and out[i] != line:
+            i += 1
+        assert i < len(out), f"docs/launch.md shows {line!r}, which the command does not print"

@@ -193,13 +193,17 @@ class MemoryJob:
 
     # --- constructors ----------------------------------------------------------------
     @classmethod
-    def from_train_args(cls, args, *, dp: int = 1, pp: int = 1) -> "MemoryJob":
+    def from_train_args(cls, args, *, dp: int = 1, pp: int = 1) -> "MemoryJob | None":
         """From launch/train.py's parsed arguments, at ``dp`` data-parallel ranks (the
         micro-batch is global batch / dp / micro-batches) and ``pp`` stages (the default
-        micro-batch count is 2 x pp there)."""
+        micro-batch count is 2 x pp there). None when ``--init-from-hf``'s directory has
+        no config.json yet (a dry run may plan its download: nothing to estimate)."""
         vocab = 256   # launch/corpus.py's byte vocabulary
         if getattr(args, "init_from_hf", None):
-            model = ModelShape.from_hf_config(args.init_from_hf)
+            path = os.path.join(args.init_from_hf, "config.json")
+            if not os.path.isfile(path):
+                return None
+            model = ModelShape.from_hf_config(path)
         else:
             model = ModelShape(layers=args.layers, hidden=args.hidden, ffn=args.ffn,
                                heads=args.heads, kv_heads=args.gqa_groups, vocab=vocab,
