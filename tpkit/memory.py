@@ -40,7 +40,11 @@ __all__ = ["ModelShape", "MemoryJob", "MemoryEstimate", "estimate_memory", "role
 GiB = 1024 ** 3
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "fp8")
 OPTIMIZERS = ("adamw", "adam", "sgd", "none")
-_ACT = {"32-true": 4, "bf16-mixed": 2, "16-mixed": 2, "bf16-true": 2, "fp8": 4}
+# bytes per element of (the residual stream, what the matmuls and attention produce):
+# autocast keeps the residual stream in the float32 of the parameters
+_ACT = {"32-true": (4, 4), "bf16-mixed": (4, 2), "16-mixed": (4, 2), "bf16-true": (2, 2),
+        "fp8": (4, 4)}
+AUTOCAST = ("bf16-mixed", "16-mixed")
 _GATED = ("swiglu", "geglu")
 
 
@@ -269,7 +273,7 @@ def _in_flight(schedule: str, pp: int, v: int, m: int, r: int) -> int:
 
 
 def _dtype_bytes(precision: str) -> int:
-    return _ACT[precision]
+    return _ACT[precision][1]
 
 
 class _Rank:
@@ -280,7 +284,7 @@ class _Rank:
         self.job, self.c, self.m = job, c, mo
         self.tp, self.cp = c.tp, c.cp
         self.sp = c.sequence_parallel
-        self.a = _dtype_bytes(job.precision)          # activation bytes per element
+        self.r, self.a = _ACT[job.precision]          # residual / compute bytes per element
         self.s = job.seq_len // c.cp                  # local sequence
         self.b = job.micro_batch
         self.t = self.b * self.s                      # tokens of one micro-batch here
@@ -323,22 +327,16 @@ class _Rank:
     # activations (bytes) of one block and one micro-batch --------------------------------
     def block_acts(self, i: int) -> dict:
         j, mo = self.job, self.m
-        a, t, tsp, h, d = self.a, self.t, self.t_sp, mo.hidden, self.d
+        a, r, t, tsp, h, d = self.a, self.r, self.t, self.t_sp, mo.hidden, self.d
         hl, gl, f = self.hl, self.gl, self.f
         fp8 = j.precision == "fp8"
-        # norms: input, x*rstd and rstd; the output too when the next linear keeps it
-        # (not under SP, where it keeps the all-gathered input, nor with fp8, where it
-        # keeps a 1-byte copy)
-        norm = 2 * tsp * h * a + tsp * 4
-        if self.sp:
-            norm += t * h * (1 if fp8 else a)
-        elif fp8:
-            norm += t * h
-        else:
-            norm += tsp * h * a
-        norm_total = 2 * norm - tsp * h * a           # the block's input counted once
+        # norms: input, x*rstd and rstd (residual stream), and what the next linear keeps
+        # of the output: the output itself, under SP the all-gathered [s, b, h], under
+        # autocast its low-precision copy, with fp8 its 1-byte copy
+        norm = 2 * tsp * h * r + tsp * 4 + t * h * (1 if fp8 else a)
+        norm_total = 2 * norm - tsp * h * r           # the block's input counted once
         qkv, rope, attn = self.attention_parts()
-        resid = tsp * h * a                           # x + attention (the MLP's input)
+        resid = tsp * h * r                           # x + attention (the MLP's input)
         acts = {"norms": norm_total + resid, "qkv": qkv, "rope": rope, "attention": attn}
         if mo.is_moe(i):
             acts["moe"] = self.moe_bytes()
@@ -364,7 +362,7 @@ class _Rank:
         a, t, d, hl, gl = self.a, self.t, self.d, self.hl, self.gl
         q, kv = t * hl * d * a, t * gl * d * a
         lse = self.b * hl * self.s * 4
-        trig = 4 * self.s * d * 4 * (self.b if j.packed else 1)   # RoPE's cos/sin
+        trig = 4 * self.s * d * a * (self.b if j.packed else 1)   # RoPE's cos/sin
         qkv, rope = q + 2 * kv, q + kv + trig
         if j.packed:
             return qkv, rope, q + lse + q + 2 * kv      # the packed kernel's [1, h, t, d] copies
@@ -398,9 +396,9 @@ class _Rank:
 
     def head_bytes(self) -> tuple[int, int]:
         """(kept, transient) of final norm + output layer + loss on the last stage."""
-        mo, a, t, tsp, h = self.m, self.a, self.t, self.t_sp, self.m.hidden
+        mo, a, r, t, tsp, h = self.m, self.a, self.r, self.t, self.t_sp, self.m.hidden
         v = mo.vocab // self.tp
-        kept = 3 * tsp * h * a + tsp * 4 + (t * h * a if self.sp else 0)
+        kept = 2 * tsp * h * r + tsp * 4 + t * h * a   # final norm (as a block's norm)
         kept += t * v * 4 + t * (8 + 2) + 2 * t * 8   # softmax, target ids and masks
         transient = 2 * t * v * 4 + (t * v * a if a != 4 else 0)
         return kept, transient
@@ -498,7 +496,7 @@ def _estimate(job: MemoryJob, c: ParallelConfig, r: int, *, ranks: str,
             full = sum(acts.values())
             layer_full = max(layer_full, full)
             if job.recompute:
-                kept += R.t_sp * mo.hidden * R.a + 4 * R.s * R.d * 4
+                kept += R.t_sp * mo.hidden * R.r + 4 * R.s * R.d * R.a
             else:
                 kept += full
                 for k, val in acts.items():
@@ -506,7 +504,7 @@ def _estimate(job: MemoryJob, c: ParallelConfig, r: int, *, ranks: str,
         if st == 0:
             kept += R.stem_bytes()[0]
         if pp > 1 and st < pp * v - 1:
-            kept += R.t_sp * mo.hidden * R.a         # the stage's output, until its backward
+            kept += R.t_sp * mo.hidden * R.r         # the stage's output, until its backward
         stage_acts.append((st, kept))
     units = _in_flight(schedule, pp, v, job.microbatches, r)
     per_unit = sum(k for _, k in stage_acts) / len(stage_acts)
@@ -530,7 +528,7 @@ def _estimate(job: MemoryJob, c: ParallelConfig, r: int, *, ranks: str,
         # torch's PipelineStage allocates a receive buffer per micro-batch: activations
         # into every stage but the first, their gradients into every stage but the last
         p2p = sum(job.microbatches * ((st > 0) + (st < pp * v - 1)) for st, _ in mine) \
-            * R.t_sp * mo.hidden * R.a
+            * R.t_sp * mo.hidden * R.r
         terms["pipeline receive buffers"] = p2p
     # fp8: weight copies (1 byte per linear weight element, per in-flight forward) and
     # amax histories (3 per linear: input, weight, grad)
@@ -541,6 +539,11 @@ def _estimate(job: MemoryJob, c: ParallelConfig, r: int, *, ranks: str,
         fp8 = w_linear * min(units, 2) + linears * 3 * 4 * (
             job.amax_history if job.fp8_recipe == "delayed" else 1)
         terms["fp8 weight copies and amax histories"] = fp8
+    wcopies = 0
+    if job.precision in AUTOCAST:   # autocast's low-precision weight copies, kept by the
+        # linears for their backward (the embedding is not autocast)
+        wcopies = (dense - (emb if first else 0) + expert) * R.a
+        terms["autocast weight copies"] = wcopies
     save = 0
     if job.async_save:
         save = (params + opt) // shard
@@ -552,8 +555,10 @@ def _estimate(job: MemoryJob, c: ParallelConfig, r: int, *, ranks: str,
     act_total = acts + head_kept
     recompute_tmp = layer_full if job.recompute else 0
     grads_alive = grads if (job.microbatches > 1 or pp > 1) else 0   # accumulation
-    fwd = static + gathered + act_total + max(head_tmp, stem_tmp) + grads_alive // shard
+    fwd = static + gathered + act_total + max(head_tmp, stem_tmp) + grads_alive // shard \
+        + wcopies
     bwd = static + gathered + act_total - head_kept + recompute_tmp + grads_alive // shard \
+        + wcopies \
         + R.t * R.f * R.a * 2
     if fsdp:
         end = static + gathered + grads + grads // shard     # unsharded grads + RS output

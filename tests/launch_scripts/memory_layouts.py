@@ -50,6 +50,7 @@ LAYOUTS = {
     "tp2-dp2-recompute": (dict(tp=2), dict(recompute=True)),
     "dp4-recompute": (dict(), dict(recompute=True)),
     "tp2-dp2-fp8": (dict(tp=2), dict(precision="fp8")),
+    "tp2-dp2-bf16": (dict(tp=2), dict(precision="bf16-mixed")),
     "ep2-dp4-moe": (dict(ep=2), dict(experts=4)),
     "cp2-dp2-packed": (dict(cp=2), dict(packed=True)),
 }
@@ -116,7 +117,9 @@ def run_layout(name: str):
             if step == 1:
                 counter.reset_peak()
             ctx = fp8.fp8_autocast(enabled=True, recipe="delayed",
-                                   fp8_group=state.dp_cp_group) if fp8 else _null()
+                                   fp8_group=state.dp_cp_group) if fp8 else \
+                torch.autocast("cpu", dtype=torch.bfloat16) \
+                if job.precision == "bf16-mixed" else _null()
             with ctx:
                 if pipe is not None:
                     pipe.step(x, target=y)
@@ -154,6 +157,8 @@ def run_layout(name: str):
     tpkit.destroy_parallel()
     if dist.get_rank() == 0:
         worst = max(gathered, key=lambda t: abs(t[0] / t[1] - 1))
+        if os.environ.get("MEMDEBUG"):
+            print("per rank (estimate, measured):", [(int(t[0]), int(t[1])) for t in gathered])
         print(f"MEM {name} {int(worst[0])} {int(worst[1])} {worst[0] / worst[1]:.3f} "
               f"[{est.phase}]", flush=True)
 
