@@ -232,3 +232,30 @@ def test_docs_memory_output_is_the_commands(capsys):
         while i < len(out) and out[i] != line:
             i += 1
         assert i < len(out), f"docs/launch.md shows {line!r}, which the command does not print"
+
+
+@pytest.mark.parametrize("hf", [
+    dict(model_type="llama", architectures=["LlamaForCausalLM"]),
+    dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], tie_word_embeddings=True),
+], ids=["llama", "qwen2-tied"])
+def test_hf_config_parameters_equal_the_built_llamas(hf):
+    """ModelShape.from_hf_config (through tpkit.models.hf) counts what tpkit.models.Llama
+    builds at tp=2 on a planned state (SwiGLU's two fc1 halves, Qwen2's q/k/v biases, tied
+    embeddings)."""
+    from tpkit.models import Llama
+    from tpkit.models.hf import config_from_hf
+    from tpkit.planning import fake_state
+    from tpkit.random import get_rng_tracker, model_parallel_seed
+    raw = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, vocab_size=300, **hf)
+    shape = ModelShape.from_hf_config(raw)
+    est = estimate_memory(MemoryJob(model=shape, seq_len=64), ParallelConfig(tp=2),
+                          world_size=2)
+    with fake_state(ParallelConfig(tp=2), 2) as state:
+        model_parallel_seed(1, state)
+        try:
+            model = Llama(config_from_hf(raw), state)
+            n = sum(p.numel() for p in model.parameters())
+        finally:
+            get_rng_tracker().reset()
+    assert est.terms["parameters"] == 4 * n

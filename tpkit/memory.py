@@ -100,19 +100,19 @@ class ModelShape:
     # --- constructors ----------------------------------------------------------------
     @classmethod
     def from_llama_config(cls, cfg) -> "ModelShape":
-        """From a tpkit.models.LlamaConfig (or anything with its field names)."""
-        return cls(layers=cfg.num_hidden_layers, hidden=cfg.hidden_size,
-                   ffn=cfg.intermediate_size, heads=cfg.num_attention_heads,
-                   kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+        """From a tpkit.models.LlamaConfig (SwiGLU MLPs, RMSNorm)."""
+        return cls(layers=cfg.num_layers, hidden=cfg.hidden_size, ffn=cfg.ffn_hidden_size,
+                   heads=cfg.num_heads, kv_heads=cfg.num_gqa_groups or cfg.num_heads,
                    vocab=cfg.vocab_size, activation="swiglu", norm="RMSNorm",
-                   bias=False, qkv_bias=bool(getattr(cfg, "attention_bias", False)),
-                   tied_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)))
+                   bias=bool(cfg.bias), qkv_bias=cfg.qkv_bias,
+                   tied_embeddings=bool(cfg.tie_word_embeddings))
 
     @classmethod
     def from_hf_config(cls, source) -> "ModelShape":
         """From a Hugging Face ``config.json`` (a path, a directory holding one, or the
-        parsed dict) of a Llama-family model (Llama, Mistral, Qwen2; Mixtral/Qwen2-MoE's
-        expert counts when present). ValueError naming the file and the missing key."""
+        parsed dict): what tpkit.models reads (Llama, Mistral, Qwen2: through
+        ``tpkit.models.hf.config_from_hf``), or a Mixtral-style MoE (``num_local_experts``,
+        ``num_experts_per_tok``), whose sizes are read here. ValueError naming the file."""
         where = "the config dict"
         if not isinstance(source, dict):
             path = os.fspath(source)
@@ -131,26 +131,28 @@ class ModelShape:
         if not isinstance(source, dict):
             raise ValueError(f"model config {where} holds {type(source).__name__}, not a "
                              "JSON object; pass a Hugging Face config.json")
-        need = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
-                "vocab_size")
+        experts = int(source.get("num_local_experts") or source.get("num_experts") or 0)
+        if not experts:
+            from .models.hf import config_from_hf
+            try:
+                return cls.from_llama_config(config_from_hf(source))
+            except ValueError as e:
+                raise ValueError(f"model config {where}: {e}") from None
+        need = ("num_hidden_layers", "hidden_size", "intermediate_size",
+                "num_attention_heads", "vocab_size")
         missing = [k for k in need if k not in source]
         if missing:
             raise ValueError(f"model config {where} lacks {', '.join(missing)}; pass the "
-                             "config.json of a Llama-family model (Llama, Mistral, Qwen2)")
-        experts = int(source.get("num_local_experts") or source.get("num_experts") or 0)
-        act = str(source.get("hidden_act", "silu"))
+                             "config.json of a Mixtral-style MoE or a Llama-family model")
         try:
-            return cls(layers=int(source["num_hidden_layers"]), hidden=int(source["hidden_size"]),
-                       ffn=int(source.get("moe_intermediate_size") or source["intermediate_size"])
-                       if experts else int(source["intermediate_size"]),
+            return cls(layers=int(source["num_hidden_layers"]),
+                       hidden=int(source["hidden_size"]),
+                       ffn=int(source.get("moe_intermediate_size")
+                               or source["intermediate_size"]),
                        heads=int(source["num_attention_heads"]),
                        kv_heads=int(source.get("num_key_value_heads")
                                     or source["num_attention_heads"]),
-                       vocab=int(source["vocab_size"]),
-                       activation="swiglu" if act in ("silu", "swish") else "geglu"
-                       if act.startswith("gelu") else "swiglu",
-                       qkv_bias=bool(source.get("attention_bias", False)
-                                     or source.get("model_type") == "qwen2"),
+                       vocab=int(source["vocab_size"]), activation="swiglu",
                        tied_embeddings=bool(source.get("tie_word_embeddings", False)),
                        experts=experts, topk=int(source.get("num_experts_per_tok") or 2))
         except ValueError as e:
