@@ -538,7 +538,7 @@ def _estimate(job: MemoryJob, c: ParallelConfig, r: int, *, ranks: str,
     if job.precision == "fp8":
         linears = sum(1 for _, b in mine for _ in b) * 4
         w_linear = dense - (emb if first else 0) - (emb if last else 0)
-        fp8 = w_linear * min(units, 2) + linears * 3 * 4 * (
+        fp8 = w_linear * units // len(mine) + linears * 3 * 4 * (
             job.amax_history if job.fp8_recipe == "delayed" else 1)
         terms["fp8 weight copies and amax histories"] = fp8
     wcopies = 0
