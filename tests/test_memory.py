@@ -170,6 +170,8 @@ def test_measured_line_on_cpu():
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="needs a CUDA GPU (run `python -m pytest -m gpu` on one)")
 def test_estimate_within_10_percent_of_cuda_max_memory_allocated():
     """One GPU: a GPT (h=1024, 4 layers, 4 x 1024 tokens, fp32, AdamW), third step's
     torch.cuda.max_memory_allocated against the estimate."""
