@@ -247,16 +247,43 @@ class MemoryEstimate:
 
     @property
     def biggest(self) -> tuple[str, int]:
-        return max(self.terms.items(), key=lambda kv: kv[1])
+        """The largest term in bytes (the in-flight count is not bytes)."""
+        return max(((k, v) for k, v in self.terms.items()
+                    if k != "pipeline in-flight micro-batches"), key=lambda kv: kv[1])
 
     def gib(self) -> float:
         return self.peak / GiB
 
 
 # --- the model's pieces, per rank ------------------------------------------------------
-def _in_flight(schedule: str, pp: int, v: int, m: int, r: int) -> int:
-    """Stage-micro-batches whose activations pp rank ``r`` holds at once under ``schedule``
-    (torch.distributed.pipelining's orders: warm-up forwards + the first 1F1B one)."""
+# an input-gradient step (I) of the zero-bubble schedules keeps the stage's activations
+# and the gradients of the linears' outputs until its weight-gradient step (W)
+_SPLIT_BACKWARD_HOLD = 1.75
+
+
+def _torch_order(schedule: str, pp: int, v: int, m: int, r: int):
+    """torch.distributed.pipelining's own action list of pp rank ``r`` for the multi-stage
+    schedules (its _calculate_single_rank_operations, on an object given only the sizes
+    it reads), or None where that is not possible."""
+    try:
+        from torch.distributed.pipelining import schedules
+        cls = getattr(schedules, "Schedule" + schedule)
+        o = cls.__new__(cls)
+        o.pp_group_size, o.n_local_stages, o._n_microbatches = pp, v, m
+        o.number_of_rounds = max(1, m // pp)
+        o.microbatches_per_round = m // o.number_of_rounds
+        o.num_stages, o.rank, o.pipeline_order = pp * v, r, {}
+        return [str(a) for a in o._calculate_single_rank_operations(r) if a is not None]
+    except Exception:   # another torch: the closed forms below
+        return None
+
+
+def _in_flight(schedule: str, pp: int, v: int, m: int, r: int) -> float:
+    """Stage-micro-batches whose activations pp rank ``r`` holds at once under
+    ``schedule``: torch.distributed.pipelining's own order for the multi-stage schedules
+    (forwards not yet released by a full or weight backward; one whose input gradient is
+    done holds _SPLIT_BACKWARD_HOLD), the closed forms of 1F1B (pp - r) and GPipe (m)."""
+    import re
     if pp == 1:
         return 1
     name = schedule.lower()
@@ -264,13 +291,26 @@ def _in_flight(schedule: str, pp: int, v: int, m: int, r: int) -> int:
         return m * v
     if name == "1f1b":
         return min(m, pp - r)
+    ops = _torch_order(schedule, pp, v, m, r)
+    if ops is not None:
+        live, split, peak = 0, 0, 0.0
+        for op in ops:
+            kind = re.fullmatch(r"\d+([A-Z_]+)\d+", op)
+            kind = kind.group(1) if kind else ""
+            if kind == "F":
+                live += 1
+            elif kind == "I":
+                split += 1
+            elif kind == "W":
+                live, split = live - 1, split - 1
+            elif kind in ("B", "BW"):
+                live -= 1
+            peak = max(peak, live + split * (_SPLIT_BACKWARD_HOLD - 1))
+        return peak
     rounds = max(1, m // pp)
     per_round = m // rounds
     if name == "interleaved1f1b":
         return min((v - 1) * per_round + 2 * (pp - 1 - r) + 1, m * v)
-    if name == "interleavedzerobubble":
-        return min((v - 1) * per_round + (pp - 1 - r) + 1 + 1, m * v)
-    # the V schedules (ZBVZeroBubble, DualPipeV): both stages' warm-ups
     return min(2 * (pp - r) + 1, 2 * m)
 
 
@@ -511,7 +551,10 @@ def _estimate(job: MemoryJob, c: ParallelConfig, r: int, *, ranks: str,
     units = _in_flight(schedule, pp, v, job.microbatches, r)
     per_unit = sum(k for _, k in stage_acts) / len(stage_acts)
     acts = int(per_unit * units)
+    units_shown = round(units, 2) if units != int(units) else int(units)
     head_kept, head_tmp = R.head_bytes() if last else (0, 0)
+    if schedule.lower() in ("gpipe", "loopedbfs"):   # every micro-batch's loss, then backward
+        head_kept *= job.microbatches
     stem_tmp = R.stem_bytes()[1] if first else 0
     scale = units / max(1, len(mine))
     for k, val in detail.items():
@@ -526,7 +569,7 @@ def _estimate(job: MemoryJob, c: ParallelConfig, r: int, *, ranks: str,
         terms["activations: loss (softmax)"] = head_kept
     p2p = 0
     if pp > 1:
-        terms["pipeline in-flight micro-batches"] = units
+        terms["pipeline in-flight micro-batches"] = units_shown
         # torch's PipelineStage allocates a receive buffer per micro-batch: activations
         # into every stage but the first, their gradients into every stage but the last
         p2p = sum(job.microbatches * ((st > 0) + (st < pp * v - 1)) for st, _ in mine) \
@@ -570,7 +613,9 @@ def _estimate(job: MemoryJob, c: ParallelConfig, r: int, *, ranks: str,
     phases = {"forward": fwd, "backward": bwd, "end of backward": end, "optimizer": opt_step}
     phase = max(phases, key=phases.get)
     what = role or _role_name(first, last, pp, r)
-    return MemoryEstimate(what, ranks, {k: int(v) for k, v in terms.items() if v},
+    count = "pipeline in-flight micro-batches"
+    return MemoryEstimate(what, ranks, {k: v if k == count else int(v)
+                                        for k, v in terms.items() if v},
                           int(phases[phase]), phase, notes)
 
 

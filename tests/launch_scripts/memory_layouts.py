@@ -10,7 +10,9 @@ FSDP2 over dp x cp, tpkit.pipeline schedules, recompute, emulated fp8, experts, 
 documents), all inside the counting mode; the peak of live bytes during the second step
 is compared with ``tpkit.memory.estimate_memory`` for that rank; destroy_parallel.
 Rank 0 prints one line per layout: ``MEM name estimate measured ratio`` (the ratio of
-the worst rank), then ``DONE``.
+the worst rank), then ``DONE``. ``MEMDEBUG=1`` also prints every rank's pair, rank 0's
+live storages by op after a backward and its estimate's terms (for calibrating the
+estimator against a new layer).
 """
 import os
 import sys
@@ -45,6 +47,8 @@ LAYOUTS = {
     "pp2-1F1B-dp2": (dict(pp=2), dict(pp_schedule="1F1B", microbatches=4)),
     "pp2-interleaved-tp2": (dict(pp=2, tp=2), dict(pp_schedule="Interleaved1F1B",
                                                    microbatches=4)),
+    "pp2-zb-dp2": (dict(pp=2), dict(pp_schedule="InterleavedZeroBubble", microbatches=4)),
+    "pp2-gpipe-dp2": (dict(pp=2), dict(pp_schedule="GPipe", microbatches=4)),
     "dp4-fsdp": (dict(), dict(data_parallel="fsdp")),
     "cp2-dp2-fsdp": (dict(cp=2), dict(data_parallel="fsdp")),
     "tp2-dp2-recompute": (dict(tp=2), dict(recompute=True)),
