@@ -157,6 +157,8 @@ LAUNCH = [
     Row("memory-too-small", "over the 0.01 GiB device memory", "use more ranks",
         ["--device-memory", "0.01", "--model-config", "{tmp}/config.json", SCRIPT],
         setup=_write("config.json", TINY_LLAMA)),
+    Row("train-memory-too-small", "over the 0.00 GiB device memory", "use more ranks",
+        ["--nproc-per-node", "2", "--device-memory", "0.001", TRAIN, *SMALL]),
     Row("preflight-returns-other", "tpkit_preflight returned int",
         "returns None or a tpkit.memory.MemoryJob", ["{tmp}/hook.py"],
         setup=_write("hook.py", "def tpkit_preflight(argv, launch):\n    return 5\n")),
