@@ -97,6 +97,12 @@ def job_from_flags(args):
         raise MemoryError_(f"--memory-job: {e}") from None
 
 
+def _size(n: float) -> str:
+    """Bytes as GiB, or MiB below 0.1 GiB (small models, tiny devices)."""
+    from tpkit.memory import GiB
+    return f"{n / GiB:.2f} GiB" if n >= 0.1 * GiB else f"{n / 2 ** 20:.2f} MiB"
+
+
 def _detected_device_bytes() -> float | None:
     import torch
     if torch.cuda.is_available() and torch.cuda.device_count():
@@ -157,7 +163,7 @@ def check_memory(args, plan, jobs: list) -> list[str]:
             lines.append(f"  suggest: {format_layout(c, j)}: {peak / GiB:.2f} GiB per rank, "
                          f"step cost {cost / best:.2f} x the first")
         hint = (f"the cheapest layout that fits is {format_layout(*fits[0][1:3])} "
-                f"({fits[0][3] / GiB:.2f} GiB per rank)"
+                f"({_size(fits[0][3])} per rank)"
                 + ("; --dry-run lists it and the others" if not args.dry_run else
                    "; the lines above list it and the others"))
     else:
@@ -165,8 +171,7 @@ def check_memory(args, plan, jobs: list) -> list[str]:
                 "searched): use more ranks or a smaller micro-batch")
         lines.append(hint)
     raise MemoryError_(
-        f"the estimated peak of {worst.role} is "
-        f"{worst.peak / GiB:.2f} GiB per rank, over the {device / GiB:.2f} GiB device "
-        f"memory less the {margin:.0%} margin ({budget / GiB:.2f} GiB); its biggest term is "
-        f"{name} ({size / GiB:.2f} GiB); {hint}; or check "
+        f"the estimated peak of {worst.role} is {_size(worst.peak)} per rank, over the "
+        f"{_size(device)} device memory less the {margin:.0%} margin ({_size(budget)}); its "
+        f"biggest term is {name} ({_size(size)}); {hint}; or check "
         "--device-memory/--memory-margin", lines if args.dry_run else [])
