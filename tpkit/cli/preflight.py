@@ -12,7 +12,9 @@ arguments and a :class:`LaunchInfo`: the layout ``init_parallel()`` will build w
 arguments (dp resolved), the world, and the workers' environment. A ValueError, or
 argparse's ``error()``, becomes ``tpkit-launch: error: SCRIPT: ...`` and exit 2 with no
 worker started; argparse's ``--help`` prints once and exits 0. Elastic launches call it
-once per node count ``--nnodes MIN:MAX`` allows. See docs/launch.md "Pre-flight checks".
+once per node count ``--nnodes MIN:MAX`` allows. It may return a ``tpkit.memory.MemoryJob``
+(the model and batch it will train): tpkit-launch then estimates every rank's memory
+(tpkit.cli.memory). See docs/launch.md "Pre-flight checks" and "Memory".
 """
 from __future__ import annotations
 
