@@ -762,18 +762,19 @@ def suggest_layouts(job: MemoryJob, world_size: int, device_bytes: float, *,
 
 # --- text ------------------------------------------------------------------------------
 def _g(n: float) -> str:
-    return f"{n / GiB:.2f}"
+    """A term's size: GiB, or MiB below 0.1 GiB."""
+    return f"{n / GiB:.2f} GiB" if n >= 0.1 * GiB else f"{n / 2 ** 20:.2f} MiB"
 
 
 def format_estimate(est: MemoryEstimate, device_bytes: float | None = None) -> list[str]:
-    """The lines of one role: every term in GiB, then ``estimated peak: X.XX GiB per
-    rank`` (a stable line scripts can read)."""
+    """The lines of one role: every term (GiB, MiB below 0.1 GiB), then ``estimated
+    peak: X.XX GiB per rank`` (a stable line scripts can read)."""
     lines = [f"  {est.role}" + (f" (ranks {est.ranks})" if est.ranks else "") + ":"]
     for k, v in est.terms.items():
         if k == "pipeline in-flight micro-batches":
-            lines.append(f"    {k:<44} {v}")
+            lines.append(f"    {k:<44} {str(v):>13}")
         else:
-            lines.append(f"    {k:<44} {_g(v):>9} GiB")
+            lines.append(f"    {k:<44} {_g(v):>13}")
     for n in est.notes:
         lines.append(f"    ({n})")
     lines.append(f"    peak during: {est.phase}")
