@@ -33,7 +33,7 @@ from typing import Iterable
 
 from .config import ParallelConfig
 
-__all__ = ["ModelShape", "MemoryJob", "MemoryEstimate", "estimate_memory", "roles",
+__all__ = ["ModelShape", "MemoryJob", "MemoryEstimate", "estimate_memory", "role_ranks",
            "estimate_roles", "suggest_layouts", "format_estimate", "format_roles",
            "measured_peak_bytes", "format_measured", "GiB", "PRECISIONS"]
 
@@ -528,7 +528,7 @@ def _estimate(job: MemoryJob, c: ParallelConfig, r: int, *, ranks: str,
     opt = n_params * (opt_per * 4 + master) // shard
     terms["optimizer states"] = opt
     # --- activations ----------------------------------------------------------------
-    stage_acts = []          # (stage, kept bytes of one micro-batch, detail)
+    stage_acts = []          # (stage, bytes one micro-batch keeps there)
     detail: dict[str, int] = {}
     layer_full = 0
     for st, blocks in mine:
@@ -627,14 +627,12 @@ def _role_name(first: bool, last: bool, pp: int, r: int) -> str:
     return f"pp rank {r} ({'first stage' if first else 'last stage' if last else 'middle stage'})"
 
 
-def roles(config: ParallelConfig, job: MemoryJob) -> list[tuple[str, int]]:
-    """The distinct roles of the layout, as (name, pp rank): each pipeline rank whose
-    stages hold the embedding, the head, or only blocks (the heaviest middle one)."""
+def role_ranks(config: ParallelConfig) -> list[int]:
+    """The pp ranks whose estimates differ in kind: the first (embedding), the last (head)
+    and, with pp > 2, one middle rank standing for all (estimate_roles takes the heaviest
+    of them)."""
     pp = config.pp
-    if pp == 1:
-        return [("every rank", 0)]
-    wanted = sorted({0, pp - 1} | ({1} if pp > 2 else set()))
-    return [(str(r), r) for r in wanted]
+    return sorted({0, pp - 1} | ({1} if pp > 2 else set()))
 
 
 def estimate_roles(job: MemoryJob, config: ParallelConfig, world_size: int | None = None
@@ -648,7 +646,7 @@ def estimate_roles(job: MemoryJob, config: ParallelConfig, world_size: int | Non
     out = []
     pp = config.pp
     middles = list(range(1, pp - 1))
-    for _, r in roles(config, job):
+    for r in role_ranks(config):
         if pp > 2 and r == 1:   # the middle ranks: the heaviest of them
             cands = [_estimate(job, config, m, ranks="") for m in middles]
             est = max(cands, key=lambda e: e.peak)
