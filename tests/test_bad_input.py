@@ -59,6 +59,10 @@ class Row:
     skip: str | None = None             # "te": only where TE cannot run (no TE or no CUDA)
 
 
+TINY_LLAMA = ('{"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, '
+              '"intermediate_size": 128, "num_attention_heads": 4, "vocab_size": 256}')
+
+
 def T(*args):   # a launch/train.py command line on 2 ranks
     return ["--nproc-per-node", "2", TRAIN, *SMALL, *args]
 
@@ -130,6 +134,35 @@ LAUNCH = [
         ["--master-port", "70000", SCRIPT]),
     Row("no-python-and-m", "--no-python and -m", "drop one of them",
         ["--no-python", "-m", "json.tool"]),
+    # the memory check (tpkit.cli.memory, issue 38)
+    Row("device-memory-zero", "--device-memory=0.0", "must be > 0 GiB",
+        ["--device-memory", "0", SCRIPT]),
+    Row("memory-margin-range", "--memory-margin=1.5", "must be in [0, 1)",
+        ["--memory-margin", "1.5", "--model-config", "{tmp}/config.json", SCRIPT],
+        setup=_write("config.json", TINY_LLAMA)),
+    Row("device-memory-without-model", "--device-memory/--memory-margin need the model",
+        "pass --model-config FILE", ["--device-memory", "80", SCRIPT]),
+    Row("memory-job-without-model", "--memory-job='seq_len=8'", "needs --model-config FILE",
+        ["--memory-job", "seq_len=8", SCRIPT]),
+    Row("model-config-missing", "config.json' cannot be read", "pass a Hugging Face config.json",
+        ["--model-config", "{tmp}/config.json", SCRIPT]),
+    Row("model-config-keys", "model_type=None", "tpkit.models.llama reads",
+        ["--model-config", "{tmp}/config.json", SCRIPT], setup=_write("config.json", "{}")),
+    Row("memory-job-key", "--memory-job item 'seqlen=8'", "KEY one of",
+        ["--model-config", "{tmp}/config.json", "--memory-job", "seqlen=8", SCRIPT],
+        setup=_write("config.json", TINY_LLAMA)),
+    Row("memory-job-value", "--memory-job seq_len='long'", "e.g. seq_len=2048",
+        ["--model-config", "{tmp}/config.json", "--memory-job", "seq_len=long", SCRIPT],
+        setup=_write("config.json", TINY_LLAMA)),
+    Row("memory-too-small", "over the 10.24 MiB device memory", "use more ranks",
+        ["--device-memory", "0.01", "--model-config", "{tmp}/config.json", SCRIPT],
+        setup=_write("config.json", TINY_LLAMA)),
+    Row("train-memory-too-small", "over the 1.02 MiB device memory",
+        "the cheapest layout that fits is --tp 2",
+        ["--nproc-per-node", "2", "--device-memory", "0.001", TRAIN, *SMALL]),
+    Row("preflight-returns-other", "tpkit_preflight returned int",
+        "returns None or a tpkit.memory.MemoryJob", ["{tmp}/hook.py"],
+        setup=_write("hook.py", "def tpkit_preflight(argv, launch):\n    return 5\n")),
     # the script or module
     Row("missing-script", "'missing_script.py' does not exist", "pass the path of a .py file",
         ["--tp", "2", "missing_script.py"]),
