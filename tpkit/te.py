@@ -297,9 +297,9 @@ def forget_groups(groups) -> None:
     args = getattr(qstate, "autocast_arguments", {})
     if getattr(qstate, "autocast_depth", 0) > 0 and any(
             id(g) in ids for _, g in args.values()):
-        raise RuntimeError("process groups of the parallel layout are being destroyed inside "
-                           "Transformer Engine's fp8 autocast over them; leave te_autocast "
-                           "first")
+        raise ValueError("destroy_parallel was called inside Transformer Engine's fp8 "
+                         "autocast over the layout's groups (te_autocast): leave the "
+                         "autocast first, then destroy the layout")
     dead = {key for key, (_, g) in args.items() if g is not None and id(g) in ids}
     for key in dead:
         del args[key]
