@@ -97,8 +97,8 @@ class FP8Meta:
                 amax = torch.as_tensor(r.amax_compute_algo(hist.reshape(len(hist), -1).clone()),
                                        dtype=torch.float32).reshape(hist.shape[1:])
             fwd, bwd = r.formats
-            fmax = torch.tensor([bwd[1] if s == GRAD else fwd[1] for s in slots]).to(
-                hist.device)   # once per update (step), not per forward
+            fmax = torch.stack([torch.full((), float(bwd[1] if s == GRAD else fwd[1]),
+                                           device=hist.device) for s in slots])  # no copy
             fmax = fmax.view(-1, *[1] * (hist.dim() - 2))   # per slot, over experts
             self.scale[slots] = compute_scale(amax, self.scale[slots], fmax, r.margin)
         hist = torch.roll(hist, -1, dims=0)
