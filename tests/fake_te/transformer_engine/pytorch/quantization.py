@@ -10,7 +10,8 @@ of it the multi-GPU paths depend on (tests/te_contract.py checks each against TE
   order and MAX-all-reduces it over the key's group (``reduce_and_update_fp8_tensors``).
   TE's all-reduce of buffers that differ across ranks hangs or mixes layers up; the fake
   compares the ranks' registrations first (who registered, in which order: each module's
-  build index) and raises instead, so a CPU test fails where TE would hang;
+  build index) and raises instead, so a CPU test fails where TE would hang; it also
+  raises for a key whose group was destroyed (TE reduces over it);
 - ``get_align_size_for_quantization``: the row alignment a grouped fp8 GEMM needs.
 No math beyond amax bookkeeping.
 """
@@ -127,6 +128,13 @@ class FP8GlobalStateManager:
             amax_buffer = qstate.global_amax_buffer.get(buffer_key, [])
             if not isinstance(recipe, DelayedScaling):
                 continue
+            if group is not None and dist.is_initialized() and \
+                    group not in dist.distributed_c10d._world.pg_map:
+                # TE all-reduces over it when it had more than one rank (a destroyed
+                # communicator: an error or a hang); the fake raises for any size
+                raise RuntimeError(
+                    f"fake TE: the amax reduction of autocast key {autocast_key!r} runs over "
+                    "a destroyed process group")
             if recipe.reduce_amax and dist.is_initialized() and \
                     dist.get_world_size(group=group) > 1:
                 mine = qstate.registrants.get(buffer_key, [])
