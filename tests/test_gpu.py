@@ -10,7 +10,9 @@ GPU machine these re-run what the fake TE (tests/fake_te) can only promise:
    its expert GEMMs in fp8 under ``te_autocast``;
 2. fp8 numerics: tpkit's emulated DelayedScaling (torch backend) against TE's fp8 on the
    same weights and inputs: identical scales, outputs and gradients within the GEMM's
-   accumulation error (the tolerances are justified where they are asserted).
+   accumulation error (the tolerances are justified where they are asserted);
+3. issue 40's multi-GPU TE paths: rows 1, 3, 4, 6, 7, 9 on one GPU, rows 2, 5, 8, 10 on
+   two (``tests/launch_scripts/gpu_te_issue40.py``, skipped with fewer GPUs).
 Figures go to ``$GPU_REPORT`` (JSON lines) when set (bench/gpu.py collects them).
 """
 from __future__ import annotations
