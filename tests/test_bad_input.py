@@ -330,6 +330,34 @@ def _cfg(**kw):
     return lambda tmp: ParallelConfig(**kw)
 
 
+def _te(build):
+    """``build(state)`` on a tp=2 SP state (fake group), with the fake TE (tests/fake_te)
+    and tpkit.te believing CUDA is there."""
+    def call(tmp):
+        import te_fake
+        import tpkit.te
+        from tpkit.config import ParallelConfig
+        from tpkit.planning import fake_state
+        from tpkit.random import model_parallel_seed
+        te_fake.install()
+        was, tpkit.te._cuda_available = tpkit.te._cuda_available, lambda: True
+        try:
+            with fake_state(ParallelConfig(tp=2, sequence_parallel=True), 2) as state:
+                model_parallel_seed(1, state)
+                build(state)
+        finally:
+            tpkit.te._cuda_available = was
+            te_fake.uninstall()
+    return call
+
+
+def _te_graphs(state):
+    import tpkit.te
+    attn = tpkit.te.make("attention", state, num_attention_heads=2, kv_channels=2)
+    q = torch.zeros(2, 1, 1, 2)
+    tpkit.te.make_graphed_callables(attn, (q, q, q))
+
+
 def _nn(name):
     import tpkit.nn
     return getattr(tpkit.nn, name)
@@ -464,6 +492,13 @@ API = [
         call=lambda tmp: _observe("MetricsLogger")(tmp, tokens_per_step=8, peak_tflops=0)),
     Row("observe-flops-model", "does not know object", "transformer_flops_per_token(",
         call=lambda tmp: _observe("model_flops_per_token")(object(), 8)),
+    # issue 40: TE combinations tpkit cannot make TE run correctly
+    Row("te-layer-sp-dropout", "sequence_parallel=True, tp=2 and attention_dropout=0.1",
+        "Pass attention_dropout=0.0", call=_te(lambda st: __import__("tpkit.te").te.make(
+            "transformer_layer", st, hidden_size=8, ffn_hidden_size=16,
+            num_attention_heads=2))),
+    Row("te-graphs-tpkit-tracker", "make_graphed_callables with tpkit's RNG tracker",
+        "Run without CUDA graphs", call=_te(_te_graphs)),
 ]
 
 
