@@ -1,4 +1,4 @@
-"""Train the reference GPT (launch/gpt.py) with Fabric + TPKitStrategy + TPKitPrecision.
+"""Train the reference GPT (tpkit/models/gpt.py) with Fabric + TPKitStrategy + TPKitPrecision.
 
     tpkit-launch --tp 2 --cp 2 launch/train.py                 # CPU, 4 gloo ranks
     tpkit-launch --nproc-per-node auto --tp 2 launch/train.py --precision bf16-mixed
@@ -17,17 +17,14 @@ import argparse
 import math
 import os
 import signal
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import corpus  # noqa: E402
-from gpt import GPT, GPTConfig  # noqa: E402
-from tpkit.config import CP_COMM_TYPES, FP8_RECIPES  # noqa: E402
+from tpkit.config import CP_COMM_TYPES, FP8_RECIPES
+from tpkit.models.gpt import GPT, GPTConfig
+from tpkit.train import corpus
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -363,8 +360,8 @@ def check_hf_dir(path: str):
 
 
 def hf_model(args, state) -> torch.nn.Module:
-    from tpkit.models import Llama
-    return Llama.from_hf(args.init_from_hf, state, backend=args.backend,
+    from tpkit.models import hf
+    return hf.from_hf(args.init_from_hf, state, backend=args.backend,
                          recompute=args.recompute, hidden_dropout=args.dropout,
                          attention_dropout=args.dropout)
 
@@ -637,7 +634,8 @@ def train(args) -> list[float]:
     if rec.stopped_by:
         raise SystemExit(rec.exit_code)
     if args.export_hf:
-        raw_model.save_hf(args.export_hf)
+        from tpkit.models import hf
+        hf.save_hf(raw_model, args.export_hf)
     return losses
 
 
