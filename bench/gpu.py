@@ -26,9 +26,9 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIZE = dict(hidden=2048, layers=16, heads=16, gqa=4, ffn=8192, seq=4096, batch=4, vocab=256)
 VARIANTS = {  # name -> train.py arguments beyond the size
-    "torch bf16": ["--backend", "torch", "--precision", "bf16-mixed"],
-    "te bf16": ["--backend", "te", "--precision", "bf16-mixed"],
-    "te fp8": ["--backend", "te", "--precision", "fp8", "--fp8-compute-dtype", "bfloat16"],
+    "torch bf16": ["--model.impl", "torch", "--precision", "bf16-mixed"],
+    "te bf16": ["--model.impl", "te", "--precision", "bf16-mixed"],
+    "te fp8": ["--model.impl", "te", "--precision", "fp8", "--fp8-compute-dtype", "bfloat16"],
 }
 
 
@@ -118,7 +118,6 @@ def hand_model():
 def tpkit_model():
     """tpkit/models/gpt.py's GPT with TE blocks, outside Fabric (tpkit state of one rank)."""
     import tpkit
-    sys.path.insert(0, os.path.join(ROOT, "launch"))
     from tpkit.models.gpt import GPT, GPTConfig
     if not tpkit.topology.is_initialized():
         tpkit.init_parallel(backend="nccl")
@@ -136,7 +135,6 @@ def time_loop(make, fp8: bool, steps: int) -> dict:
     import torch
     import transformer_engine.pytorch as te
     from transformer_engine.common.recipe import DelayedScaling
-    sys.path.insert(0, os.path.join(ROOT, "launch"))
     from tpkit.train import corpus
     s = SIZE
     torch.manual_seed(0)

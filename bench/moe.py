@@ -21,15 +21,13 @@ give pairs = tokens * k * (ep-1)/ep.
 from __future__ import annotations
 
 import os
-import sys
 
 import torch
 import torch.distributed as dist
 
-from bench.common import (ROOT, fmt, gloo_rank, median_step, spawn, table, token_batch,
+from bench.common import (fmt, gloo_rank, median_step, spawn, table, token_batch,
                           write_section)
 
-sys.path.insert(0, os.path.join(ROOT, "launch"))
 WORLD, BATCH, SEQ, HIDDEN, LAYERS, EXPERTS, TOPK = 4, 16, 128, 128, 2, 8, 2
 WARMUP, ITERS = 2, 7
 

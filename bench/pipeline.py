@@ -13,15 +13,12 @@ figures say how the schedule behaves here, not on GPUs.
 from __future__ import annotations
 
 import os
-import sys
 
 import torch
 import torch.distributed as dist
 
-from bench.common import (ROOT, fmt, gloo_rank, median_step, spawn, table, token_batch,
+from bench.common import (fmt, gloo_rank, median_step, spawn, table, token_batch,
                           write_section)
-
-sys.path.insert(0, os.path.join(ROOT, "launch"))
 BATCH, SEQ, HIDDEN, LAYERS, M = 16, 64, 128, 8, 8
 WARMUP, ITERS = 2, 5
 

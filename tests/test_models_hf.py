@@ -22,7 +22,6 @@ import importlib.util
 import json
 import os
 import re
-import sys
 
 import pytest
 import torch
@@ -113,8 +112,7 @@ def _close(got: dict, ref: dict, where: str) -> None:
 
 
 def _one_process(dirs, x, y):
-    sys.path.insert(0, SCRIPTS)
-    from hf_layouts import check_layout
+    from launch_scripts.hf_layouts import check_layout
     return check_layout(dirs, x, y, 1, 1, False)
 
 
@@ -293,7 +291,6 @@ def test_train_init_from_hf_and_export(ckpts, tmp_path):
     """tp=2 x cp=2 with recompute from the tied, biased Qwen2: step 0's printed loss (4
     decimals) is transformers' on the same corpus batch; the export after 3 steps loads
     into transformers, trained (every matrix moved) and with the original names."""
-    sys.path.insert(0, os.path.join(ROOT, "launch"))
     from tpkit.train import corpus
     import lightning.fabric  # noqa: F401  (it replaces warnings.formatwarning, whose
     # docstring is corpus text: train.py's workers read the corpus after importing it)
@@ -311,24 +308,21 @@ def test_train_init_from_hf_and_export(ckpts, tmp_path):
     assert all(not torch.equal(after[k], before[k]) for k in before if after[k].dim() == 2)
 
 
-def test_train_refuses_bad_hf_arguments(ckpts, tmp_path, capsys):
-    """Option clashes: the script's parser (exit 2, one line); a directory tpkit cannot use:
-    a ValueError before any process group exists."""
-    sys.path.insert(0, os.path.join(ROOT, "launch"))
+def test_train_refuses_bad_hf_arguments(ckpts, tmp_path):
+    """Option clashes: the JobConfig's checks (one line); a directory tpkit cannot use:
+    a ValueError from the Trainer before any process group exists."""
     import torch.distributed as dist
-    import train
+    from jobs import refusal
+    from tpkit.train import Trainer, parse
     for argv, message in [
-            (["--export-hf", str(tmp_path / "o")], "--export-hf needs --init-from-hf"),
+            (["--export-hf", str(tmp_path / "o")], "(checkpoint.export_hf) needs --init-from-hf"),
             (["--init-from-hf", ckpts["models"]["qwen2"]["dir"], "--hidden", "32"],
-             "--hidden cannot be combined with --init-from-hf")]:
-        with pytest.raises(SystemExit) as e:
-            train.parse_args(argv)
-        err = capsys.readouterr().err
-        assert e.value.code == 2 and message in err, (argv, err)
+             "--hidden=32 (model.hidden) cannot be combined with --init-from-hf")]:
+        assert message in refusal(argv), argv
     small = _copy(ckpts["models"]["qwen2"]["dir"], tmp_path / "small", {"vocab_size": 128})
     for argv, message in [(["--init-from-hf", str(tmp_path)], "has no config.json"),
                           (["--init-from-hf", str(small)],
                            "vocab_size=128 cannot hold the corpus' 256")]:
         with pytest.raises(ValueError, match=message):
-            train.main(argv)
+            Trainer(parse(argv)[0])
         assert not dist.is_initialized()

@@ -10,7 +10,6 @@ backend."""
 import math
 import os
 import re
-import sys
 
 import pytest
 import torch
@@ -464,8 +463,7 @@ MOE = ["--moe-experts", "4", "--moe-topk", "2", "--moe-every", "2", "--moe-aux-c
 
 
 def _train(flags):
-    sys.path.insert(0, os.path.join(ROOT, "launch"))
-    import train
+    from tpkit.train import trainer as train
     return train.main(TRAIN_SMALL + MOE + list(flags))
 
 
@@ -501,28 +499,26 @@ def test_train_moe_same_curve_at_every_ep():
 
 @pytest.mark.parametrize("argv,words", [
     (["--moe-experts", "4", "--moe-topk", "5"], "top_k=5"),
-    (["--moe-experts", "6", "--ep", "4"], "--moe-experts=6 is not divisible by ep=4"),
+    (["--moe-experts", "6", "--ep", "4"],
+     "--moe-experts=6 (experts.num) is not divisible by ep=4; use a multiple of 4"),
     (["--moe-experts", "4", "--moe-capacity-factor", "0"], "capacity_factor=0.0"),
-    (["--ep", "2"], "--ep needs --moe-experts > 0"),
-    (["--moe-experts", "4", "--ep", "0"], "ep=0"),
-    (["--moe-experts", "4", "--moe-every", "3"], "--moe-every=3"),
-    (["--moe-experts", "4", "--pack"], "--moe-experts with --pack is not supported"),
+    (["--ep", "2"], "--ep=2 (parallelism.ep) needs --moe-experts > 0"),
+    (["--moe-experts", "4", "--ep", "0"], "--ep=0 (parallelism.ep) must be >= 1"),
+    (["--moe-experts", "4", "--moe-every", "3"], "--moe-every=3 (experts.every) must be"),
+    (["--moe-experts", "4", "--pack"],
+     "--moe-experts=4 (experts.num) with --pack (data.pack) is not supported"),
 ])
-def test_train_moe_bad_input(argv, words, capsys):
-    """train.py's MoE options: exit 2 naming the value, before any process group."""
-    sys.path.insert(0, os.path.join(ROOT, "launch"))
-    import train
-    with pytest.raises(SystemExit) as e:
-        train.parse_args(argv)
-    assert e.value.code == 2
-    assert words in capsys.readouterr().err
+def test_train_moe_bad_input(argv, words):
+    """tpkit-train's MoE options: one line naming the value, before any process group."""
+    from jobs import refusal
+    assert words in refusal(argv)
 
 
 def test_train_moe_fp8_accepted():
     """--precision fp8 with --moe-experts (once refused: expert GEMMs had no fp8 path) and
-    every fp8 recipe pass train.py's checks; the runs: test_train_moe_same_curve_at_every_ep."""
-    sys.path.insert(0, os.path.join(ROOT, "launch"))
-    import train
+    every fp8 recipe pass tpkit-train's checks; the runs: test_train_moe_same_curve_at_every_ep."""
+    from tpkit.train import parse
     for recipe in ("delayed", "current", "block", "mxfp8"):
-        args = train.parse_args(MOE + ["--ep", "2", "--precision", "fp8", "--fp8-recipe", recipe])
-        assert (args.moe_experts, args.precision, args.fp8_recipe) == (4, "fp8", recipe)
+        job, _ = parse(MOE + ["--ep", "2", "--precision", "fp8", "--fp8-recipe", recipe])
+        assert (job.experts.num, job.precision.mode, job.precision.fp8_recipe) == \
+            (4, "fp8", recipe)

@@ -9,7 +9,6 @@ import pytest
 from dist import run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "launch"))
 BATCH, SEQ = 8, 16
 TOL = 1e-5
 
@@ -323,8 +322,7 @@ MOE = ["--moe-experts", "4", "--moe-topk", "2", "--moe-every", "2", "--moe-aux-c
 
 
 def _train_reference(extra=()):
-    sys.path.insert(0, os.path.join(ROOT, "launch"))
-    import train
+    from tpkit.train import trainer as train
     return train.main(TRAIN_SMALL + list(extra))
 
 

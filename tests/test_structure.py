@@ -9,8 +9,6 @@ import re
 import subprocess
 import tokenize
 
-import pytest
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DESIGN = os.path.join(ROOT, "docs", "design.md")
 
@@ -120,7 +118,7 @@ def test_layer_check_catches_an_upward_import(tmp_path):
 
 # --- references to repository files -----------------------------------------------------
 REPO_DIRS = ("tpkit", "tests", "docs", "launch", "bench", "slurm", ".ci")
-PLACEHOLDERS = {"script.py"}   # "python script.py": any user script, in prose
+PLACEHOLDERS = {"script.py", "job.toml"}   # any user script / job file, in prose
 _EXT = r"(?:py|md|sh|sbatch|toml)"
 _PATH = re.compile(r"(?<![\w/-])((?:\.{1,3}/)?(?:[\w.-]+/)+[\w.-]+\." + _EXT + r")(?![\w/])")
 _BARE = re.compile(r"(?<![\w./-])([\w-]+(?:\.[\w-]+)*\." + _EXT + r")(?![\w/])")

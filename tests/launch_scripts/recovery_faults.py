@@ -19,8 +19,7 @@ import torch
 import torch.distributed as dist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "launch"))
-import train  # noqa: E402
+from tpkit.train import trainer as train
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--slow-rank", type=int, default=None)
