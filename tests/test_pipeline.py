@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+import paths
 from dist import run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -336,7 +337,7 @@ def _launch_train(world, runs, tmp_path):
     out = tmp_path / f"w{world}"
     out.mkdir()
     env = launch_env()
-    env["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])
+    env["PYTHONPATH"] = paths.PYTHONPATH
     argv = {k: TRAIN_SMALL + v for k, v in runs.items()}
     proc = subprocess.run([sys.executable, "-m", "tpkit.cli.launch", "--nproc-per-node",
                            str(world), os.path.join(ROOT, "tests", "launch_scripts",

@@ -25,6 +25,7 @@ import time
 
 import pytest
 
+import paths
 from test_launch_run import launch_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,7 +39,7 @@ pytestmark = pytest.mark.slow
 
 def _env(**extra) -> dict:
     env = launch_env()
-    env["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])
+    env["PYTHONPATH"] = paths.PYTHONPATH
     # a hang (the re-created default group of issue 14) fails in a minute, naming the rank
     env["TPKIT_PG_TIMEOUT"] = "60"
     env.update(extra)

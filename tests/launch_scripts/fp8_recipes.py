@@ -1,4 +1,4 @@
-"""Launched by tests/test_fp8_recipes.py as
+"""Launched by tests/fp8/test_fp8_recipes.py as
 ``tpkit-launch --nproc-per-node 4 --tp 2 --cp 2 --sequence-parallel fp8_recipes.py OUT``:
 every fp8 recipe the way a user runs it, in one process per rank.
 

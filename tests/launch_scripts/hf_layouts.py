@@ -1,4 +1,4 @@
-"""Launched by tests/test_models_hf.py (``tpkit-launch --nproc-per-node 4``): Hugging Face
+"""Launched by tests/models/test_models_hf.py (``tpkit-launch --nproc-per-node 4``): Hugging Face
 checkpoints read at several layouts in one process, through the public API only.
 
     hf_layouts.py WORK_DIR

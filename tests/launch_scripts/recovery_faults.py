@@ -1,4 +1,4 @@
-"""launch/train.py with faults injected on one rank, for tests/test_recovery.py:
+"""launch/train.py with faults injected on one rank, for tests/recovery/test_recovery.py:
 
     tpkit-launch ... recovery_faults.py [--slow-rank R --slow-s S] [--hang-rank R
         --hang-after N] [--hold-writes PATH] -- ARGS OF launch/train.py

@@ -1,7 +1,7 @@
 """tpkit.train.JobConfig: every field declared once (type, default, one-line doc, flags),
 defaults < TOML file < flags, --print-config's TOML read back as the same job, and the
 messages of bad values naming field, value, origin and fix. No process group: the
-launched runs are tests/test_train.py's (bit-identical curves from a file, flags and the
+launched runs are tests/train/test_train.py's (bit-identical curves from a file, flags and the
 printed config) and the bad-input table's rows (tests/test_bad_input.py)."""
 import dataclasses
 import os

@@ -17,7 +17,7 @@ import torch
 from dist import run
 
 S, B, H, F, E = 8, 2, 8, 6, 4
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TRAIN_SMALL = ["--steps", "20", "--hidden", "32", "--layers", "2", "--heads", "4",
                "--gqa-groups", "2", "--ffn", "64", "--seq-len", "32", "--global-batch", "4",
                "--warmup", "5", "--log-every", "100"]
@@ -450,7 +450,7 @@ def test_launched_moe_layouts():
     layout's expert groups and getters, MoE vs its dense reference at four layouts,
     a bad ep refused before any group (the script's docstring lists the checks)."""
     from test_launch_run import finish, launch
-    script = os.path.join(os.path.dirname(__file__), "launch_scripts", "moe_layouts.py")
+    script = os.path.join(ROOT, "tests", "launch_scripts", "moe_layouts.py")
     rc, out, err = finish(launch("--nproc-per-node", "4", "--tp", "2", "--ep", "2",
                                  "--sequence-parallel", script))
     assert rc == 0, err[-3000:]
@@ -487,7 +487,7 @@ def test_train_moe_same_curve_at_every_ep():
     # boundary, a jump of up to an fp8 ulp each, and the curves drift apart as any two fp8
     # runs do: measured 1.0e-5 at step 1 and <= 1.1e-3 over 20 steps (fp8's own distance to
     # the float32 curve: 1.6e-3). Expert scales mixed across experts (amaxes by local
-    # expert index) move step 1 by ~5e-5. tests/test_moe_fp8.py checks the expert GEMMs
+    # expert index) move step 1 by ~5e-5. tests/fp8/test_moe_fp8.py checks the expert GEMMs
     # themselves against a per-expert fp8 reference.
     (ref8,) = run(_train, 1, ["--tp", "1", "--ep", "1", "--precision", "fp8"])
     got8 = run(_train, 4, ["--tp", "2", "--sequence-parallel", "--ep", "2", "--etp", "1",

@@ -12,7 +12,7 @@ import pytest
 
 from dist import run
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMALL = ["--steps", "20", "--hidden", "64", "--layers", "2", "--heads", "4",
          "--gqa-groups", "2", "--ffn", "128", "--seq-len", "32", "--global-batch", "4",
          "--warmup", "5", "--log-every", "100"]
