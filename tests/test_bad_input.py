@@ -253,6 +253,8 @@ LAUNCH = [
     Row("train-toml-outside-section", "{tmp}/job.toml:1: steps = 5 is outside any section",
         "put it under [training]", T("--config", "{tmp}/job.toml"),
         setup=_write("job.toml", "steps = 5\n")),
+    Row("train-module-hook", "--steps=0 (training.steps)", "must be >= 1",   # a package's
+        ["--nproc-per-node", "2", "-m", "tpkit.train", *SMALL, "--steps", "0"]),   # __main__
     Row("train-long-flag-value", "--training.steps=0 (training.steps)", "must be >= 1",
         T("--training.steps", "0")),
     Row("train-unknown-flag", "unrecognized arguments: --trainig.steps", "--help",
