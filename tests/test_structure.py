@@ -66,32 +66,36 @@ def tpkit_imports(path: str, rel: str):
     return out
 
 
+def tpkit_files(root=ROOT):
+    """(path, path relative to ``root``) of every .py file under root/tpkit, in order."""
+    for dirpath, _, files in sorted(os.walk(os.path.join(root, "tpkit"))):
+        for f in sorted(files):
+            if f.endswith(".py"):
+                path = os.path.join(dirpath, f)
+                yield path, os.path.relpath(path, root)
+
+
 def layer_violations(order, exceptions, root=ROOT):
     """Upward imports not excepted, modules missing from the table, and unused exceptions."""
     bad, used = [], set()
-    for dirpath, _, files in os.walk(os.path.join(root, "tpkit")):
-        for f in sorted(files):
-            if not f.endswith(".py"):
+    for path, rel in tpkit_files(root):
+        if rel == os.path.join("tpkit", "__init__.py"):
+            continue  # the package's lazy façade
+        unit = _unit(rel)
+        if unit not in order:
+            bad.append(f"{rel}: {unit!r} is not in the layer table of docs/design.md")
+            continue
+        for line, target in tpkit_imports(path, rel):
+            if target == unit:
                 continue
-            path = os.path.join(dirpath, f)
-            rel = os.path.relpath(path, root)
-            if rel == os.path.join("tpkit", "__init__.py"):
-                continue  # the package's lazy façade
-            unit = _unit(rel)
-            if unit not in order:
-                bad.append(f"{rel}: {unit!r} is not in the layer table of docs/design.md")
-                continue
-            for line, target in tpkit_imports(path, rel):
-                if target == unit:
-                    continue
-                if target not in order:
-                    bad.append(f"{rel}:{line} imports tpkit.{target}, not in the layer table")
-                elif order[target] >= order[unit]:
-                    if (unit, target) in exceptions:
-                        used.add((unit, target))
-                    else:
-                        bad.append(f"{rel}:{line}: {unit} (line {order[unit]}) imports "
-                                   f"{target} (line {order[target]}), not below it")
+            if target not in order:
+                bad.append(f"{rel}:{line} imports tpkit.{target}, not in the layer table")
+            elif order[target] >= order[unit]:
+                if (unit, target) in exceptions:
+                    used.add((unit, target))
+                else:
+                    bad.append(f"{rel}:{line}: {unit} (line {order[unit]}) imports "
+                               f"{target} (line {order[target]}), not below it")
     bad += [f"layer exception {a} -> {b} matches no import; remove it"
             for a, b in sorted(exceptions - used)]
     return bad
@@ -244,32 +248,27 @@ def import_graph(root=ROOT) -> dict[str, set[str]]:
     functions count: a lazy import that closes a circle is still a circle). ``from a import
     b`` is an edge to a/b.py when that module exists, else to a's own file."""
     graph = {}
-    for dirpath, _, files in os.walk(os.path.join(root, "tpkit")):
-        for f in sorted(files):
-            if not f.endswith(".py"):
+    for path, rel in tpkit_files(root):
+        pkg = ".".join(os.path.dirname(rel).split(os.sep))
+        out = set()
+        for node in ast.walk(ast.parse(open(path).read(), path)):
+            if isinstance(node, ast.Import):
+                mods = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module
+                if node.level:
+                    parts = pkg.split(".")
+                    base = ".".join(parts[:len(parts) - node.level + 1] +
+                                    ([node.module] if node.module else []))
+                mods = [f"{base}.{a.name}" if _module_file(root, f"{base}.{a.name}")
+                        else base for a in node.names]
+            else:
                 continue
-            path = os.path.join(dirpath, f)
-            rel = os.path.relpath(path, root)
-            pkg = ".".join(os.path.dirname(rel).split(os.sep))
-            out = set()
-            for node in ast.walk(ast.parse(open(path).read(), path)):
-                if isinstance(node, ast.Import):
-                    mods = [a.name for a in node.names]
-                elif isinstance(node, ast.ImportFrom):
-                    base = node.module
-                    if node.level:
-                        parts = pkg.split(".")
-                        base = ".".join(parts[:len(parts) - node.level + 1] +
-                                        ([node.module] if node.module else []))
-                    mods = [f"{base}.{a.name}" if _module_file(root, f"{base}.{a.name}")
-                            else base for a in node.names]
-                else:
-                    continue
-                for m in mods:
-                    target = _module_file(root, m) if m.split(".")[0] == "tpkit" else None
-                    if target is not None and os.path.relpath(target, root) != rel:
-                        out.add(os.path.relpath(target, root))
-            graph[rel] = out
+            for m in mods:
+                target = _module_file(root, m) if m.split(".")[0] == "tpkit" else None
+                if target is not None and os.path.relpath(target, root) != rel:
+                    out.add(os.path.relpath(target, root))
+        graph[rel] = out
     return graph
 
 
