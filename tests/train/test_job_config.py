@@ -131,3 +131,18 @@ def test_docs_train_md_lists_every_field():
     assert m.group(1) == markdown_table(), \
         "docs/train.md's field table is stale: run python tools/train_fields.py"
     assert JobConfig() == parse([], env={})[0]
+
+
+def test_one_process_with_a_layout_asks_for_tpkit_launch(capsys, monkeypatch):
+    """``python launch/train.py --tp 2`` (no launcher): exit 2, one line naming the
+    command to run instead, before any process group."""
+    import torch.distributed as dist
+    from tpkit.train import main
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(SystemExit) as e:
+        main(["--tp", "2", "--cp", "2"], prog="launch/train.py")
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith("launch/train.py: error: tp*cp*pp = 2*2*1 needs 4 processes")
+    assert "tpkit-launch --nproc-per-node 4 --tp 2 --cp 2 launch/train.py" in err
+    assert not dist.is_initialized()
