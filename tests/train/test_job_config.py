@@ -146,3 +146,19 @@ def test_one_process_with_a_layout_asks_for_tpkit_launch(capsys, monkeypatch):
     assert err.startswith("launch/train.py: error: tp*cp*pp = 2*2*1 needs 4 processes")
     assert "tpkit-launch --nproc-per-node 4 --tp 2 --cp 2 launch/train.py" in err
     assert not dist.is_initialized()
+
+
+def test_the_layout_is_resolved_once_and_handed_over(tmp_path):
+    """JobConfig.layout: the parallelism section over tpkit-launch's TPKIT_* (values from
+    the job win), its messages naming where each size came from; TPKitStrategy takes the
+    resolved ParallelConfig as it is (and refuses sizes beside it)."""
+    from tpkit.fabric import TPKitStrategy
+    (tmp_path / "job.toml").write_text("[parallelism]\ncp = 2\n")
+    job, _ = parse(["--config", str(tmp_path / "job.toml"), "--tp", "2"], env={})
+    cfg = job.layout({"TPKIT_TP": "4", "TPKIT_SEQUENCE_PARALLEL": "1"}).validate(8)
+    assert (cfg.tp, cfg.cp, cfg.dp, cfg.sequence_parallel) == (2, 2, 2, True)
+    with pytest.raises(ValueError, match=rf"tp=2 from --tp; cp=2 from {tmp_path}/job.toml:2"):
+        job.layout({}).validate(6)
+    assert TPKitStrategy(layout=cfg).config is cfg
+    with pytest.raises(ValueError, match="not both"):
+        TPKitStrategy(layout=cfg, tp=2)
