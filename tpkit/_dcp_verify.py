@@ -73,11 +73,17 @@ class _MetadataUnpickler(pickle.Unpickler):
                                      "holds (a crafted file: unpickling it could run code)")
 
 
-def inside(root: str, rel) -> str | None:
-    """The real path of ``root/rel`` if it lies inside the real ``root`` (symbolic links
-    followed), else None: an absolute ``rel``, ``..`` or a link out of ``root`` escape."""
+def inside(root: str, rel, *, links: bool = True) -> str | None:
+    """``root/rel`` if it lies inside ``root``, else None: an absolute ``rel`` or a ``..``
+    escapes. ``links=True`` (DCP shards): the real path, symbolic links followed, must be
+    inside the real ``root``; False (Hugging Face directories, whose files are links into
+    the hub cache's blobs): the path as written."""
     if not isinstance(rel, str) or not rel or "\0" in rel or os.path.isabs(rel):
         return None
+    if not links:
+        norm = os.path.normpath(rel)
+        return None if norm == ".." or norm.startswith(".." + os.sep) or norm == "." \
+            else os.path.join(root, norm)
     base = os.path.realpath(root)
     full = os.path.realpath(os.path.join(base, rel))
     return full if full.startswith(base + os.sep) else None
