@@ -78,10 +78,10 @@ class _Whole:
 def _plain_bytes(key: str, value) -> bytes:
     """``torch.save(value)``, or ValueError when ``torch.load(weights_only=True)`` could
     not read it back (an object whose loading runs code), naming the entry and type."""
-    buf = io.BytesIO()
-    torch.save(value, buf)
-    data = buf.getvalue()
     try:
+        buf = io.BytesIO()
+        torch.save(value, buf)
+        data = buf.getvalue()
         torch.load(io.BytesIO(data), weights_only=True)
     except Exception as e:  # noqa: BLE001 (UnpicklingError and what weights_only raises)
         raise ValueError(f"checkpoint entry {key!r} holds {_unsafe_global(e)}, which "
@@ -688,14 +688,20 @@ def _read_plain(path: str, md, keys, weights_only: bool) -> dict[str, Any]:
 
 def _dcp_load(flat: dict, path: str, md, weights_only: bool) -> None:
     """``dcp.load(flat)`` in place: the tensors through DCP (``_SafeReader``), the plain
-    entries through ``_read_plain``. Collective."""
+    entries through ``_read_plain`` (a refusal on any rank raised on every rank).
+    Collective."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
     meta = md.state_dict_metadata
     plain = [k for k in flat if isinstance(meta.get(k), BytesStorageMetadata)]
     tensors = {k: v for k, v in flat.items() if k not in plain}
     dcp.load(tensors, storage_reader=_SafeReader(path), planner=_SafeLoadPlanner())
     flat.update(tensors)
-    flat.update(_read_plain(path, md, plain, weights_only))
+    error = None
+    try:
+        flat.update(_read_plain(path, md, plain, weights_only))
+    except ValueError as e:
+        error = e
+    agree(error)   # no rank goes on into the next collective while another stopped
 
 
 def load(path: str | os.PathLike, state_dict: dict[str, Any], *,
