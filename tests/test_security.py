@@ -232,7 +232,7 @@ CRAFTED = [
             r"unpickling it could run code\); not read; resume from the previous "
             r"checkpoint: .*/save/step000004$"),
     Crafted("malicious-plain-entry", _malicious_plain_entry,
-            r"checkpoint .*/ck: entry 'step' holds a posix\.mkdir, which loads only by "
+            r"checkpoint .*/ck: entry 'step' refers to posix\.mkdir, which loads only by "
             r"running code from the file; not read \(.*weights_only=False only for a "
             r"checkpoint you trust\)$"),
     Crafted("malicious-index-paths", _malicious_index,
@@ -352,7 +352,7 @@ def test_two_ranks_refuse_a_link_together_and_fabric_honours_weights_only(tmp_pa
     for rank, out in enumerate(res):
         assert "is a symbolic link" in out["link"], (rank, out)
         for weights_only in (None, True):
-            assert re.search(r"entry 'step' holds a os\.makedirs, which loads only by running "
+            assert re.search(r"entry 'step' refers to os\.makedirs, which loads only by running "
                              "code", out[weights_only]), (rank, out)
         assert out[False] is None, (rank, out)   # makedirs' return value: it ran, as asked
     assert res[0].get("ran False") and not any(res[0].get(f"ran {w}") for w in (None, True))
@@ -371,13 +371,13 @@ def test_save_mode(tmp_path, world, mode, dir_mode):
     assert ".metadata" in names and len(names) >= 2
     assert {n: stat.S_IMODE(os.stat(ck / n).st_mode) for n in names} == dict.fromkeys(names, mode)
     assert read(ck)["step"] == 3
-    with pytest.raises(ValueError, match=r"mode=292 is not a file mode for checkpoints"):
+    with pytest.raises(ValueError, match=r"mode=0o444 is not a file mode for checkpoints"):
         save(ck, {"step": 3}, mode=0o444)
 
 
 def test_a_plain_value_that_needs_code_to_load_is_refused_before_writing(tmp_path, world):
     from tpkit.checkpoint import save
-    with pytest.raises(ValueError, match=r"^checkpoint entry 'sampler' holds a "
+    with pytest.raises(ValueError, match=r"^checkpoint entry 'sampler' refers to "
                                          r"test_security\.Sampler, which torch\.load\("
                                          r"weights_only=True\) cannot read back; store tensors"):
         save(tmp_path / "ck", {"model": _linear(), "sampler": Sampler()})

@@ -84,7 +84,7 @@ def _plain_bytes(key: str, value) -> bytes:
         data = buf.getvalue()
         torch.load(io.BytesIO(data), weights_only=True)
     except Exception as e:  # noqa: BLE001 (UnpicklingError and what weights_only raises)
-        raise ValueError(f"checkpoint entry {key!r} holds {_unsafe_global(e)}, which "
+        raise ValueError(f"checkpoint entry {key!r} {_unsafe_global(e)}, which "
                          "torch.load(weights_only=True) cannot read back; store tensors, "
                          "numbers, strings and lists/tuples/dicts of them (e.g. the object's "
                          "state_dict()) so that loading the checkpoint runs no code") from None
@@ -93,7 +93,8 @@ def _plain_bytes(key: str, value) -> bytes:
 
 def _unsafe_global(e: Exception) -> str:
     m = re.search(r"GLOBAL ([\w.]+)", str(e))
-    return f"a {m.group(1)}" if m else f"an object pickle cannot load safely ({type(e).__name__})"
+    return (f"refers to {m.group(1)}" if m else
+            f"holds an object pickle cannot load safely ({type(e).__name__})")
 
 
 class _SavePlanner(DefaultSavePlanner):
@@ -679,7 +680,7 @@ def _read_plain(path: str, md, keys, weights_only: bool) -> dict[str, Any]:
                 first = (str(e).strip().splitlines() or [""])[0]
                 raise ValueError(f"checkpoint {path}: entry {key!r} cannot be read "
                                  f"({type(e).__name__}: {first})") from None
-            raise ValueError(f"checkpoint {path}: entry {key!r} holds {_unsafe_global(e)}, "
+            raise ValueError(f"checkpoint {path}: entry {key!r} {_unsafe_global(e)}, "
                              "which loads only by running code from the file; not read "
                              "(tpkit saves only what weights_only=True reads; pass "
                              "weights_only=False only for a checkpoint you trust)") from None

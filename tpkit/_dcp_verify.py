@@ -348,7 +348,8 @@ def check_mode(mode) -> int | None:
         return None
     if isinstance(mode, bool) or not isinstance(mode, int) or not 0 <= mode <= 0o777 \
             or mode & 0o600 != 0o600:
-        raise ValueError(f"mode={mode!r} is not a file mode for checkpoints; pass e.g. 0o600 "
+        shown = oct(mode) if isinstance(mode, int) and not isinstance(mode, bool) else repr(mode)
+        raise ValueError(f"mode={shown} is not a file mode for checkpoints; pass e.g. 0o600 "
                          "(owner only) or 0o640 (owner, and the group reads), with the "
                          "owner's read and write bits set")
     return mode
