@@ -12,7 +12,8 @@ Beside the table, each with a real process where the behaviour is a process's:
   after its first shards): the previous export is intact and loads with the weights it
   had;
 - 2 ranks (tests/dist.py pool): a symbolic link at the save path is refused on both
-  ranks (no rank left in a barrier); Fabric's ``load(weights_only=...)`` is honoured for
+  ranks, and a swap that fails on rank 0 alone is raised on both (no rank left in a
+  barrier, no staging directory left); Fabric's ``load(weights_only=...)`` is honoured for
   checkpoint directories (default: refused; False, the user's explicit trust: it runs);
 - ``save(mode=0o600 / 0o640)``: the files' and directories' modes;
 - a plain value that would need code to load is refused at save, before any write;
@@ -22,6 +23,7 @@ Beside the table, each with a real process where the behaviour is a process's:
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import pickle
 import re
@@ -328,6 +330,18 @@ def _two_ranks(tmp):
         save(os.path.join(tmp, "save", "step000010"), {"model": _linear()})
     except ValueError as e:
         out["link"] = str(e)
+    import tpkit._dcp as impl   # the swap fails on rank 0 alone (a link raced in, EXDEV...)
+    swap = impl.replace_dir
+    if dist.get_rank() == 0:
+        def fail(tmp, path):
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
+        impl.replace_dir = fail
+    try:
+        save(os.path.join(tmp, "ck2"), {"model": _linear()})
+    except ValueError as e:
+        out["commit"] = str(e)
+    finally:
+        impl.replace_dir = swap
     for weights_only in (None, True, False):
         try:
             loaded = {"step": "not loaded"}
@@ -351,6 +365,8 @@ def test_two_ranks_refuse_a_link_together_and_fabric_honours_weights_only(tmp_pa
     res = run(_two_ranks, 2, str(tmp_path))
     for rank, out in enumerate(res):
         assert "is a symbolic link" in out["link"], (rank, out)
+        assert re.fullmatch(r"cannot save checkpoint .*/ck2: Invalid cross-device link; the "
+                            r"previous one \(if any\) is unchanged", out["commit"]), (rank, out)
         for weights_only in (None, True):
             assert re.search(r"entry 'step' refers to os\.makedirs, which loads only by running "
                              "code", out[weights_only]), (rank, out)
@@ -358,6 +374,7 @@ def test_two_ranks_refuse_a_link_together_and_fabric_honours_weights_only(tmp_pa
     assert res[0].get("ran False") and not any(res[0].get(f"ran {w}") for w in (None, True))
     assert os.listdir(tmp_path / "victim") == [] and os.listdir(tmp_path / "save") == [
         "step000010"]
+    assert sorted(os.listdir(tmp_path)) == ["ck", "save", "victim"]   # no ck2, no staging
 
 
 # --- saving: file modes, plain values ------------------------------------------------------
