@@ -392,13 +392,16 @@ def _local_reason(enabled, var: str) -> str | None:
     return None
 
 
-def _host_key() -> str:
+def _boot_id() -> str:
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
+            return f.read().strip()
     except OSError:
-        boot = ""
-    return f"{socket.gethostname()}/{boot}"
+        return ""
+
+
+def _host_key() -> str:
+    return f"{socket.gethostname()}/{_boot_id()}"
 
 
 def _where() -> tuple[str, str]:
@@ -407,11 +410,7 @@ def _where() -> tuple[str, str]:
         ns = str(os.stat("/proc/self/ns/pid").st_ino)
     except OSError:
         ns = "0"
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip().replace("-", "")[:8].lower()
-    except OSError:
-        boot = ""
+    boot = _boot_id().replace("-", "")[:8].lower()
     return ns, boot if re.fullmatch(r"[0-9a-f]{8}", boot) else "0" * 8
 
 
