@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from .._dcp_verify import agree, inside, link_problem, replace_dir, staging_path
 from ..checkpoint import gather_param
-from ..collectives import all_reduce_max
+from ..collectives import any_rank
 from ..param_tags import tp_spec
 from .llama import ARCHITECTURES, ROPE_TYPES, LlamaConfig
 
@@ -322,7 +322,7 @@ def save_llama(model, path: str, *, dtype, max_shard_size: int) -> None:
     if max_shard_size <= 0:
         raise ValueError(f"max_shard_size={max_shard_size} must be a positive byte count")
     path = os.path.abspath(os.fspath(path))
-    failed, tmp = torch.zeros(1), None
+    failed, tmp = False, None
     if state.rank == 0:
         try:
             if link_problem(path):
@@ -332,13 +332,13 @@ def save_llama(model, path: str, *, dtype, max_shard_size: int) -> None:
             os.mkdir(tmp)
             _keep_extras(path, tmp)
         except OSError as e:
-            failed += 1
+            failed = True
             error = e
             if tmp is not None:
                 shutil.rmtree(tmp, ignore_errors=True)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        all_reduce_max(failed, None)   # every rank learns it before any gather starts
-    if failed.item():
+    # every rank learns it before any gather starts, on the default group's device (an
+    # nccl-only default group rejects a CPU tensor)
+    if any_rank(failed, None) if dist.is_initialized() else failed:
         raise ValueError(f"save_hf({path!r}): rank 0 cannot write there "
                          f"({error if state.rank == 0 else 'see rank 0'})")
     shapes = expected_shapes(model.cfg)
