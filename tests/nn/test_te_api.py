@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from dist import run
+from te_fake import fake_te  # noqa: F401  (fixture)
 
 S, B, H, F, HEADS = 8, 2, 16, 32, 4
 
@@ -169,3 +170,28 @@ def _refusals():
 
 def test_not_yet_items_raise_value_errors():
     assert run(_refusals, 2) == [True, True]
+
+
+# Parameters whose default differs from TE's on purpose (docs/te_api.md says why).
+OWN_DEFAULTS = {"device"}   # TE: "cuda"; tpkit: the layout's device
+
+
+@pytest.mark.parametrize("name", ["Linear", "LayerNorm", "RMSNorm", "LayerNormLinear",
+                                  "LayerNormMLP", "DotProductAttention", "TransformerLayer"])
+def test_defaults_are_te_s(name, fake_te):
+    """Every parameter of a tpkit.te_api class that TE's class also has (TE 2.20.2's
+    signatures: tests/fake_te, compared with TE's release by test_te_contract) has TE's
+    default, and every other one goes to TE's ``**kwargs`` (its norms' ``device``)."""
+    import inspect
+
+    import tpkit.te_api as te
+    ours = inspect.signature(getattr(te, name).__init__).parameters
+    theirs = inspect.signature(getattr(fake_te, name).__init__).parameters
+    var_kw = any(q.kind is q.VAR_KEYWORD for q in theirs.values())
+    for p, param in ours.items():
+        if p == "self":
+            continue
+        assert p in theirs or var_kw, f"{name}({p}=...) is not a parameter of TE's {name}"
+        if p in theirs and p not in OWN_DEFAULTS and param.default is not param.empty:
+            assert param.default == theirs[p].default, \
+                f"{name}({p}) defaults to {param.default!r}, TE's to {theirs[p].default!r}"
