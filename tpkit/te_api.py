@@ -13,6 +13,8 @@ parallelism), ``sequence_parallel`` defaults to False, ``init_method`` defaults 
 ``normal(0, 0.023)``, dropout defaults are TE's (0.1). tpkit's layers bind to a
 ``ParallelState``, so ``tp_group`` must be the current state's TP group (or None at
 tp=1); anything tpkit cannot do yet raises a ValueError saying why and what to use.
+Each class takes tpkit's ``backend=`` ("torch" default; "te" returns TE's own class of
+the same name built from the same arguments; "auto": TE where it runs).
 """
 from __future__ import annotations
 
@@ -22,7 +24,9 @@ import torch
 from torch import nn
 
 from . import nn as tnn
+from . import te as _te
 from .fp8 import fp8_autocast as _fp8_autocast
+from .nn._backend import resolve_backend
 from .nn.linear import linear_fn
 from .random import RNGStatesTracker
 from .recompute import checkpoint
@@ -104,23 +108,40 @@ class _StateRef:
         return self
 
 
+class _HandOff:
+    """``backend=``: "torch" (the default) builds tpkit's layer; "te" (or "auto" with TE
+    and CUDA) returns Transformer Engine's class of the same name built from the same
+    arguments, which are TE's already (``device=None`` becomes TE's default)."""
+
+    def __new__(cls, *args, backend: str = "torch", **kwargs):
+        if resolve_backend(backend) == "te":
+            name = next(c.__name__ for c in cls.__mro__
+                        if c.__module__ == __name__ and not c.__name__.startswith("_"))
+            te_cls = getattr(_te.require_te(), name)
+            if "device" in kwargs and kwargs["device"] is None:
+                kwargs.pop("device")
+            return te_cls(*args, **kwargs)
+        return super().__new__(cls)
+
+
 # --- Linear ------------------------------------------------------------------------------
-class Linear(nn.Module):
+class Linear(_HandOff, nn.Module):
     """TE's ``Linear``: ``parallel_mode="column"`` is tpkit's ColumnParallelLinear,
     ``"row"`` its RowParallelLinear (the input is this rank's shard), None a plain linear
     with the full weight and no communication. ``te.Linear(...)`` returns an instance of
     the subclass for its mode (``isinstance(layer, te.Linear)`` holds)."""
 
-    def __new__(cls, *args, **kwargs):
+    def __new__(cls, *args, backend: str = "torch", **kwargs):
         if cls is Linear:
             cls = _LINEARS[_mode(kwargs.get("parallel_mode"))]
-        return super().__new__(cls)
+        return super().__new__(cls, *args, backend=backend, **kwargs)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  init_method=None, parameters_split=None, device=None,
                  sequence_parallel: bool = False, tp_group=None, tp_size: int = 1,
                  parallel_mode: str | None = None, fuse_wgrad_accumulation: bool = False,
-                 return_bias: bool = False, params_dtype: torch.dtype | None = None):
+                 return_bias: bool = False, params_dtype: torch.dtype | None = None,
+                 backend: str = "torch"):
         _refuse("Linear", parameters_split=(
                     parameters_split, None, "use one Linear per split, or tpkit.nn."
                     "ColumnParallelLinear(partition_sizes=...) for a fused sharded weight"),
@@ -189,12 +210,12 @@ class _ZeroCentered:
         return self.weight + 1 if self.zero_centered_gamma else self.weight
 
 
-class LayerNorm(_ZeroCentered, tnn.LayerNorm):
+class LayerNorm(_HandOff, _ZeroCentered, tnn.LayerNorm):
     """TE's ``LayerNorm`` (tpkit.nn.LayerNorm with TE's keywords and zero_centered_gamma)."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-5, *,
                  sequence_parallel: bool | None = None, params_dtype=None,
-                 zero_centered_gamma: bool = False, device=None):
+                 zero_centered_gamma: bool = False, device=None, backend: str = "torch"):
         super().__init__(hidden_size, eps, sequence_parallel=bool(sequence_parallel),
                          device=device, dtype=params_dtype)
         self._zero_centered(zero_centered_gamma)
@@ -205,12 +226,12 @@ class LayerNorm(_ZeroCentered, tnn.LayerNorm):
                                         self.eps)
 
 
-class RMSNorm(_ZeroCentered, tnn.RMSNorm):
+class RMSNorm(_HandOff, _ZeroCentered, tnn.RMSNorm):
     """TE's ``RMSNorm`` (tpkit.nn.RMSNorm with TE's keywords and zero_centered_gamma)."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-5, *,
                  sequence_parallel: bool | None = None, params_dtype=None,
-                 zero_centered_gamma: bool = False, device=None):
+                 zero_centered_gamma: bool = False, device=None, backend: str = "torch"):
         super().__init__(hidden_size, eps, sequence_parallel=bool(sequence_parallel),
                          device=device, dtype=params_dtype)
         self._zero_centered(zero_centered_gamma)
@@ -237,7 +258,7 @@ def _check_ln_output(who: str, return_layernorm_output_gathered: bool) -> None:
 
 
 # --- LayerNormLinear / LayerNormMLP ------------------------------------------------------
-class LayerNormLinear(nn.Module):
+class LayerNormLinear(_HandOff, nn.Module):
     """TE's ``LayerNormLinear``: ``layer_norm`` (LayerNorm/RMSNorm) then ``linear``
     (``te_api.Linear`` with ``parallel_mode``). Under SP with "column" the norm runs on
     this rank's tokens and the linear gathers its output, as TE's fused module does."""
@@ -249,7 +270,7 @@ class LayerNormLinear(nn.Module):
                  zero_centered_gamma: bool = False, device=None,
                  sequence_parallel: bool = False, tp_group=None, tp_size: int = 1,
                  parallel_mode: str | None = None, fuse_wgrad_accumulation: bool = False,
-                 return_bias: bool = False, params_dtype=None):
+                 return_bias: bool = False, params_dtype=None, backend: str = "torch"):
         super().__init__()
         _check_ln_output("LayerNormLinear", return_layernorm_output_gathered)
         self.linear = Linear(in_features, out_features, bias, init_method=init_method,
@@ -275,7 +296,7 @@ class LayerNormLinear(nn.Module):
         _check_parallel_group(self, tp_group)
 
 
-class LayerNormMLP(nn.Module):
+class LayerNormMLP(_HandOff, nn.Module):
     """TE's ``LayerNormMLP``: ``layer_norm`` then tpkit's ``ParallelMLP`` (fc1 column-,
     fc2 row-parallel; ``set_parallel_mode=True`` is TE's switch for that sharding)."""
 
@@ -288,7 +309,7 @@ class LayerNormMLP(nn.Module):
                  set_parallel_mode: bool = False, sequence_parallel: bool = False,
                  tp_group=None, tp_size: int = 1, fuse_wgrad_accumulation: bool = False,
                  return_bias: bool = False, params_dtype=None, seq_length=None,
-                 micro_batch_size=None):
+                 micro_batch_size=None, backend: str = "torch"):
         super().__init__()
         _check_ln_output("LayerNormMLP", return_layernorm_output_gathered)
         _refuse("LayerNormMLP", fuse_wgrad_accumulation=(
@@ -322,7 +343,7 @@ class LayerNormMLP(nn.Module):
 
 
 # --- attention ---------------------------------------------------------------------------
-class DotProductAttention(tnn.DotProductAttention):
+class DotProductAttention(_HandOff, tnn.DotProductAttention):
     """TE's ``DotProductAttention``: tpkit.nn.DotProductAttention (TE's call contract
     already) with TE's constructor keywords (``tp_group``, ``cp_group``, ...) and forward
     arguments; the CP group is the layout's unless ``cp_group`` says otherwise."""
@@ -333,7 +354,8 @@ class DotProductAttention(tnn.DotProductAttention):
                  sequence_parallel: bool = False, tp_size: int = 1,
                  get_rng_state_tracker=None, tp_group=None, layer_number=None,
                  attention_type: str = "self", cp_group=None, cp_global_ranks=None,
-                 cp_stream=None, cp_comm_type: str = "p2p", softmax_scale=None):
+                 cp_stream=None, cp_comm_type: str = "p2p", softmax_scale=None,
+                 backend: str = "torch"):
         state = _state(tp_group, tp_size, "DotProductAttention")
         _refuse("DotProductAttention",
                 window_size=(window_size, None, "sliding windows need the TE backend"),
@@ -398,7 +420,7 @@ def _check_attention_init(who: str, hidden_size, num_attention_heads, kv_channel
                  "pass set_parallel_mode=True (QKV/FC1 column-, PROJ/FC2 row-parallel)")
 
 
-class MultiheadAttention(nn.Module):
+class MultiheadAttention(_HandOff, nn.Module):
     """TE's ``MultiheadAttention`` (self-attention): an optional ``layernorm``
     (``input_layernorm=True``) then tpkit's ``ParallelSelfAttention`` (fused QKV whatever
     ``fuse_qkv_params`` says: the math is the same; the parameter layout is tpkit's)."""
@@ -413,7 +435,8 @@ class MultiheadAttention(nn.Module):
                  bias: bool = True, device=None, qkv_format: str = "sbhd",
                  set_parallel_mode: bool = False, sequence_parallel: bool = False,
                  tp_group=None, tp_size: int = 1, fuse_wgrad_accumulation: bool = False,
-                 params_dtype=None, return_bias: bool = False, fuse_qkv_params: bool = False):
+                 params_dtype=None, return_bias: bool = False, fuse_qkv_params: bool = False,
+                 backend: str = "torch"):
         super().__init__()
         state = _state(tp_group, tp_size, "MultiheadAttention")
         _check_attention_init("MultiheadAttention", hidden_size, num_attention_heads,
@@ -466,7 +489,7 @@ def _check_mask_type(who: str, given, built: str) -> None:
 
 
 # --- TransformerLayer --------------------------------------------------------------------
-class TransformerLayer(tnn.TransformerLayer):
+class TransformerLayer(_HandOff, tnn.TransformerLayer):
     """TE's ``TransformerLayer`` (a pre-norm encoder block) as tpkit.nn.TransformerLayer,
     with TE's argument names and defaults (dropouts 0.1, ``self_attn_mask_type``,
     ``params_dtype``, ``tp_group``) and TE's forward argument order."""
@@ -486,7 +509,7 @@ class TransformerLayer(tnn.TransformerLayer):
                  zero_centered_gamma: bool = False, qkv_weight_interleaved: bool = True,
                  bias: bool = True, activation: str = "gelu",
                  normalization: str = "LayerNorm", device=None,
-                 attn_input_format: str = "sbhd"):
+                 attn_input_format: str = "sbhd", backend: str = "torch"):
         state = _state(tp_group, tp_size, "TransformerLayer")
         _check_attention_init("TransformerLayer", hidden_size, num_attention_heads,
                               kv_channels, window_size, "self", attn_input_format,

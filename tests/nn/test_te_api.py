@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dist import run
-from te_fake import fake_te  # noqa: F401  (fixture)
+from te_fake import cuda, fake_te  # noqa: F401  (fixtures)
 
 S, B, H, F, HEADS = 8, 2, 16, 32, 4
 
@@ -174,6 +174,7 @@ def test_not_yet_items_raise_value_errors():
 
 # Parameters whose default differs from TE's on purpose (docs/te_api.md says why).
 OWN_DEFAULTS = {"device"}   # TE: "cuda"; tpkit: the layout's device
+OWN_PARAMS = {"self", "backend"}   # backend: tpkit's switch to hand over to TE
 
 
 @pytest.mark.parametrize("name", ["Linear", "LayerNorm", "RMSNorm", "LayerNormLinear",
@@ -189,9 +190,29 @@ def test_defaults_are_te_s(name, fake_te):
     theirs = inspect.signature(getattr(fake_te, name).__init__).parameters
     var_kw = any(q.kind is q.VAR_KEYWORD for q in theirs.values())
     for p, param in ours.items():
-        if p == "self":
+        if p in OWN_PARAMS:
             continue
         assert p in theirs or var_kw, f"{name}({p}=...) is not a parameter of TE's {name}"
         if p in theirs and p not in OWN_DEFAULTS and param.default is not param.empty:
             assert param.default == theirs[p].default, \
                 f"{name}({p}) defaults to {param.default!r}, TE's to {theirs[p].default!r}"
+
+
+def test_te_backend_hands_over_to_te(fake_te, cuda):
+    """backend="te": TE's own class of the same name, built from the same (TE's)
+    arguments; device=None is left to TE's default."""
+    import tpkit.te_api as te
+    lin = te.Linear(8, 16, bias=False, parallel_mode="column", return_bias=True, device=None,
+                    backend="te")
+    assert type(lin) is fake_te.Linear
+    args = lin.init_args
+    assert (args["in_features"], args["out_features"], args["bias"]) == (8, 16, False)
+    assert (args["parallel_mode"], args["return_bias"], args["device"]) == \
+        ("column", True, "cuda")
+    layer = te.TransformerLayer(16, 32, 4, hidden_dropout=0.0, self_attn_mask_type="no_mask",
+                                backend="te")
+    assert type(layer) is fake_te.TransformerLayer
+    assert (layer.init_args["hidden_dropout"], layer.init_args["attention_dropout"],
+            layer.init_args["self_attn_mask_type"]) == (0.0, 0.1, "no_mask")
+    norm = te.RMSNorm(16, zero_centered_gamma=True, backend="te")
+    assert type(norm) is fake_te.RMSNorm and norm.init_args["zero_centered_gamma"] is True
