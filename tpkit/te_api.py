@@ -197,10 +197,15 @@ _LINEARS = {"column": _ColumnLinear, "row": _RowLinear, None: _LocalLinear}
 
 
 # --- norms -------------------------------------------------------------------------------
-class _ZeroCentered:
-    """TE's ``zero_centered_gamma``: gamma starts at 0 and the norm multiplies by 1 + gamma."""
+class _TENorm:
+    """TE's norm keywords over tpkit.nn's norms, and ``zero_centered_gamma``: gamma starts
+    at 0 and the norm multiplies by 1 + gamma."""
 
-    def _zero_centered(self, zero_centered_gamma: bool) -> None:
+    def __init__(self, hidden_size: int, eps: float = 1e-5, *,
+                 sequence_parallel: bool | None = None, params_dtype=None,
+                 zero_centered_gamma: bool = False, device=None, backend: str = "torch"):
+        super().__init__(hidden_size, eps, sequence_parallel=bool(sequence_parallel),
+                         device=device, dtype=params_dtype)
         self.zero_centered_gamma = bool(zero_centered_gamma)
         if self.zero_centered_gamma:
             with torch.no_grad():
@@ -210,15 +215,8 @@ class _ZeroCentered:
         return self.weight + 1 if self.zero_centered_gamma else self.weight
 
 
-class LayerNorm(_HandOff, _ZeroCentered, tnn.LayerNorm):
+class LayerNorm(_HandOff, _TENorm, tnn.LayerNorm):
     """TE's ``LayerNorm`` (tpkit.nn.LayerNorm with TE's keywords and zero_centered_gamma)."""
-
-    def __init__(self, hidden_size: int, eps: float = 1e-5, *,
-                 sequence_parallel: bool | None = None, params_dtype=None,
-                 zero_centered_gamma: bool = False, device=None, backend: str = "torch"):
-        super().__init__(hidden_size, eps, sequence_parallel=bool(sequence_parallel),
-                         device=device, dtype=params_dtype)
-        self._zero_centered(zero_centered_gamma)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check(x)
@@ -226,15 +224,8 @@ class LayerNorm(_HandOff, _ZeroCentered, tnn.LayerNorm):
                                         self.eps)
 
 
-class RMSNorm(_HandOff, _ZeroCentered, tnn.RMSNorm):
+class RMSNorm(_HandOff, _TENorm, tnn.RMSNorm):
     """TE's ``RMSNorm`` (tpkit.nn.RMSNorm with TE's keywords and zero_centered_gamma)."""
-
-    def __init__(self, hidden_size: int, eps: float = 1e-5, *,
-                 sequence_parallel: bool | None = None, params_dtype=None,
-                 zero_centered_gamma: bool = False, device=None, backend: str = "torch"):
-        super().__init__(hidden_size, eps, sequence_parallel=bool(sequence_parallel),
-                         device=device, dtype=params_dtype)
-        self._zero_centered(zero_centered_gamma)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check(x)
