@@ -553,6 +553,12 @@ API = [
         call=lambda tmp: _te_api("onnx_export")(True)),
     Row("te-api-parallel-mode", "parallel_mode='rows'", "None, 'column' or 'row'",
         call=lambda tmp: _te_api("Linear")(8, 8, parallel_mode="rows")),
+    Row("precision-weights-dtype", "weights_dtype=torch.bfloat16", "model.to(dtype)",
+        call=lambda tmp: _fabric("TPKitPrecision")("fp8", weights_dtype=torch.bfloat16)),
+    Row("precision-device", "device='cuda'", "drop the argument",
+        call=lambda tmp: _fabric("TPKitPrecision")("bf16-mixed", "cuda")),
+    Row("precision-scaler", "only applies to precision='16-mixed'", "drop the scaler",
+        call=lambda tmp: _fabric("TPKitPrecision")("bf16-mixed", scaler=object())),
 ]
 
 

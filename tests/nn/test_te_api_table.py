@@ -165,5 +165,6 @@ def test_table_check_catches_gaps():
     assert any("onnx_export has no row" in b for b in table_problems(pages, dropped))
     renamed = table.replace("`tpkit.te_api.LayerNormMLP`", "`tpkit.te_api.LayerNormMlp`")
     assert any("LayerNormMlp does not exist" in b for b in table_problems(pages, renamed))
-    hidden = table.replace("not yet: `weights_dtype`", "later: weights_dtype")
-    assert any("'weights_dtype'" in b for b in table_problems(pages, hidden))
+    hidden = table.replace("a `Format` enum (`value`)", "a `Format` enum (value)")
+    assert hidden != table
+    assert any("lacks the parameter 'value'" in b for b in table_problems(pages, hidden))
