@@ -11,10 +11,12 @@ cp_comm_type.
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from ._backend import TEBackendMixin
-from ._common import ParallelModule, check_sbh, divide, resolve_sp
+from ._common import ParallelModule, check_input_format, check_sbh, divide, resolve_sp
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .rope import apply_rotary_pos_emb
 from .dot_product_attention import THD_KWARGS, DotProductAttention
@@ -26,17 +28,24 @@ class ParallelSelfAttention(TEBackendMixin, ParallelModule):
     """Multi-head / grouped-query self-attention on ``[s, b, h]`` (``[s/tp, b, h]`` under
     SP). ``num_gqa_groups`` is TE's: the number of kv heads (None = num_attention_heads).
     ``bias`` covers QKV and the projection; ``qkv_bias`` (None: ``bias``) overrides it for
-    QKV alone (Qwen2 and Megatron's ``add_qkv_bias``: biased q/k/v, unbiased projection)."""
+    QKV alone (Qwen2 and Megatron's ``add_qkv_bias``: biased q/k/v, unbiased projection).
+    ``attn_input_format`` (TE's name): ``"sbhd"`` (default, ``[s, b, h]``) or ``"bshd"``
+    (batch-first ``[b, s, h]``, nanoGPT's and Hugging Face's; SP then shards dim 1). An
+    "sbhd" input with fewer positions than batch rows is warned about once: a batch-first
+    tensor read as sequence-first attends across the batch."""
     _te_kind = "self_attention"  # backend="te" refuses (no TE counterpart), "auto" = torch
 
     def __init__(self, hidden_size: int, num_attention_heads: int, *,
                  num_gqa_groups: int | None = None, attention_dropout: float = 0.0,
                  attn_mask_type: str = "causal", bias: bool = True,
                  qkv_bias: bool | None = None, sequence_parallel: bool | None = None,
-                 init_method=None, output_layer_init_method=None, state=None, device=None,
+                 init_method=None, output_layer_init_method=None,
+                 attn_input_format: str = "sbhd", state=None, device=None,
                  dtype=None, backend: str = "torch"):
         super().__init__()
         self._bind_state(state)
+        self.sequence_dim = check_input_format(attn_input_format)
+        self.attn_input_format = attn_input_format
         tp = self.state.tp_size
         self.sequence_parallel = resolve_sp(sequence_parallel, self.state)
         groups = num_attention_heads if num_gqa_groups is None else num_gqa_groups
@@ -49,7 +58,7 @@ class ParallelSelfAttention(TEBackendMixin, ParallelModule):
         self.num_attention_heads, self.num_gqa_groups = num_attention_heads, groups
         d = self.kv_channels = hidden_size // num_attention_heads
         kw = dict(sequence_parallel=self.sequence_parallel, state=self.state, device=device,
-                  dtype=dtype)
+                  dtype=dtype, sequence_dim=self.sequence_dim)
         sizes = (num_attention_heads * d, groups * d, groups * d)
         qkv_bias = bias if qkv_bias is None else qkv_bias
         self.linear_qkv = ColumnParallelLinear(hidden_size, sum(sizes), qkv_bias,
@@ -57,7 +66,7 @@ class ParallelSelfAttention(TEBackendMixin, ParallelModule):
                                                **kw)
         self.core_attention = DotProductAttention(
             num_attention_heads, d, num_gqa_groups=groups, attention_dropout=attention_dropout,
-            attn_mask_type=attn_mask_type, state=self.state)
+            attn_mask_type=attn_mask_type, qkv_format=attn_input_format, state=self.state)
         self.linear_proj = RowParallelLinear(num_attention_heads * d, hidden_size, bias,
                                              input_is_parallel=True,
                                              init_method=output_layer_init_method or init_method,
@@ -72,19 +81,27 @@ class ParallelSelfAttention(TEBackendMixin, ParallelModule):
         ``[t, 1, h]``; the core then runs ``qkv_format="thd"`` with the padding form of
         this layer's mask type, and ``rotary_pos_emb`` holds the angles of the row's
         per-document positions (``RotaryEmbedding(batch.position_ids)``)."""
-        check_sbh(hidden_states, self.hidden_size, type(self).__name__)
+        check_sbh(hidden_states, self.hidden_size, type(self).__name__, self.attn_input_format)
         unknown = sorted(set(packed) - set(THD_KWARGS))
         if unknown:
             raise TypeError(f"{type(self).__name__}.forward got unexpected arguments {unknown};"
                             f" packed sequences take {list(THD_KWARGS)}")
+        fmt = self.attn_input_format
         qkv = self.linear_qkv(hidden_states)                   # [s, b, (hl + 2 gl) * d]
-        s, b, _ = qkv.shape
+        n0, n1, _ = qkv.shape
+        s, b = (n0, n1) if fmt == "sbhd" else (n1, n0)
+        if fmt == "sbhd" and s < b and not getattr(self, "_format_warned", False):
+            self._format_warned = True
+            warnings.warn(f"{type(self).__name__} read an input of {s} positions x {b} batch "
+                          "rows as sequence-first [s, b, h]; if it is batch-first [b, s, h] "
+                          "(nanoGPT's, Hugging Face's layout), attention runs over the batch: "
+                          "pass attn_input_format='bshd'", stacklevel=2)
         d, hl, gl = self.kv_channels, self.heads_local, self.groups_local
         q, k, v = qkv.split([hl * d, gl * d, gl * d], dim=-1)
-        q, k, v = q.view(s, b, hl, d), k.view(s, b, gl, d), v.view(s, b, gl, d)
+        q, k, v = q.view(n0, n1, hl, d), k.view(n0, n1, gl, d), v.view(n0, n1, gl, d)
         if rotary_pos_emb is not None:
-            q = apply_rotary_pos_emb(q, rotary_pos_emb)
-            k = apply_rotary_pos_emb(k, rotary_pos_emb)
+            q = apply_rotary_pos_emb(q, rotary_pos_emb, fmt)
+            k = apply_rotary_pos_emb(k, rotary_pos_emb, fmt)
         if packed.get("cu_seqlens_q") is None:
             args = () if attention_mask is None else (attention_mask,)
             ctx = self.core_attention(q, k, v, *args)           # [s, b, hl * d]
@@ -93,7 +110,9 @@ class ParallelSelfAttention(TEBackendMixin, ParallelModule):
                              f"{b}; pack more documents into the row instead")
         else:
             causal = "causal" in getattr(self.core_attention, "attn_mask_type", "causal")
-            ctx = self.core_attention(q[:, 0], k[:, 0], v[:, 0], qkv_format="thd",
+            row = 1 - self.sequence_dim     # the batch dim, of size 1
+            ctx = self.core_attention(q.select(row, 0), k.select(row, 0), v.select(row, 0),
+                                      qkv_format="thd",
                                       attn_mask_type="padding_causal" if causal else "padding",
-                                      **packed).unsqueeze(1)
+                                      **packed).unsqueeze(row)
         return self.linear_proj(ctx)

@@ -1,0 +1,64 @@
+"""Bring your own model (issue 35): tpkit.parallelize with the ready plans against the
+unparallelized model in one process (the reference: the same full weights, plain torch),
+on the multi-rank pool. The launched, Fabric run of the same is test_byom_launch.py."""
+import copy
+
+import pytest
+import torch
+
+from dist import run
+
+pytestmark = pytest.mark.slow
+
+
+def _step_matches(kind: str, tp: int, cp: int, sp: bool, kv: int = 2) -> dict:
+    """One forward/backward/SGD step of the parallelized model on this rank's share vs the
+    reference on the whole batch; returns the largest differences."""
+    import torch.distributed as dist
+    import tpkit
+    from tpkit.checkpoint import full_state_dict
+    from tpkit.grads import sync_sequence_parallel_grads
+    from byom_models import hf_llama, model_loss, nanogpt
+    state = tpkit.init_parallel(tp=tp, cp=cp, sequence_parallel=sp)
+    ref = nanogpt() if kind == "gpt" else hf_llama(kv_heads=kv)
+    model = tpkit.parallelize(copy.deepcopy(ref))
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 64, (4, 16), generator=g)
+    y = torch.randint(0, 64, (4, 16), generator=g)
+    rows = slice(state.dp_rank * 4 // state.dp_size, (state.dp_rank + 1) * 4 // state.dp_size)
+    ref_loss = model_loss(ref, x, y)
+    ref_loss.backward()
+    loss = model_loss(model, x[rows], y[rows])
+    loss.backward()
+    sync_sequence_parallel_grads(model, state)
+    for p in model.parameters():     # what DDP over dp x cp does
+        if p.grad is not None:
+            dist.all_reduce(p.grad, group=state.dp_cp_group)
+            p.grad /= state.dp_cp_size
+    mean = loss.detach().clone()
+    dist.all_reduce(mean, group=state.dp_cp_group)
+    mean /= state.dp_cp_size
+    for m in (ref, model):
+        with torch.no_grad():
+            for p in m.parameters():
+                p -= 1.0 * p.grad
+    full, want = full_state_dict(model, state), ref.state_dict()
+    assert sorted(full) == sorted(want), (sorted(full), sorted(want))
+    diff = max((full[k] - want[k]).abs().max().item() for k in want)
+    return {"loss": abs(mean.item() - ref_loss.item()), "weights": diff,
+            "sharded": sum(hasattr(p, "tp_partition_dim") for p in model.parameters())}
+
+
+@pytest.mark.parametrize("kind", ["gpt", "hf"])
+@pytest.mark.parametrize("tp,cp,sp", [(2, 1, False), (2, 2, True), (1, 2, False)])
+def test_ready_plan_matches_the_unparallelized_model(kind, tp, cp, sp):
+    for r in run(_step_matches, tp * cp, kind, tp, cp, sp):
+        assert r["loss"] < 1e-5 and r["weights"] < 1e-5, r
+        assert tp == 1 or r["sharded"] > 0, r
+
+
+def test_gqa_with_fewer_kv_heads_than_tp():
+    """tp=4 with 2 kv heads: each rank keeps the kv head its query heads use; the gradient
+    of a kv head is the sum over the two ranks sharing it."""
+    for r in run(_step_matches, 4, "hf", 4, 1, True, 2):
+        assert r["loss"] < 1e-5 and r["weights"] < 1e-5, r
