@@ -146,9 +146,11 @@ def hf_llama(seed: int = 0, *, kv_heads: int = 2, heads: int = 4, tie: bool = Fa
     return LlamaForCausalLM(cfg).float()
 
 
-def model_loss(model, x, y):
+def model_loss(model, x, y, kind=None):
     """The mean loss of the model on tokens ``x`` / targets ``y`` (nanoGPT: next-token
-    targets given; Hugging Face: labels = x, shifted by the model)."""
-    if isinstance(model, GPT) or type(model).__name__ == "GPT":
+    targets given; Hugging Face: labels = x, shifted by the model). ``kind``: "gpt" or
+    "hf" (None: from the model's class)."""
+    kind = kind or ("gpt" if isinstance(model, GPT) else "hf")
+    if kind == "gpt":
         return model(x, y)[1]
     return model(input_ids=x, labels=x).loss

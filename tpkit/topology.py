@@ -283,7 +283,8 @@ def get_parallel_state() -> ParallelState:
     """The current state; raises if init_parallel() has not run (never a default)."""
     if _CURRENT is None:
         raise RuntimeError("tpkit parallel state is not initialised; call tpkit.init_parallel() "
-                           "first (or launch through tpkit-launch / TPKitStrategy)")
+                           "first; under Lightning Fabric build the model after "
+                           "fabric.launch() (TPKitStrategy builds the layout there)")
     return _CURRENT
 
 
