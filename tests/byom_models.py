@@ -1,5 +1,5 @@
 """Models users bring, written here from their public structure (not imported): nanoGPT's
-GPT (karpathy/nanoGPT model.py: names, shapes, forward and loss as there), and a tiny
+GPT (karpathy/nanoGPT's model file: names, shapes, forward and loss as there), and a tiny
 random-weight Hugging Face ``LlamaForCausalLM`` (transformers itself). Used by
 tests/test_byom.py and tests/launch_scripts/byom_train.py."""
 import math

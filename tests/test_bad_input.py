@@ -88,6 +88,9 @@ LAUNCH = [
     Row("tp-not-int", "invalid int value: 'two'", "see tpkit-launch --help",
         ["--tp", "two", SCRIPT]),
     Row("backend-choice", "invalid choice: 'mpi'", "choose from", ["--backend", "mpi", SCRIPT]),
+    # issue 35: no abbreviations (--nproc-per would have been read as --nproc-per-node)
+    Row("abbreviated-flag", "unrecognized arguments: --nproc-per", "see tpkit-launch --help",
+        ["--nproc-per", "2", SCRIPT]),
     Row("nccl-without-gpu", "--backend nccl", "use --backend gloo",
         ["--backend", "nccl", SCRIPT]),
     Row("unknown-flag", "--bogus", "see tpkit-launch --help", ["--bogus", "1", SCRIPT]),
@@ -418,7 +421,33 @@ API = [
             _touch(tmp / "x.pt") / "ck", {"model": torch.nn.Linear(2, 2)})),
     Row("load-empty-dir", "{tmp}/.metadata is missing", "load another checkpoint",
         call=_load(lambda tmp: tmp)),
+    # issue 35: bring your own model (tpkit.parallelize), batch-first layers, timeouts
+    Row("parallelize-no-plan", "no ready plan for Linear", "ready plans exist for",
+        call=_at(2, lambda s: _plans().parallelize(torch.nn.Linear(4, 4), state=s))),
+    Row("parallelize-unmatched-pattern", "patterns ['nope']", "fix them",
+        call=_at(2, lambda s: _plans().parallelize(
+            torch.nn.Sequential(torch.nn.Linear(4, 4)),
+            {"0": _plans().Column(), "nope": _plans().Row()}, s))),
+    Row("parallelize-uncovered", "['1 (Linear)']", "add a style for each",
+        call=_at(2, lambda s: _plans().parallelize(
+            torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)),
+            {"0": _plans().Column()}, s))),
+    Row("parallelize-cp-no-shard-inputs", "has no shard_inputs", "give the plan a shard_inputs",
+        call=_at(1, lambda s: _plans().parallelize(
+            torch.nn.Sequential(torch.nn.Linear(4, 4)), {"0": _plans().Replicate()}, s),
+            cp=2)),
+    Row("attn-input-format", "attn_input_format='bhsd'", "use 'sbhd'",
+        call=_at(1, lambda s: _nn("TransformerLayer")(8, 16, 2, attn_input_format="bhsd",
+                                                     state=s))),
+    Row("pg-timeout-env", "TPKIT_PG_TIMEOUT='soon'", "positive number of seconds",
+        call=lambda tmp: __import__("tpkit.parallel_state").parallel_state.pg_timeout(
+            {"TPKIT_PG_TIMEOUT": "soon"})),
 ]
+
+
+def _plans():
+    import tpkit.plans
+    return tpkit.plans
 
 
 @pytest.mark.parametrize("row", API, ids=lambda r: r.id)

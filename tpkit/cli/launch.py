@@ -309,6 +309,8 @@ def preflight(args, plan: Plan) -> str | None:
     if args.no_python or args.run_path:
         return None
     source = find_hook(args)
+    if source is None:   # a script with a hook checks its own arguments (launch/train.py --tp)
+        _warn_flags_after_script(args)
     return None if source is None else run_hook(args, source, plan.preflight)
 
 
@@ -491,7 +493,8 @@ _OWN_AFTER_SCRIPT = {"--tp": "tp", "--cp": "cp", "--pp": "pp", "--dp": "dp", "--
 
 def _warn_flags_after_script(args) -> None:
     """A tpkit-launch flag after the script goes to the script, not to tpkit-launch: say so
-    (one line on stderr) when tpkit-launch was not given the same flag itself."""
+    (one line on stderr) when tpkit-launch was not given the same flag itself and the
+    script has no ``tpkit_preflight`` hook (one that takes such flags checks them)."""
     script = getattr(args, "training_script", "")
     rest = list(getattr(args, "training_script_args", []) or [])
     for i, tok in enumerate(rest):
@@ -516,7 +519,6 @@ def main(argv: list[str] | None = None) -> int:
         help_parser().parse_args(["--help"])   # prints, SystemExit(0); torch not imported
     try:
         args = build_parser().parse_args(argv)
-        _warn_flags_after_script(args)
         plan = resolve(args, os.environ)
         answer = preflight(args, plan)
     except (LaunchError, PreflightError) as e:

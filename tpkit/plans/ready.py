@@ -33,7 +33,7 @@ def _nanogpt_inputs(args, kwargs, state):
 
 
 def nanogpt_plan() -> Plan:
-    """nanoGPT's ``GPT`` (karpathy/nanoGPT model.py): wte/wpe, blocks ``transformer.h.<i>``
+    """nanoGPT's ``GPT`` (karpathy/nanoGPT's model file): wte/wpe, blocks ``transformer.h.<i>``
     of ``ln_1, attn(c_attn, c_proj), ln_2, mlp(c_fc, c_proj)``, ``ln_f``, ``lm_head`` tied
     to ``wte``. The model's own cross entropy sees gathered logits."""
     return Plan({

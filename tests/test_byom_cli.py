@@ -1,0 +1,25 @@
+"""tpkit-launch's flags placed after the script (issue 35): the script gets them, so the
+launcher says where they belong (one warning line), unless the script has a
+tpkit_preflight hook (it takes and checks such flags itself: launch/train.py --tp)."""
+import os
+
+from tpkit.cli import launch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_flag_after_the_script_is_pointed_at(tmp_path, capsys):
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    assert launch.main(["--dry-run", str(script), "--tp", "2", "--steps", "3"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert f"--tp comes after the script {script}" in err and \
+        f"tpkit-launch --tp 2 {script}" in err, err
+    # given before the script too, or a script with a hook: nothing to say
+    assert launch.main(["--dry-run", "--tp", "2", "--nproc-per-node", "2", str(script),
+                        "--tp", "2"]) == 0
+    hooked = tmp_path / "hooked.py"
+    hooked.write_text("def tpkit_preflight(argv, launch):\n    pass\n")
+    assert launch.main(["--dry-run", str(hooked), "--tp", "2"]) == 0
+    assert "warning" not in capsys.readouterr().err
