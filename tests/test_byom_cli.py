@@ -23,3 +23,15 @@ def test_flag_after_the_script_is_pointed_at(tmp_path, capsys):
     hooked.write_text("def tpkit_preflight(argv, launch):\n    pass\n")
     assert launch.main(["--dry-run", str(hooked), "--tp", "2"]) == 0
     assert "warning" not in capsys.readouterr().err
+
+
+def test_model_built_before_the_layout_says_when_to_build_it():
+    """A tpkit layer (or tpkit.parallelize) before fabric.launch(): no layout exists yet."""
+    import pytest
+    import tpkit
+    from tpkit.nn import ColumnParallelLinear
+    assert not tpkit.is_initialized()
+    for build in (lambda: ColumnParallelLinear(4, 4),
+                  lambda: tpkit.parallelize(__import__("torch").nn.Linear(4, 4))):
+        with pytest.raises(RuntimeError, match=r"build the model after fabric\.launch\(\)"):
+            build()
