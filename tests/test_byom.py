@@ -115,3 +115,48 @@ def test_fsdp_recompute_and_fp8_under_fabric():
         assert max(abs(a - b) for a, b in zip(r["fsdp+recompute"], r["ref"])) < 1e-5, r
         rel = max(abs(a - b) / b for a, b in zip(r["fp8"], r["ref"]))
         assert 0 < rel < 2e-2, r    # emulated fp8 reached the swapped layers, and is close
+
+
+def _tpkit_llama_gqa(work: str) -> float:
+    """tpkit's own Llama (tpkit.models) from a Hugging Face checkpoint with 2 kv heads at
+    tp=4 + SP: one SGD step against transformers' model; the stepped weights written back
+    with save_hf must be transformers' stepped ones."""
+    import os
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    import tpkit
+    from safetensors.torch import load_file
+    from tpkit.grads import sync_sequence_parallel_grads
+    from tpkit.models import Llama
+    from byom_models import hf_llama
+    state = tpkit.init_parallel(tp=4, sequence_parallel=True)
+    hf = hf_llama(kv_heads=2)
+    if state.rank == 0:
+        hf.save_pretrained(os.path.join(work, "in"))
+    dist.barrier()
+    model = Llama.from_hf(os.path.join(work, "in"), state)
+    assert model.layers[0].self_attention.replicated_kv
+    g = torch.Generator().manual_seed(5)
+    x, y = torch.randint(0, 64, (2, 16), generator=g), torch.randint(0, 64, (2, 16), generator=g)
+    ref = F.cross_entropy(hf(input_ids=x).logits.flatten(0, 1), y.flatten())
+    ref.backward()
+    loss = model(x, y)
+    loss.backward()
+    sync_sequence_parallel_grads(model, state)
+    with torch.no_grad():
+        for m in (hf, model):
+            for p in m.parameters():
+                p -= 1.0 * p.grad
+    model.save_hf(os.path.join(work, "out"))
+    err = abs(loss.item() - ref.item())
+    if state.rank == 0:
+        got = load_file(os.path.join(work, "out", "model.safetensors"))
+        want = hf.state_dict()
+        assert sorted(got) == sorted(k for k in want if k in got) and len(got) >= 20, sorted(got)
+        err = max(err, max((got[k] - want[k]).abs().max().item() for k in got))
+    return err
+
+
+def test_tpkit_llama_with_fewer_kv_heads_than_tp(tmp_path):
+    for err in run(_tpkit_llama_gqa, 4, str(tmp_path)):
+        assert err < 1e-5, err

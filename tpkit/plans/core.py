@@ -43,8 +43,8 @@ from torch import nn
 
 from .. import nn as tnn
 from ..topology import ParallelState, resolve_state
-from .layers import (LayoutPositionEmbedding, PlannedAttention, ReplicatedKV, column, fill,
-                     keep)
+from .layers import (LayoutPositionEmbedding, PlannedAttention, column, fill, keep,
+                     replicated_kv)
 
 __all__ = ["Plan", "Style", "Column", "Row", "VocabEmbedding", "VocabHead",
            "PositionEmbedding", "Norm", "Attention", "Replicate", "parallelize"]
@@ -237,7 +237,7 @@ class Attention(Style):
         elif len(names) == 3:
             qkv = {names[0]: column(lins[0], **seg)}
             for n, lin in zip(names[1:], lins[1:3]):
-                qkv[n] = ReplicatedKV(lin, kv, head_dim, state) if kv < tp \
+                qkv[n] = replicated_kv(lin, kv, head_dim, state) if kv < tp \
                     else column(lin, **seg)
         else:
             raise ValueError(f"Attention(qkv={self.qkv!r}): give one fused or three names")

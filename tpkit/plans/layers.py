@@ -8,7 +8,7 @@ shapes.
   column-parallel (one fused ``[q; k; v]`` weight or three), the core tpkit's
   DotProductAttention (causal, CP-aware), the output projection row-parallel. With fewer
   key/value heads than TP ranks each rank keeps the kv head its query heads use
-  (``ReplicatedKV``: the full kv weight, tagged for a TP gradient sum).
+  (tpkit.nn.attention.ReplicatedKV: the full kv weight, tagged for a TP gradient sum).
 - ``LayoutPositionEmbedding``: a learned position table (nanoGPT's ``wpe``) whose output rows are
   the global positions of this rank's CP shard (and SP chunk).
 """
@@ -22,42 +22,18 @@ from ..collectives import group_rank
 from ..data import cp_positions
 from ..nn import mappings
 from ..nn._common import local_kv_heads
+from ..nn.attention import ReplicatedKV
 from ..nn.dot_product_attention import DotProductAttention
 from ..nn.linear import ColumnParallelLinear, linear_fn
 from ..param_tags import set_tp_attrs
 
-__all__ = ["PlannedAttention", "ReplicatedKV", "LayoutPositionEmbedding", "rotate_half", "column",
-           "fill"]
+__all__ = ["PlannedAttention", "LayoutPositionEmbedding", "rotate_half", "column",
+           "replicated_kv", "fill"]
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([-x2, x1], dim=-1)
-
-
-class ReplicatedKV(nn.Module):
-    """A key or value projection with fewer heads than TP ranks: every rank holds the full
-    ``[kv_heads * d, h]`` weight (replicated, full in checkpoints) and computes only the
-    head its query heads use; each rank's gradient covers that head's rows, so the
-    parameters are tagged ``sequence_parallel`` (a TP sum is due: TPKitStrategy runs it
-    after every backward, as for sequence-parallel norms; plain loops call
-    tpkit.grads.sync_sequence_parallel_grads). The sum over the ranks sharing a head is
-    that head's gradient, zeros elsewhere."""
-
-    def __init__(self, linear: nn.Linear, kv_heads: int, head_dim: int, state):
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight = set_tp_attrs(linear.weight, None, sequence_parallel=True)
-        self.bias = None if linear.bias is None else set_tp_attrs(linear.bias, None,
-                                                                  sequence_parallel=True)
-        head = state.tp_rank // (state.tp_size // kv_heads)
-        self.rows = slice(head * head_dim, (head + 1) * head_dim)
-
-    def local(self):
-        return self.weight[self.rows], None if self.bias is None else self.bias[self.rows]
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, rows={self.rows}"
 
 
 class PlannedAttention(nn.Module):
@@ -163,6 +139,18 @@ def column(linear: nn.Linear, *, gather_output=False, segments=None, sequence_pa
     fill(layer.weight, w, 0, segments, state)
     if linear.bias is not None:
         fill(layer.bias, linear.bias, 0, segments, state)
+    return layer
+
+
+def replicated_kv(linear: nn.Linear, kv_heads: int, head_dim: int, state) -> ReplicatedKV:
+    """``linear`` (a k or v projection of ``kv_heads`` < tp heads) whole on every rank."""
+    w = linear.weight
+    layer = ReplicatedKV(linear.in_features, kv_heads, head_dim, segments=1,
+                         bias=linear.bias is not None, init_method=keep, state=state,
+                         device=w.device, dtype=w.dtype)
+    fill(layer.weight, w, None, None, state)
+    if linear.bias is not None:
+        fill(layer.bias, linear.bias, None, None, state)
     return layer
 
 
