@@ -60,7 +60,7 @@ def test_ready_plans_follow_the_unparallelized_curve(results):
 
 
 CASES = {
-    "unsharded": "none of the model's 28 parameters is TP-sharded",
+    "unsharded": "none of the 28 parameters of GPT is TP-sharded",
     "stale_optimizer": "which parallelize_fn replaced; build the optimizer after",
     "cp_unsharded": "no sequence was sharded with tpkit.data.shard_sequence",
     "batch_first": "pass attn_input_format='bshd'",

@@ -74,7 +74,7 @@ def _fp8_train(steps):
 
     tpkit.fp8.fp8_autocast = spy
     try:
-        strategy = TPKitStrategy(tp=1)   # plain nn.Linear layers: no TP (refused at tp > 1)
+        strategy = TPKitStrategy(tp=2)
         prec = TPKitPrecision("fp8", recipe={"fp8_format": "HYBRID", "amax_history_len": 2},
                               replace_layers=True)
         fabric = Fabric(accelerator="cpu", devices=4, strategy=strategy, plugins=[prec])

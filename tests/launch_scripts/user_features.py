@@ -118,8 +118,7 @@ def seed_draws() -> dict:
         strategy = TPKitStrategy(tp=2, seed=seed)
         fabric = Fabric(accelerator="cpu", devices=4, strategy=strategy)
         fabric.launch()
-        from tpkit.nn import ColumnParallelLinear   # tp=2 needs a TP-sharded model
-        fabric.setup_module(ColumnParallelLinear(2, 2))
+        fabric.setup_module(torch.nn.Linear(2, 2))
         default = torch.rand(4).tolist()
         with get_rng_tracker().fork():
             tracker = torch.rand(4).tolist()
@@ -136,8 +135,7 @@ def fallback_dtypes() -> dict:
         fabric = Fabric(accelerator="cpu", devices=4, strategy=strategy,
                         plugins=[TPKitPrecision("fp8", fallback_compute_dtype=fallback)])
         fabric.launch()
-        from tpkit.nn import ColumnParallelLinear   # tp=2 needs a TP-sharded model
-        fabric.setup_module(ColumnParallelLinear(2, 2))
+        fabric.setup_module(torch.nn.Linear(2, 2))
         a = torch.ones(4, 4)
         with fabric.autocast():
             out[str(fallback)] = str((a @ a).dtype)

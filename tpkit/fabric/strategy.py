@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 import weakref
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from datetime import timedelta
@@ -220,7 +221,7 @@ class TPKitStrategy(ParallelStrategy):
             self._swapped.update(before)
             for ref in self._optimizers:   # optimizers set up before this module
                 if ref() is not None:
-                    self._check_stale(ref())
+                    self._check_stale(ref(), module)
         _check_tp_sharded(module, state)
         _materialize(module, self.root_device)
         if any(is_te_module(m) for m in module.modules()):
@@ -308,7 +309,7 @@ class TPKitStrategy(ParallelStrategy):
         module = self.setup_module(module)
         own = {id(p) for p in module.parameters()}
         for o in optimizers:
-            self._check_stale(o)
+            self._check_stale(o, module)
             foreign = [p for g in o.param_groups for p in g["params"] if id(p) not in own]
             if foreign and own:
                 raise ValueError(
@@ -318,14 +319,20 @@ class TPKitStrategy(ParallelStrategy):
                     "parameters would never train. " + _SWAP_ORDER.split(": ", 1)[1])
         return module, [self.setup_optimizer(o) for o in optimizers], scheduler
 
-    def _check_stale(self, optimizer) -> None:
+    def _check_stale(self, optimizer, live: nn.Module | None = None) -> None:
+        """Refuse an optimizer holding parameters parallelize_fn replaced unless it also
+        holds every live one: built from Fabric's module after setup_module, it holds the
+        original module's parameters too (Fabric keeps that module), which never get a
+        gradient; built before, it lacks the new ones, which would never train."""
         swapped = self._swapped
-        for g in optimizer.param_groups:
-            for p in g["params"]:
-                hit = swapped.get(id(p))
-                if hit is not None and hit[0]() is p:
-                    raise ValueError(f"the optimizer holds parameter {hit[1]!r}, which "
-                                     f"parallelize_fn replaced; {_SWAP_ORDER}")
+        held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        hits = [swapped[i][1] for i in held if i in swapped and swapped[i][0]() is not None]
+        if hits:
+            mods = [live] if live is not None else self._modules
+            now = {id(p) for m in mods for p in m.parameters()}
+            if not now or not now <= held:
+                raise ValueError(f"the optimizer holds parameter {hits[0]!r}, which "
+                                 f"parallelize_fn replaced; {_SWAP_ORDER}")
         stale = self._replaced
         if any(id(p) in stale and stale[id(p)]() is p
                for g in optimizer.param_groups for p in g["params"]):
@@ -540,19 +547,21 @@ def _refuse_dtensors(module: nn.Module) -> None:
 
 
 def _check_tp_sharded(module: nn.Module, state) -> None:
-    """At tp > 1 a model with no TP-sharded parameter would train the same full model on
-    every TP rank, silently: refused."""
+    """At tp > 1 a model with no TP-sharded parameter trains the same full model on every
+    TP rank (tp - 1 ranks' work wasted, with no word): warned about, naming the module (an
+    auxiliary replicated module set up beside the model is legitimate)."""
     if state.tp_size == 1:
         return
     params = list(module.parameters())
     if any(is_te_module(m) for m in module.modules()):
         return   # TE's modules shard by their own tp_size (wired to the layout's groups)
     if params and not any(tp_spec(p) is not None or is_expert(p) for p in params):
-        raise ValueError(
-            f"tp={state.tp_size} but none of the model's {len(params)} parameters is "
-            "TP-sharded: every TP rank would train the whole model on the same data. "
-            "Parallelize it (TPKitStrategy(parallelize_fn=tpkit.parallelize), a plan for "
-            "your model: docs/byom.md), build it from tpkit.nn layers, or launch with tp=1")
+        warnings.warn(
+            f"tp={state.tp_size} but none of the {len(params)} parameters of "
+            f"{type(module).__name__} is TP-sharded: every TP rank trains the whole model on "
+            "the same data. Parallelize it (TPKitStrategy(parallelize_fn=tpkit.parallelize), "
+            "a plan for your model: docs/byom.md), build it from tpkit.nn layers, or launch "
+            "with tp=1", stacklevel=3)
 
 
 _PP_ORDER = ("with pp > 1 the optimizer must be created after the module is split into "
