@@ -160,3 +160,34 @@ def _tpkit_llama_gqa(work: str) -> float:
 def test_tpkit_llama_with_fewer_kv_heads_than_tp(tmp_path):
     for err in run(_tpkit_llama_gqa, 4, str(tmp_path)):
         assert err < 1e-5, err
+
+
+def _batch_first_layer() -> float:
+    """TransformerLayer(attn_input_format="bshd") at tp=2 + SP, cp=2 (GQA, RoPE) against
+    the sequence-first layer with the same weights on the transposed input: outputs and
+    input gradients agree."""
+    import tpkit
+    from tpkit.data import shard_position_ids, shard_sequence
+    from tpkit.nn import RotaryEmbedding, TransformerLayer
+    state = tpkit.init_parallel(tp=2, cp=2, sequence_parallel=True)
+    sbhd = TransformerLayer(32, 64, 4, num_gqa_groups=2, normalization="RMSNorm",
+                            activation="swiglu")
+    bshd = TransformerLayer(32, 64, 4, num_gqa_groups=2, normalization="RMSNorm",
+                            activation="swiglu", attn_input_format="bshd")
+    bshd.load_state_dict(sbhd.state_dict())
+    g = torch.Generator().manual_seed(7)
+    full = torch.randn(16, 3, 32, generator=g)                  # [s, b, h]
+    mine = shard_sequence(full, 0, state).chunk(2, 0)[state.tp_rank]   # CP shard, SP chunk
+    freqs = RotaryEmbedding(8)(shard_position_ids(16, state))
+    x1 = mine.clone().requires_grad_()
+    x2 = mine.transpose(0, 1).contiguous().requires_grad_()
+    y1, y2 = sbhd(x1, rotary_pos_emb=freqs), bshd(x2, rotary_pos_emb=freqs)
+    (y1 * torch.arange(y1.numel()).view_as(y1).sin()).sum().backward()
+    (y2.transpose(0, 1) * torch.arange(y1.numel()).view_as(y1).sin()).sum().backward()
+    return max((y1 - y2.transpose(0, 1)).abs().max().item(),
+               (x1.grad - x2.grad.transpose(0, 1)).abs().max().item())
+
+
+def test_batch_first_transformer_layer():
+    for err in run(_batch_first_layer, 4):
+        assert err < 1e-5, err
