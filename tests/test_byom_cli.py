@@ -35,3 +35,24 @@ def test_model_built_before_the_layout_says_when_to_build_it():
                   lambda: tpkit.parallelize(__import__("torch").nn.Linear(4, 4))):
         with pytest.raises(RuntimeError, match=r"build the model after fabric\.launch\(\)"):
             build()
+
+
+def test_sliding_window_longer_than_the_window_is_refused():
+    """Mistral's sliding window: the plan's attention is plain causal, so a sequence longer
+    than the window is a ValueError (shorter ones are the same computation)."""
+    import pytest
+    import torch
+    from transformers import MistralConfig, MistralForCausalLM
+    import tpkit
+    from tpkit.planning import fake_state
+    from tpkit.config import ParallelConfig
+    torch.manual_seed(0)
+    m = MistralForCausalLM(MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=1, num_attention_heads=4,
+                                         num_key_value_heads=2, sliding_window=8))
+    ref = m(input_ids=torch.arange(8)[None] % 64).logits
+    with fake_state(ParallelConfig(), 1) as state:
+        model = tpkit.parallelize(m, state=state)
+        torch.testing.assert_close(model(input_ids=torch.arange(8)[None] % 64).logits, ref)
+        with pytest.raises(ValueError, match="sliding window of 8 tokens"):
+            model(input_ids=torch.arange(12)[None] % 64)

@@ -28,7 +28,9 @@ def _start(world: int, work: str, **env) -> subprocess.Popen:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     work4, work2 = (str(tmp_path_factory.mktemp(f"byom{w}")) for w in (4, 2))
-    procs = {4: _start(4, work4), 2: _start(2, work2, TPKIT_PG_TIMEOUT="10")}
+    # 30 s: long enough that ranks lagging under load never time out before the rank-0-only
+    # save, which runs beside the 4-rank launch (its wait costs no wall time of its own)
+    procs = {4: _start(4, work4), 2: _start(2, work2, TPKIT_PG_TIMEOUT="30")}
     out = {}
     for world, proc in procs.items():
         try:

@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from .. import nn as tnn
+from ..nn._common import divide, local_kv_heads
 from ..topology import ParallelState, resolve_state
 from .layers import (LayoutPositionEmbedding, PlannedAttention, column, fill, keep,
                      replicated_kv)
@@ -200,7 +201,9 @@ class Attention(Style):
     ``out``: the output projection's. ``rope``: None or "hf" (Hugging Face's
     ``position_embeddings=(cos, sin)`` keyword). ``dropout``: attention-probability dropout
     (a number or an attribute path); ``output_dropout``: a submodule applied to the output
-    (nanoGPT's ``resid_dropout``). ``returns``: "tensor" or "tuple" (``(out, None)``)."""
+    (nanoGPT's ``resid_dropout``). ``returns``: "tensor" or "tuple" (``(out, None)``).
+    ``window``: a sliding-window size (number, attribute path or callable; None: none):
+    longer sequences are refused, since the attention is plain causal."""
     heads: object = "n_head"
     kv_heads: object = None
     qkv: object = "c_attn"
@@ -209,6 +212,7 @@ class Attention(Style):
     dropout: object = None
     output_dropout: str | None = None
     returns: str = "tensor"
+    window: object = None
 
     def apply(self, name, module, ctx):
         state = ctx.state
@@ -225,8 +229,8 @@ class Attention(Style):
         q_rows = lins[0].out_features * heads // (heads + 2 * kv) if len(names) == 1 \
             else lins[0].out_features
         head_dim = q_rows // heads
-        tnn._common.divide(heads, tp, f"{name}: attention heads")
-        tnn._common.local_kv_heads(kv, tp)
+        divide(heads, tp, f"{name}: attention heads")
+        local_kv_heads(kv, tp)
         seg = dict(sequence_parallel=False, sequence_dim=ctx.sequence_dim, state=state)
         if len(names) == 1:
             if kv < tp:
@@ -247,8 +251,9 @@ class Attention(Style):
         if self.returns not in ("tensor", "tuple") or self.rope not in (None, "hf"):
             raise ValueError(f"Attention(returns={self.returns!r}, rope={self.rope!r}): "
                              "returns is 'tensor' or 'tuple', rope None or 'hf'")
+        window = _read(module, self.window)
         return PlannedAttention(qkv=qkv, out_name=self.out, out=out, heads=heads, kv_heads=kv,
-                                head_dim=head_dim, dropout=p, output_dropout=drop,
+                                head_dim=head_dim, dropout=p, output_dropout=drop, window=window,
                                 rope=self.rope, returns=self.returns,
                                 batch_first=ctx.sequence_dim == 1,
                                 sequence_parallel=ctx.sequence_parallel, state=state)

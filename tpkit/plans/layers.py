@@ -46,9 +46,10 @@ class PlannedAttention(nn.Module):
     def __init__(self, *, qkv: dict, out_name: str, out: nn.Module, heads: int,
                  kv_heads: int, head_dim: int, dropout: float, output_dropout: nn.Module | None,
                  rope: str | None, returns: str, batch_first: bool, sequence_parallel: bool,
-                 state):
+                 state, window: int | None = None):
         super().__init__()
         self.state = state
+        self.window = window
         for name, layer in qkv.items():
             setattr(self, name, layer)
         self._qkv_names = tuple(qkv)
@@ -85,6 +86,12 @@ class PlannedAttention(nn.Module):
         else:
             x = mappings.copy_to_tp_region(x, group)
         q, k, v = self._project(x)
+        full = q.shape[self.sequence_dim] * self.state.cp_size
+        if self.window is not None and full > self.window:
+            raise ValueError(f"this attention has a sliding window of {self.window} tokens, "
+                             "which tpkit's plan does not implement (its attention is causal "
+                             f"over the whole row); train on sequences of at most {self.window}"
+                             f" tokens (got {full})")
         if self.rope == "hf":
             if position_embeddings is None:
                 raise ValueError("this attention's plan applies Hugging Face's rotary "

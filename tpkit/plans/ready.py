@@ -93,6 +93,14 @@ def _hf_inputs(args, kwargs, state):
     return args, kwargs
 
 
+def _hf_window(attn) -> int | None:
+    """The sliding window of a Hugging Face attention module: Qwen2 keeps it on the module
+    (None on full-attention layers), Mistral in its config."""
+    if hasattr(attn, "sliding_window"):
+        return attn.sliding_window
+    return getattr(getattr(attn, "config", None), "sliding_window", None)
+
+
 def hf_llama_plan() -> Plan:
     """Hugging Face's Llama-family ``*ForCausalLM`` (Llama, Qwen2, Mistral): ``model.
     embed_tokens``, ``model.layers.<i>.{input_layernorm, self_attn(q/k/v/o_proj),
@@ -104,7 +112,7 @@ def hf_llama_plan() -> Plan:
         "model.layers.*.self_attn": Attention(
             heads="config.num_attention_heads", kv_heads="config.num_key_value_heads",
             qkv=("q_proj", "k_proj", "v_proj"), out="o_proj", rope="hf",
-            dropout="attention_dropout", returns="tuple"),
+            dropout="attention_dropout", returns="tuple", window=_hf_window),
         "model.layers.*.mlp.gate_proj": Column(),
         "model.layers.*.mlp.up_proj": Column(),
         "model.layers.*.mlp.down_proj": Row(),
