@@ -146,6 +146,16 @@ def hf_llama(seed: int = 0, *, kv_heads: int = 2, heads: int = 4, tie: bool = Fa
     return LlamaForCausalLM(cfg).float()
 
 
+def hf_qwen2(seed: int = 0):
+    """A tiny random-weight transformers Qwen2ForCausalLM (q/k/v biases, 2 kv heads)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=64, attn_implementation="eager")
+    return Qwen2ForCausalLM(cfg).float()
+
+
 def model_loss(model, x, y, kind=None):
     """The mean loss of the model on tokens ``x`` / targets ``y`` (nanoGPT: next-token
     targets given; Hugging Face: labels = x, shifted by the model). ``kind``: "gpt" or

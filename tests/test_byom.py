@@ -18,9 +18,9 @@ def _step_matches(kind: str, tp: int, cp: int, sp: bool, kv: int = 2) -> dict:
     import tpkit
     from tpkit.checkpoint import full_state_dict
     from tpkit.grads import sync_sequence_parallel_grads
-    from byom_models import hf_llama, model_loss, nanogpt
+    from byom_models import hf_llama, hf_qwen2, model_loss, nanogpt
     state = tpkit.init_parallel(tp=tp, cp=cp, sequence_parallel=sp)
-    ref = nanogpt() if kind == "gpt" else hf_llama(kv_heads=kv)
+    ref = {"gpt": nanogpt, "hf": lambda: hf_llama(kv_heads=kv), "qwen2": hf_qwen2}[kind]()
     model = tpkit.parallelize(copy.deepcopy(ref))
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, 64, (4, 16), generator=g)
@@ -49,7 +49,7 @@ def _step_matches(kind: str, tp: int, cp: int, sp: bool, kv: int = 2) -> dict:
             "sharded": sum(hasattr(p, "tp_partition_dim") for p in model.parameters())}
 
 
-@pytest.mark.parametrize("kind", ["gpt", "hf"])
+@pytest.mark.parametrize("kind", ["gpt", "hf", "qwen2"])
 @pytest.mark.parametrize("tp,cp,sp", [(2, 2, True)])   # more layouts: test_byom_launch.py
 def test_ready_plan_matches_the_unparallelized_model(kind, tp, cp, sp):
     for r in run(_step_matches, tp * cp, kind, tp, cp, sp):
