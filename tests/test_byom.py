@@ -191,3 +191,21 @@ def _batch_first_layer() -> float:
 def test_batch_first_transformer_layer():
     for err in run(_batch_first_layer, 4):
         assert err < 1e-5, err
+
+
+def _group_timeouts() -> list:
+    import torch.distributed as dist
+    import tpkit
+
+    def seconds(g):
+        return g._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+    state = tpkit.init_parallel(tp=2, cp=2, ep=2, etp=1)
+    return [seconds(dist.group.WORLD)] + sorted({seconds(g) for g in
+                                                 state.all_groups().values() if g is not None})
+
+
+def test_every_layout_group_times_out_like_the_default_group():
+    """torch gives new groups 30 minutes whatever the default group's timeout: a collective
+    some ranks never enter (fabric.clip_gradients on rank 0 only) hung that long."""
+    for default, *groups in run(_group_timeouts, 4):
+        assert groups == [default], (default, groups)
