@@ -452,15 +452,16 @@ class TPKitStrategy(ParallelStrategy):
 
     def load_checkpoint(self, path, state=None, strict: bool = True,
                         weights_only: bool | None = None) -> dict[str, Any]:
-        with self._collective("fabric.load"):
-            return self._load_checkpoint(path, state, strict, weights_only)
-
-    def _load_checkpoint(self, path, state, strict, weights_only) -> dict[str, Any]:
         """Fabric's ``load``/``load_raw`` contract. A checkpoint directory (``fabric.save``,
         any layout): ``state`` (a dict) loads in place and the entries not in it come back;
         without ``state`` the whole checkpoint comes back, tensors full-size on every rank.
         A single file (``torch.save``, e.g. one process's ``model.state_dict()`` or a full
         checkpoint dict): full state dicts load into the shards at this layout."""
+        with self._collective("fabric.load"):
+            return self._load_checkpoint(path, state, strict, weights_only)
+
+    def _load_checkpoint(self, path, state, strict, weights_only) -> dict[str, Any]:
+        """The body of load_checkpoint."""
         path, s = self.broadcast(str(path)), self.parallel_state
         if isinstance(state, (nn.Module, torch.optim.Optimizer)):   # fabric.load_raw
             if not os.path.isfile(path):
