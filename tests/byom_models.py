@@ -1,7 +1,7 @@
 """Models users bring, written here from their public structure (not imported): nanoGPT's
 GPT (karpathy/nanoGPT's model file: names, shapes, forward and loss as there), and a tiny
 random-weight Hugging Face ``LlamaForCausalLM`` (transformers itself). Used by
-tests/test_byom.py and tests/launch_scripts/byom_train.py."""
+tests/plans/test_byom.py and tests/launch_scripts/byom_train.py."""
 import math
 from dataclasses import dataclass
 

@@ -59,7 +59,11 @@ class Row:
     skip: str | None = None             # "te": only where TE cannot run (no TE or no CUDA)
 
 
-def T(*args):   # a launch/train.py command line on 2 ranks
+TINY_LLAMA = ('{"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, '
+              '"intermediate_size": 128, "num_attention_heads": 4, "vocab_size": 256}')
+
+
+def T(*args):   # a launch/train.py (tpkit.train) command line on 2 ranks
     return ["--nproc-per-node", "2", TRAIN, *SMALL, *args]
 
 
@@ -133,6 +137,35 @@ LAUNCH = [
         ["--master-port", "70000", SCRIPT]),
     Row("no-python-and-m", "--no-python and -m", "drop one of them",
         ["--no-python", "-m", "json.tool"]),
+    # the memory check (tpkit.cli.memory, issue 38)
+    Row("device-memory-zero", "--device-memory=0.0", "must be > 0 GiB",
+        ["--device-memory", "0", SCRIPT]),
+    Row("memory-margin-range", "--memory-margin=1.5", "must be in [0, 1)",
+        ["--memory-margin", "1.5", "--model-config", "{tmp}/config.json", SCRIPT],
+        setup=_write("config.json", TINY_LLAMA)),
+    Row("device-memory-without-model", "--device-memory/--memory-margin need the model",
+        "pass --model-config FILE", ["--device-memory", "80", SCRIPT]),
+    Row("memory-job-without-model", "--memory-job='seq_len=8'", "needs --model-config FILE",
+        ["--memory-job", "seq_len=8", SCRIPT]),
+    Row("model-config-missing", "config.json' cannot be read", "pass a Hugging Face config.json",
+        ["--model-config", "{tmp}/config.json", SCRIPT]),
+    Row("model-config-keys", "model_type=None", "tpkit.models.llama reads",
+        ["--model-config", "{tmp}/config.json", SCRIPT], setup=_write("config.json", "{}")),
+    Row("memory-job-key", "--memory-job item 'seqlen=8'", "KEY one of",
+        ["--model-config", "{tmp}/config.json", "--memory-job", "seqlen=8", SCRIPT],
+        setup=_write("config.json", TINY_LLAMA)),
+    Row("memory-job-value", "--memory-job seq_len='long'", "e.g. seq_len=2048",
+        ["--model-config", "{tmp}/config.json", "--memory-job", "seq_len=long", SCRIPT],
+        setup=_write("config.json", TINY_LLAMA)),
+    Row("memory-too-small", "over the 10.24 MiB device memory", "use more ranks",
+        ["--device-memory", "0.01", "--model-config", "{tmp}/config.json", SCRIPT],
+        setup=_write("config.json", TINY_LLAMA)),
+    Row("train-memory-too-small", "over the 1.02 MiB device memory",
+        "the cheapest layout that fits is --tp 2",
+        ["--nproc-per-node", "2", "--device-memory", "0.001", TRAIN, *SMALL]),
+    Row("preflight-returns-other", "tpkit_preflight returned int",
+        "returns None or a tpkit.memory.MemoryJob", ["{tmp}/hook.py"],
+        setup=_write("hook.py", "def tpkit_preflight(argv, launch):\n    return 5\n")),
     # the script or module
     Row("missing-script", "'missing_script.py' does not exist", "pass the path of a .py file",
         ["--tp", "2", "missing_script.py"]),
@@ -180,7 +213,7 @@ LAUNCH = [
         T("--tp", "2", "--sequence-parallel", "--seq-len", "15")),
     Row("train-resume-missing", "--resume='{tmp}/nope'", "pass a checkpoint written by --save",
         T("--resume", "{tmp}/nope")),
-    Row("train-tp-vs-launch", "tp=4 from train.py --tp", "smaller tp/cp/pp",
+    Row("train-tp-vs-launch", "tp=4 from --tp", "smaller tp/cp/pp",
         ["--tp", "2", TRAIN, *SMALL, "--tp", "4"]),
     Row("train-log-every", "--log-every=0", "must be >= 1", T("--log-every", "0")),
     Row("train-steps", "--steps=0", "must be >= 1", T("--steps", "0")),
@@ -202,49 +235,80 @@ LAUNCH = [
           "--virtual-stages", "3", "--microbatches", "2")),
     Row("train-pp-microbatches", "microbatches=1 is fewer than the 2 pipeline stages",
         "use at least 2", T("--pp", "2", "--layers", "2", "--microbatches", "1")),
-    Row("train-pp-batch", "--global-batch=2 does not split into dp x microbatches = 1 x 4",
+    Row("train-pp-batch", "--global-batch=2 (training.global_batch) does not split into dp x "
+        "microbatches = 1 x 4",
         "use a multiple of 4", T("--pp", "2", "--layers", "2", "--microbatches", "4")),
     Row("train-virtual-stages-no-pp", "--virtual-stages=2", "add --pp N",
         T("--virtual-stages", "2")),
-    Row("train-microbatches-batch", "--global-batch=2 does not split into dp x microbatches "
-        "= 2 x 4", "use a multiple of 8", T("--microbatches", "4")),
-    Row("train-pp-precision", "--precision bf16-mixed with --pp 2", "use --pp 1",
+    Row("train-microbatches-batch", "--global-batch=2 (training.global_batch) does not split "
+        "into dp x microbatches = 2 x 4", "use a multiple of 8", T("--microbatches", "4")),
+    Row("train-pp-precision", "--precision='bf16-mixed' (precision.mode) with --pp 2", "use --pp 1",
         T("--pp", "2", "--layers", "2", "--microbatches", "2", "--precision", "bf16-mixed")),
     Row("train-pp-zero-bubble-recompute", "'ZBVZeroBubble' with recompute",
         "use 1F1B or Interleaved1F1B with recompute",
         T("--pp", "2", "--layers", "4", "--pp-schedule", "ZBVZeroBubble", "--recompute",
           "--microbatches", "2")),
-    Row("train-fp8-dtype", "--fp8-compute-dtype=bfloat16", "needs --precision fp8",
+    Row("train-fp8-dtype", "--fp8-compute-dtype='bfloat16' (precision.fp8_compute_dtype)",
+        "needs --precision fp8 (precision.mode='32-true' (default) here); add --precision fp8 "
+        "or drop it",
         T("--fp8-compute-dtype", "bfloat16")),
     Row("train-save-file", "--save='{tmp}/file'", "pass a directory", T("--save", "{tmp}/file"),
         setup=_write("file", "")),
     # launch/train.py's recovery options (issue 21)
     Row("train-keep-zero", "--keep=0", "must be >= 1", T("--save", "{tmp}/ck", "--keep", "0")),
-    Row("train-keep-without-save", "--keep needs", "--save DIR", T("--keep", "2")),
-    Row("train-auto-resume-without-save", "--auto-resume needs", "--save DIR",
-        T("--auto-resume")),
-    Row("train-async-save-without-save", "--async-save needs", "--save DIR", T("--async-save")),
-    Row("train-auto-resume-and-resume", "--resume={tmp}/ck", "pass one",
+    Row("train-keep-without-save", "--keep=2 (checkpoint.keep) needs", "--save DIR",
+        T("--keep", "2")),
+    Row("train-auto-resume-without-save", "--auto-resume (recovery.auto_resume) needs",
+        "--save DIR", T("--auto-resume")),
+    Row("train-async-save-without-save", "--async-save (checkpoint.async_save) needs",
+        "--save DIR", T("--async-save")),
+    Row("train-auto-resume-and-resume", "--resume='{tmp}/ck' (checkpoint.resume)", "pass one",
         T("--save", "{tmp}/ck", "--auto-resume", "--resume", "{tmp}/ck")),
     Row("train-hang-timeout", "--hang-timeout=0.0", "must be > 0 seconds",
         T("--hang-timeout", "0")),
     Row("train-hang-timeout-env", "TPKIT_HANG_TIMEOUT='soon'", "unset it", T(),
         env={"TPKIT_HANG_TIMEOUT": "soon"}),
-    Row("train-backend-te", "--backend te", "use backend='torch'", T("--backend", "te"),
-        skip="te"),
+    Row("train-impl-te", "--model.impl='te' (model.impl)", "use backend='torch'",
+        T("--model.impl", "te"), skip="te"),
+    # issue 34: the job config (TOML file and flags)
+    Row("train-old-backend-flag", "--backend te", "use --model.impl te", T("--backend", "te")),
+    Row("train-toml-unknown-section", "{tmp}/job.toml:1: unknown section [trainig]",
+        "did you mean 'training'?", T("--config", "{tmp}/job.toml"),
+        setup=_write("job.toml", "[trainig]\nsteps = 5\n")),
+    Row("train-toml-unknown-key", "{tmp}/job.toml:3: unknown key 'step' in [training]",
+        "did you mean 'steps'?", T("--config", "{tmp}/job.toml"),
+        setup=_write("job.toml", "[training]\nsteps = 5\nstep = 3\n")),
+    Row("train-toml-wrong-type", "training.steps='many' ({tmp}/job.toml:2)",
+        "must be an integer", T("--config", "{tmp}/job.toml"),
+        setup=_write("job.toml", "[training]\nsteps = \"many\"\n")),
+    Row("train-toml-bad-value", "optimizer.lr=-1.0 ({tmp}/job.toml:3)", "must be > 0",
+        ["--nproc-per-node", "2", TRAIN, "--config", "{tmp}/job.toml"],
+        setup=_write("job.toml", "[optimizer]\n# the peak\nlr = -1\n")),
+    Row("train-toml-syntax", "--config {tmp}/job.toml: not valid TOML", "fix that line",
+        T("--config", "{tmp}/job.toml"), setup=_write("job.toml", "[training\n")),
+    Row("train-toml-outside-section", "{tmp}/job.toml:1: steps = 5 is outside any section",
+        "put it under [training]", T("--config", "{tmp}/job.toml"),
+        setup=_write("job.toml", "steps = 5\n")),
+    Row("train-module-hook", "--steps=0 (training.steps)", "must be >= 1",   # a package's
+        ["--nproc-per-node", "2", "-m", "tpkit.train", *SMALL, "--steps", "0"]),   # __main__
+    Row("train-long-flag-value", "--training.steps=0 (training.steps)", "must be >= 1",
+        T("--training.steps", "0")),
+    Row("train-unknown-flag", "unrecognized arguments: --trainig.steps", "--help",
+        T("--trainig.steps", "3")),
     # issue 22: mixture of experts
     Row("ep-vs-stage", "etp*ep = 2*4 = 8 does not divide tp*cp*dp = 2*1*3 = 6",
         "choose ep and etp whose product divides 6",
         ["--nproc-per-node", "6", "--tp", "2", "--ep", "4", SCRIPT]),
     Row("train-moe-topk", "top_k=5", "choose top_k <= num_experts",
         T("--moe-experts", "4", "--moe-topk", "5")),
-    Row("train-moe-experts-vs-ep", "--moe-experts=6 is not divisible by ep=4",
+    Row("train-moe-experts-vs-ep", "--moe-experts=6 (experts.num) is not divisible by ep=4",
         "use a multiple of 4", T("--moe-experts", "6", "--ep", "4")),
     Row("train-moe-capacity", "capacity_factor=0.0", "must be > 0",
         T("--moe-experts", "4", "--moe-capacity-factor", "0")),
-    Row("train-pack-te", "--pack needs --backend torch or auto", "drop --pack or --backend te",
-        T("--pack", "--backend", "te")),
-    Row("train-pack-hf", "--pack trains the reference GPT", "drop --init-from-hf or --pack",
+    Row("train-pack-te", "--pack (data.pack) needs --model.impl torch or auto",
+        "drop --pack or set --model.impl torch", T("--pack", "--model.impl", "te")),
+    Row("train-pack-hf", "--pack (data.pack) trains the reference GPT",
+        "drop --init-from-hf or --pack",
         T("--pack", "--init-from-hf", "{tmp}")),
     Row("train-resume-damaged", "{train_ckpt}/step000002/__1_0.distcp",
         "resume from the previous checkpoint: {train_ckpt}/step000001",
@@ -300,6 +364,34 @@ def _cfg(**kw):
     return lambda tmp: ParallelConfig(**kw)
 
 
+def _te(build):
+    """``build(state)`` on a tp=2 SP state (fake group), with the fake TE (tests/fake_te)
+    and tpkit.te believing CUDA is there."""
+    def call(tmp):
+        import te_fake
+        import tpkit.te
+        from tpkit.config import ParallelConfig
+        from tpkit.planning import fake_state
+        from tpkit.random import model_parallel_seed
+        te_fake.install()
+        was, tpkit.te._cuda_available = tpkit.te._cuda_available, lambda: True
+        try:
+            with fake_state(ParallelConfig(tp=2, sequence_parallel=True), 2) as state:
+                model_parallel_seed(1, state)
+                build(state)
+        finally:
+            tpkit.te._cuda_available = was
+            te_fake.uninstall()
+    return call
+
+
+def _te_graphs(state):
+    import tpkit.te
+    attn = tpkit.te.make("attention", state, num_attention_heads=2, kv_channels=2)
+    q = torch.zeros(2, 1, 1, 2)
+    tpkit.te.make_graphed_callables(attn, (q, q, q))
+
+
 def _nn(name):
     import tpkit.nn
     return getattr(tpkit.nn, name)
@@ -318,6 +410,11 @@ def _fabric(name):
 def _recovery(*args, **kw):
     from tpkit.recovery import Recovery
     return Recovery(*args, **kw)
+
+
+def _observe(name):
+    import tpkit.observe
+    return getattr(tpkit.observe, name)
 
 
 def _touch(path):
@@ -447,6 +544,21 @@ API = [
             _touch(tmp / "x.pt") / "ck", {"model": torch.nn.Linear(2, 2)})),
     Row("load-empty-dir", "{tmp}/.metadata is missing", "load another checkpoint",
         call=_load(lambda tmp: tmp)),
+    Row("observe-profile-steps", "--profile-steps='4:2'", "need 0 <= A < B",
+        call=lambda tmp: _observe("parse_profile_steps")("4:2")),
+    Row("observe-every", "every=0", "must be a positive number of steps",
+        call=lambda tmp: _observe("MetricsLogger")(tmp, tokens_per_step=8, every=0)),
+    Row("observe-peak", "peak_tflops=0", "must be a positive TFLOP/s",
+        call=lambda tmp: _observe("MetricsLogger")(tmp, tokens_per_step=8, peak_tflops=0)),
+    Row("observe-flops-model", "does not know object", "transformer_flops_per_token(",
+        call=lambda tmp: _observe("model_flops_per_token")(object(), 8)),
+    # issue 40: TE combinations tpkit cannot make TE run correctly
+    Row("te-layer-sp-dropout", "sequence_parallel=True, tp=2 and attention_dropout=0.1",
+        "Pass attention_dropout=0.0", call=_te(lambda st: __import__("tpkit.te").te.make(
+            "transformer_layer", st, hidden_size=8, ffn_hidden_size=16,
+            num_attention_heads=2))),
+    Row("te-graphs-tpkit-tracker", "make_graphed_callables with tpkit's RNG tracker",
+        "Run without CUDA graphs", call=_te(_te_graphs)),
 ]
 
 
@@ -626,8 +738,7 @@ def _damage_on_2_ranks(base: str) -> dict:
         lambda: fabric.load(fck / "step000020", {"model": model, "optimizer": opt}), model, opt)
     fabric.strategy.teardown()
 
-    sys.path.insert(0, os.path.join(ROOT, "launch"))
-    import train
+    from tpkit.train import trainer as train
     tck = base / "train"
     train.main(SMALL + ["--tp", "2", "--save", str(tck), "--save-every", "1"])
     tpkit.destroy_parallel()

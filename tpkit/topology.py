@@ -288,6 +288,16 @@ def _ring_groups(state: ParallelState) -> list:
     return groups
 
 
+_DESTROY_HOOKS: list = []
+
+
+def add_destroy_hook(fn) -> None:
+    """Call ``fn(groups)`` with the process groups ``destroy_groups`` is about to destroy
+    (tpkit.te drops Transformer Engine's fp8 state that refers to them)."""
+    if fn not in _DESTROY_HOOKS:
+        _DESTROY_HOOKS.append(fn)
+
+
 def destroy_groups(state: ParallelState) -> None:
     """Release the TP and CP groups' shared-memory transports and destroy every group of
     ``state`` except the default one, releasing them at once (not at the next cyclic
@@ -303,6 +313,8 @@ def destroy_groups(state: ParallelState) -> None:
               if m is not None]
     for mesh in meshes:
         groups.update((id(g), g) for g in mesh.get_all_groups() if g is not world)
+    for hook in _DESTROY_HOOKS:
+        hook(list(groups.values()))
     for g in groups.values():
         dist.destroy_process_group(g)
     # A DeviceMesh holds its groups in ``_pg_registry``, and a root mesh and the meshes
@@ -341,14 +353,3 @@ def set_parallel_state(state: ParallelState | None) -> None:
     global _CURRENT
     _CURRENT = state
 
-
-def __getattr__(name):
-    # Names that lived here before issue 23; importing them from tpkit.topology keeps
-    # working for one release (docs/design.md, "Old import paths").
-    if name in ("init_parallel", "destroy_parallel"):
-        from . import parallel_state
-        return getattr(parallel_state, name)
-    if name in ("build_fake_state", "destroy_fake_state", "format_rank_table"):
-        from . import planning
-        return getattr(planning, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

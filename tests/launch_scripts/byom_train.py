@@ -1,4 +1,4 @@
-"""Launched by tests/test_byom_launch.py: bring-your-own-model under tpkit-launch + Fabric,
+"""Launched by tests/plans/test_byom_launch.py: bring-your-own-model under tpkit-launch + Fabric,
 public API only.
 
     byom_train.py WORK_DIR
@@ -21,10 +21,9 @@ import torch
 import torch.distributed as dist
 from lightning.fabric import Fabric
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import tpkit  # noqa: E402
-from byom_models import hf_llama, model_loss, nanogpt  # noqa: E402
-from tpkit.fabric import TPKitStrategy  # noqa: E402
+import tpkit
+from byom_models import hf_llama, model_loss, nanogpt   # tests/ (PYTHONPATH: tests/paths.py)
+from tpkit.fabric import TPKitStrategy
 
 STEPS, SAVE_AT, B, S, LR = 20, 10, 4, 16, 1e-3
 

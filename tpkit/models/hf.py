@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint import gather_param
-from ..collectives import all_reduce_max
+from ..collectives import any_rank
 from ..param_tags import tp_spec
 from .llama import ARCHITECTURES, ROPE_TYPES, LlamaConfig
 
@@ -143,7 +143,7 @@ def read_config(path: str) -> tuple[LlamaConfig, dict]:
     file = os.path.join(path, "config.json")
     if not os.path.isfile(file):
         raise ValueError(f"{path!r} has no config.json; pass a Hugging Face model directory "
-                         "(what save_pretrained or Llama.save_hf writes)")
+                         "(what save_pretrained or tpkit.models.hf.save_hf writes)")
     with open(file) as f:
         raw = json.load(f)
     return config_from_hf(raw), raw
@@ -310,18 +310,18 @@ def save_llama(model, path: str, *, dtype, max_shard_size: int) -> None:
     state = model.state
     if max_shard_size <= 0:
         raise ValueError(f"max_shard_size={max_shard_size} must be a positive byte count")
-    failed = torch.zeros(1)
+    failed = False
     if state.rank == 0:
         try:
             os.makedirs(path, exist_ok=True)
             for old in glob.glob(os.path.join(path, "model*.safetensors*")):
                 os.remove(old)   # stale shards of an earlier export
         except OSError as e:
-            failed += 1
+            failed = True
             error = e
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        all_reduce_max(failed, None)   # every rank learns it before any gather starts
-    if failed.item():
+    # every rank learns it before any gather starts, on the default group's device (an
+    # nccl-only default group rejects a CPU tensor)
+    if any_rank(failed, None) if dist.is_initialized() else failed:
         raise ValueError(f"save_hf({path!r}): rank 0 cannot write there "
                          f"({error if state.rank == 0 else 'see rank 0'})")
     shapes = expected_shapes(model.cfg)
@@ -374,3 +374,22 @@ def save_llama(model, path: str, *, dtype, max_shard_size: int) -> None:
                       sort_keys=True)
     if dist.is_initialized():
         dist.barrier()
+
+
+# --- the adapter's entry points (the models never import this module) ---------------------
+def from_hf(path: str, state=None, *, dtype: torch.dtype = torch.float32, **overrides):
+    """The ``tpkit.models.Llama`` of the Hugging Face checkpoint directory ``path``
+    (config.json and ``*.safetensors``, sharded or not) on ``state``'s layout, in ``dtype``.
+    Each rank reads only the slices it keeps; no collective. ``overrides`` set LlamaConfig's
+    training fields (``backend``, ``recompute``, ``hidden_dropout``, ...)."""
+    from .llama import Llama
+    return load_llama(Llama, path, state, dtype=dtype, overrides=overrides)
+
+
+def save_hf(model, path: str, *, dtype: torch.dtype | None = None,
+            max_shard_size: int = 2 * 2**30) -> None:
+    """Write ``model`` (a ``tpkit.models.Llama``) to ``path``/config.json and safetensors
+    shards (at most ``max_shard_size`` bytes each, with an index when there are several)
+    that ``transformers`` loads unchanged. Collective (every rank calls it); rank 0 writes,
+    gathering one tensor at a time. ``dtype``: the tensors' (default: the parameters')."""
+    save_llama(model, path, dtype=dtype, max_shard_size=max_shard_size)

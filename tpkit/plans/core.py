@@ -48,7 +48,8 @@ from .layers import (LayoutPositionEmbedding, PlannedAttention, column, fill, ke
                      replicated_kv)
 
 __all__ = ["Plan", "Style", "Column", "Row", "VocabEmbedding", "VocabHead",
-           "PositionEmbedding", "Norm", "Attention", "Replicate", "parallelize"]
+           "PositionEmbedding", "Norm", "Attention", "Replicate", "parallelize", "ready_plan",
+           "READY_PLANS"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -282,6 +283,22 @@ class Plan:
     name: str = "plan"
 
 
+# class name -> plan factory; plans.ready fills it (tpkit.plans imports it)
+READY_PLANS: dict = {}
+
+
+def ready_plan(model) -> Plan:
+    """The ready plan for ``model``'s class (or a base class), else ValueError listing the
+    classes that have one."""
+    for cls in type(model).__mro__:
+        factory = READY_PLANS.get(cls.__name__)
+        # a factory's ``fits(model)`` tells a same-named class of another layout apart
+        if factory is not None and getattr(factory, "fits", lambda m: True)(model):
+            return factory()
+    raise ValueError(f"no ready plan for {type(model).__name__}; ready plans exist for "
+                     f"{sorted(READY_PLANS)}; pass plan={{pattern: style}} (docs/byom.md)")
+
+
 def _ties(model: nn.Module) -> list[list[tuple[str, str]]]:
     """Groups of (module name, parameter name) sharing one Parameter."""
     seen: dict[int, list] = {}
@@ -310,7 +327,6 @@ def parallelize(model: nn.Module, plan: Plan | dict | None = None,
         plan, state = None, plan
     state = resolve_state(state)
     if plan is None:
-        from .ready import ready_plan
         plan = ready_plan(model)
     if isinstance(plan, dict):
         plan = Plan(plan)

@@ -1,7 +1,7 @@
 """Ready plans for the layouts users bring: nanoGPT's ``GPT`` and Hugging Face's
 ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` / ``MistralForCausalLM`` (the ``transformers``
-modules themselves). ``ready_plan(model)`` picks one by the model's class name; no
-import of nanoGPT or transformers happens here.
+modules themselves), registered in ``core.READY_PLANS`` where ``core.ready_plan(model)``
+finds them by the model's class name; no import of nanoGPT or transformers happens here.
 
 Both take the full sequences the user passes, batch-first, and under CP give the model
 this rank's load-balanced shard (tpkit.data.shard_sequence): nanoGPT's ``(idx, targets)``;
@@ -14,10 +14,10 @@ from __future__ import annotations
 import torch
 
 from ..data import shard_position_ids, shard_sequence
-from .core import (Attention, Column, Norm, Plan, PositionEmbedding, Row, VocabEmbedding,
-                   VocabHead)
+from .core import (READY_PLANS, Attention, Column, Norm, Plan, PositionEmbedding, Row,
+                   VocabEmbedding, VocabHead)
 
-__all__ = ["nanogpt_plan", "hf_llama_plan", "ready_plan", "READY_PLANS"]
+__all__ = ["nanogpt_plan", "hf_llama_plan"]
 
 
 def _nanogpt_inputs(args, kwargs, state):
@@ -122,20 +122,13 @@ def hf_llama_plan() -> Plan:
     }, batch_first=True, shard_inputs=_hf_inputs, name="the Hugging Face Llama plan")
 
 
-# class name -> plan factory (the model's class or any base class)
-READY_PLANS = {
+# nanoGPT's GPT, not another class named GPT (tpkit.models.GPT is built from tpkit's layers)
+nanogpt_plan.fits = lambda model: hasattr(getattr(model, "transformer", None), "wte")
+
+# class name -> plan factory (the model's class or any base class), in core's registry
+READY_PLANS.update({
     "GPT": nanogpt_plan,
     "LlamaForCausalLM": hf_llama_plan,
     "Qwen2ForCausalLM": hf_llama_plan,
     "MistralForCausalLM": hf_llama_plan,
-}
-
-
-def ready_plan(model) -> Plan:
-    """The ready plan for ``model``'s class (or a base class), else ValueError listing the
-    classes that have one."""
-    for cls in type(model).__mro__:
-        if cls.__name__ in READY_PLANS:
-            return READY_PLANS[cls.__name__]()
-    raise ValueError(f"no ready plan for {type(model).__name__}; ready plans exist for "
-                     f"{sorted(READY_PLANS)}; pass plan={{pattern: style}} (docs/byom.md)")
+})
