@@ -466,7 +466,9 @@ class TPKitStrategy(ParallelStrategy):
         any layout): ``state`` (a dict) loads in place and the entries not in it come back;
         without ``state`` the whole checkpoint comes back, tensors full-size on every rank.
         A single file (``torch.save``, e.g. one process's ``model.state_dict()`` or a full
-        checkpoint dict): full state dicts load into the shards at this layout."""
+        checkpoint dict): full state dicts load into the shards at this layout.
+        ``weights_only`` (None: True, torch.load's default) holds for both: a directory's
+        plain entries are read with it (its ``.metadata`` never runs code)."""
         with self._collective("fabric.load"):
             return self._load_checkpoint(path, state, strict, weights_only)
 
@@ -496,10 +498,11 @@ class TPKitStrategy(ParallelStrategy):
                 return self._torch_load(path, weights_only, mmap=False)   # the user's to keep
             return checkpoint.load_full(self._torch_load(path, weights_only), state, s,
                                         strict=strict)
+        safe = weights_only is not False   # a directory's plain entries: as torch.load's
         if not state:
-            return checkpoint.read(path)
-        checkpoint.load(path, state, strict=strict)
-        return checkpoint.read_extras(path, exclude=state.keys())
+            return checkpoint.read(path, weights_only=safe)
+        checkpoint.load(path, state, strict=strict, weights_only=safe)
+        return checkpoint.read_extras(path, exclude=state.keys(), weights_only=safe)
 
     @staticmethod
     def _torch_load(path: str, weights_only: bool | None, mmap: bool = True):
