@@ -112,7 +112,7 @@ def _gather_from(shards):
 
 @pytest.mark.parametrize("cp", [2, 4])
 def test_unshard_sequence_every_rank_values_and_grad(cp, monkeypatch):
-    import tpkit.data as data
+    import tpkit.data.sharding as data
     s = 8 * cp   # chunks of 4 tokens
     full = torch.randn(2, s, 3, dtype=torch.float64)
     shards = [full[:, _mine(s, cp, r)] for r in range(cp)]
@@ -141,7 +141,7 @@ def test_unshard_sequence_every_rank_values_and_grad(cp, monkeypatch):
 
 @pytest.mark.parametrize("cp", [2, 4])
 def test_unshard_packed_every_rank_values_and_grad(cp, monkeypatch):
-    import tpkit.data as data
+    import tpkit.data.sharding as data
     pb = data.pack_sequences([list(range(1, 6)), [7], list(range(20, 33)),
                               list(range(100, 140))], multiple=2 * cp)
     cup = pb.cu_seqlens_padded.tolist()
@@ -179,7 +179,7 @@ def test_unshard_packed_every_rank_values_and_grad(cp, monkeypatch):
 
 
 def test_layout_rules_at_cp_3_and_messages():
-    import tpkit.data as data
+    import tpkit.data.sharding as data
     # 2*cp = 6 is no power of two: documents at offsets that share bits with their ends
     cup = [0, 6, 18, 30]
     for r in range(3):
@@ -211,7 +211,7 @@ def test_layout_rules_at_cp_3_and_messages():
 
 
 def test_packed_defaults_long_rows_and_wrong_lengths(monkeypatch):
-    import tpkit.data as data
+    import tpkit.data.sharding as data
     cp = 2
     pb = data.pack_sequences([list(range(300)), list(range(7))], multiple=2 * cp)
     cup = pb.cu_seqlens_padded.tolist()

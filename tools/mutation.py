@@ -38,11 +38,10 @@ MODULES = {
     "config": ("tpkit/config.py", ["tests/test_config.py"]),
     # the single-process tests of every rank (the launched one checks the same seeds)
     "random": ("tpkit/random.py", ["tests/test_random.py", "-k", "not forked_masks"]),
-    "data": ("tpkit/data.py", ["tests/test_data.py", "--deselect",
-                               "tests/test_data.py::test_unshard_roundtrip_and_grad",
-                               *(f"tests/test_packed.py::test_{t}" for t in (
-                                   "pack_sequences_rows_labels_positions",
-                                   "per_document_layout", "packing_errors"))]),
+    "data": ("tpkit/data/sharding.py", [
+        "tests/test_data.py", "--deselect", "tests/test_data.py::test_unshard_roundtrip_and_grad",
+        *(f"tests/test_packed.py::test_{t}" for t in (
+            "pack_sequences_rows_labels_positions", "per_document_layout", "packing_errors"))]),
     # the exact single-process checks against quantisers written in the tests
     "quantize": ("tpkit/fp8/quantize.py", [
         "tests/test_fp8_recipes.py", "tests/test_strength_fp8.py", "tests/test_fp8.py", "-k",
