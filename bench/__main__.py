@@ -3,7 +3,8 @@ import importlib
 import sys
 
 # Each module has main() that measures and calls bench.common.write_section.
-BENCHMARKS = ["tp_layers", "context_parallel", "launch", "train", "hf", "recovery", "pipeline", "moe"]
+BENCHMARKS = ["tp_layers", "context_parallel", "launch", "train", "hf", "recovery", "pipeline", "moe",
+              "data"]
 
 
 def main(argv=None) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 from typing import Callable
@@ -37,7 +38,7 @@ def tok_dir(tmp_path_factory):
     tok.decoder = decoders.ByteLevel()
     tok.train_from_iterator(_texts(300, seed=1), trainers.BpeTrainer(
         vocab_size=300, special_tokens=["<unk>", "<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
     d = tmp_path_factory.mktemp("tok")
     tok.save(str(d / "tokenizer.json"))
     return str(d)
@@ -143,29 +144,6 @@ def test_text_sources_tokenize_like_the_tokenizer(tmp_path, tok_dir):
         assert [docs.document(i).tolist() for i in range(len(docs))] == want, src
 
 
-# --- tpkit-data -----------------------------------------------------------------------------
-def test_tpkit_data_command(tmp_path, tok_dir):
-    """As a user runs it: python -m tpkit.data with 2 workers on jsonl; Megatron-Core reads
-    the result, and it holds the tokenizer's own tokens (+ eod) in input order."""
-    mi = _megatron()
-    texts = _texts(700)                                  # several chunks of 256
-    src = _jsonl(tmp_path / "c.jsonl", [{"text": t, "title": t[:9]} for t in texts])
-    out = subprocess.run([sys.executable, "-m", "tpkit.data", "--input", src,
-                          "--output-prefix", str(tmp_path / "c"), "--tokenizer", tok_dir,
-                          "--json-keys", "text", "title", "--workers", "2", "--append-eod"],
-                         capture_output=True, text=True, timeout=240,
-                         env={**os.environ, "PYTHONPATH": ROOT})
-    assert out.returncode == 0, out.stderr
-    ref, eod = _ref_encode(tok_dir, texts)
-    titles, _ = _ref_encode(tok_dir, [t[:9] for t in texts])
-    tokens = sum(map(len, ref + titles)) + 2 * 700
-    assert f"1,400 documents, {tokens:,} tokens (uint16)" in out.stdout, out.stdout
-    m = mi.IndexedDataset(str(tmp_path / "c_text_document"))
-    assert [m[i].tolist() for i in range(len(m))] == [r + [eod] for r in ref]
-    assert m[0].dtype == np.uint16
-    assert os.path.exists(str(tmp_path / "c_title_document.idx"))
-
-
 # --- samples --------------------------------------------------------------------------------
 def _docs(lengths, seed=0):
     from tpkit.data import TokenizedDocuments
@@ -189,7 +167,7 @@ def test_windows_are_consecutive_slices_of_the_shuffled_concatenation():
 
 
 def test_packing_keeps_every_document_once_in_rows_of_at_most_seq_len():
-    from tpkit.data import PackedSamples, packed_batch
+    from tpkit.data import PackedSamples, count_targets, packed_batch
     lengths = [5, 17, 1, 9, 30, 2, 11, 16]
     docs = _docs(lengths)
     ps = PackedSamples(docs, 16, seed=1)
@@ -205,8 +183,11 @@ def test_packing_keeps_every_document_once_in_rows_of_at_most_seq_len():
         want += [d[j:j + 16] for j in range(0, len(d), 16)]
     assert sorted(seen) == sorted(want)
     assert len(ps) < len(want)                         # short documents share rows
-    pb = packed_batch([ps.sample(0)], multiple=4)
-    assert pb.cu_seqlens.tolist()[-1] == sum(len(t) for t, _ in ps.sample(0))
+    pb = packed_batch([ps.sample(0), ps.sample(1)], multiple=4)
+    segs = ps.sample(0) + ps.sample(1)
+    assert pb.cu_seqlens.tolist()[-1] == sum(len(t) for t, _ in segs)
+    assert count_targets([ps.sample(0), ps.sample(1)]) == int((pb.labels != -100).sum()) == \
+        sum(len(t) - 1 for t, _ in segs)
 
 
 def test_blend_follows_the_weights_at_every_prefix():
@@ -452,3 +433,37 @@ def test_tpkit_data_error_is_one_line_exit_2(tmp_path, tok_dir, capsys):
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1
     assert err.startswith(f"tpkit-data: error: {tmp_path / 'c.jsonl'}:1: no field 'text'")
+
+
+# --- as a user runs it ----------------------------------------------------------------------
+@pytest.mark.slow
+def test_tpkit_data_then_launched_loader_at_dp2_cp2(tmp_path, tok_dir):
+    """As a user runs them: python -m tpkit.data with 2 workers and two json keys on jsonl
+    (Megatron-Core reads the result: the tokenizer's own tokens + eod, in input order),
+    then that dataset read under tpkit-launch at dp=2 x cp=2
+    (tests/launch_scripts/data_loader.py: CP ranks share rows, the DP ranks' rows form the
+    single-process batch)."""
+    from test_launch_run import finish, launch
+    mi = _megatron()
+    texts = _texts(700)                                  # several chunks of 256
+    src = _jsonl(tmp_path / "c.jsonl", [{"text": t, "title": t[:9]} for t in texts])
+    out = subprocess.run([sys.executable, "-m", "tpkit.data", "--input", src,
+                          "--output-prefix", str(tmp_path / "c"), "--tokenizer", tok_dir,
+                          "--json-keys", "text", "title", "--workers", "2", "--append-eod"],
+                         capture_output=True, text=True, timeout=240,
+                         env={**os.environ, "PYTHONPATH": ROOT})
+    assert out.returncode == 0, out.stderr
+    ref, eod = _ref_encode(tok_dir, texts)
+    titles, _ = _ref_encode(tok_dir, [t[:9] for t in texts])
+    tokens = sum(map(len, ref + titles)) + 2 * 700
+    assert f"1,400 documents, {tokens:,} tokens (uint16)" in out.stdout, out.stdout
+    m = mi.IndexedDataset(str(tmp_path / "c_text_document"))
+    assert [m[i].tolist() for i in range(len(m))] == [r + [eod] for r in ref]
+    assert m[0].dtype == np.uint16
+    assert os.path.exists(str(tmp_path / "c_title_document.idx"))
+    rc, out, err = finish(launch("--nproc-per-node", "4", "--cp", "2",
+                                 os.path.join(ROOT, "tests", "launch_scripts",
+                                              "data_loader.py"),
+                                 str(tmp_path / "c_text_document"), tok_dir))
+    assert rc == 0, err[-3000:]
+    assert sorted(int(x) for x in re.findall(r"DATA OK rank=(\d)", out)) == [0, 1, 2, 3], out

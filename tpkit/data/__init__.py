@@ -15,8 +15,8 @@ from .sharding import (PackedBatch, check_sequence_length, cp_chunk_ids, cp_posi
 from .indexed import IndexedDataset, IndexedDatasetWriter, TokenFile, index_paths
 from .text import Tokenizer, TokenizedDocuments, check_vocabulary, read_records, \
     sft_documents, text_documents
-from .samples import Blend, PackedSamples, Subset, WindowSamples, packed_batch, \
-    split_documents, token_batch
+from .samples import Blend, PackedSamples, Subset, WindowSamples, count_targets, \
+    packed_batch, split_documents, token_batch
 from .order import Loader, dp_rows, epoch_order
 from .build import Data, build_data, open_documents, parse_data_path
 
@@ -27,7 +27,8 @@ __all__ = [
     "IndexedDataset", "IndexedDatasetWriter", "TokenFile", "index_paths",
     "Tokenizer", "TokenizedDocuments", "check_vocabulary", "read_records", "sft_documents",
     "text_documents",
-    "Blend", "PackedSamples", "Subset", "WindowSamples", "packed_batch", "split_documents",
+    "Blend", "PackedSamples", "Subset", "WindowSamples", "count_targets", "packed_batch",
+    "split_documents",
     "token_batch",
     "Loader", "dp_rows", "epoch_order",
     "Data", "build_data", "open_documents", "parse_data_path",

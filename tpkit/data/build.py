@@ -94,6 +94,13 @@ class Data:
         return packed_batch(samples, state=state, multiple=multiple) if self.pack \
             else token_batch(samples)
 
+    def state_dict(self) -> dict:
+        """The position in the data, for the checkpoint (``Loader.state_dict``)."""
+        return self.train.state_dict()
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.train.load_state_dict(sd)
+
     def valid_batches(self, batches: int | None = None):
         """This rank's samples of each validation global batch (the same at every layout)."""
         if self.valid is None:

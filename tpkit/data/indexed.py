@@ -194,8 +194,7 @@ class IndexedDatasetWriter:
         self._lengths: list[int] = []
         self._docs = [0]
 
-    def add_document(self, tokens, lengths=None) -> None:
-        """Append one document: its tokens, as one sequence or as ``lengths`` sequences."""
+    def _checked(self, tokens) -> np.ndarray:
         arr = np.asarray(tokens)
         if arr.size and arr.dtype.kind in "iu" and self.dtype.kind in "iu":
             info = np.iinfo(self.dtype)
@@ -203,7 +202,11 @@ class IndexedDatasetWriter:
             if lo < info.min or hi > info.max:
                 raise ValueError(f"{self.prefix}: token ids {lo}..{hi} do not fit the "
                                  f"dataset's {self.dtype}; write it with a wider dtype")
-        arr = arr.astype(self.dtype, copy=False)
+        return arr.astype(self.dtype, copy=False)
+
+    def add_document(self, tokens, lengths=None) -> None:
+        """Append one document: its tokens, as one sequence or as ``lengths`` sequences."""
+        arr = self._checked(tokens)
         lengths = [arr.size] if lengths is None else [int(n) for n in lengths]
         if sum(lengths) != arr.size:
             raise ValueError(f"lengths {lengths} sum to {sum(lengths)}, the document has "
@@ -211,6 +214,19 @@ class IndexedDatasetWriter:
         self._bin.write(arr.tobytes(order="C"))
         self._lengths += lengths
         self._docs.append(len(self._lengths))
+
+    def add_documents(self, tokens, lengths) -> None:
+        """Append many one-sequence documents at once: all their tokens, back to back, and
+        each one's length."""
+        lengths = [int(n) for n in lengths]
+        arr = self._checked(tokens)
+        if sum(lengths) != arr.size:
+            raise ValueError(f"lengths sum to {sum(lengths)}, the documents have {arr.size} "
+                             "tokens")
+        self._bin.write(arr.tobytes(order="C"))
+        start = len(self._lengths)
+        self._lengths += lengths
+        self._docs += range(start + 1, start + len(lengths) + 1)
 
     def finalize(self) -> None:
         self._bin.close()

@@ -13,6 +13,7 @@ one stops the command with one line naming the file and line, and nothing is wri
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -24,6 +25,7 @@ from .text import Tokenizer, check_vocabulary, field, read_records
 
 CHUNK = 256          # documents per task sent to a worker
 _TOK = None          # the worker's tokenizer
+_MAIN_TOK = None     # this process's, with --workers 1
 
 
 def output_prefix(prefix: str, key: str) -> str:
@@ -64,8 +66,15 @@ def _init_worker(path: str) -> None:
     _TOK = Tokenizer(path)
 
 
-def _encode(texts: list[str]) -> list[list[int]]:
-    return _TOK.encode_batch(texts)
+def _encode(task) -> tuple[np.ndarray, np.ndarray]:
+    """One chunk: ``("json", lines, key)`` (raw jsonl lines, checked before) or
+    ``("text", texts, None)``, as (all token ids, int32; each document's length)."""
+    kind, items, key = task
+    texts = [json.loads(line)[key] for line in items] if kind == "json" else items
+    ids = (_TOK or _MAIN_TOK).encode_batch(texts)
+    lengths = np.fromiter((len(d) for d in ids), np.int64, len(ids))
+    flat = np.fromiter((t for d in ids for t in d), np.int32, int(lengths.sum()))
+    return flat, lengths
 
 
 def check_inputs(inputs, keys) -> int:
@@ -86,15 +95,30 @@ def check_inputs(inputs, keys) -> int:
 
 
 def _chunks(inputs, key):
-    buf = []
+    """Tasks for ``_encode``: raw lines of jsonl files (the worker parses them), texts of
+    the other inputs."""
     for path in inputs:
+        if isinstance(path, str) and path.endswith((".jsonl", ".json")) and \
+                os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                buf = []
+                for line in f:
+                    if line.strip():
+                        buf.append(line)
+                        if len(buf) == CHUNK:
+                            yield "json", buf, key
+                            buf = []
+                if buf:
+                    yield "json", buf, key
+            continue
+        buf = []
         for where, rec in read_records(path, (key,)):
             buf.append(field(where, rec, key))
             if len(buf) == CHUNK:
-                yield buf
+                yield "text", buf, None
                 buf = []
-    if buf:
-        yield buf
+        if buf:
+            yield "text", buf, None
 
 
 def run(args) -> dict:
@@ -109,6 +133,7 @@ def run(args) -> dict:
     if not os.path.isdir(out_dir):
         raise ValueError(f"--output-prefix {args.output_prefix}: directory {out_dir} does not "
                          "exist; create it first")
+    t0 = time.perf_counter()   # the summary's rate counts the checks and the pool's start
     total = check_inputs(args.input, args.json_keys)
     dtype = optimal_dtype(tok.vocab_size)
     eod = [tok.eod] if args.append_eod else []
@@ -118,19 +143,24 @@ def run(args) -> dict:
         pool = mp.get_context("fork").Pool(args.workers, _init_worker, (args.tokenizer,))
         encode = lambda chunks: pool.imap(_encode, chunks)
     else:
-        encode = lambda chunks: (tok.encode_batch(c) for c in chunks)
-    t0 = last = time.perf_counter()
+        global _MAIN_TOK
+        _MAIN_TOK = tok
+        encode = lambda chunks: map(_encode, chunks)
+    last = time.perf_counter()
     docs = tokens = 0
     written = []
     try:
         for key in args.json_keys:
             prefix = output_prefix(args.output_prefix, key)
             with IndexedDatasetWriter(prefix, dtype) as w:
-                for ids in encode(_chunks(args.input, key)):
-                    for d in ids:
-                        w.add_document(np.asarray(d + eod, dtype=np.int64))
-                        tokens += len(d) + len(eod)
-                    docs += len(ids)
+                for flat, lengths in encode(_chunks(args.input, key)):
+                    if eod:   # the eod after every document
+                        ends = np.cumsum(lengths)
+                        flat = np.insert(flat, ends, eod[0])
+                        lengths = lengths + 1
+                    w.add_documents(flat, lengths)
+                    tokens += len(flat)
+                    docs += len(lengths)
                     now = time.perf_counter()
                     if now - last >= args.log_interval:
                         done = docs / (total * len(args.json_keys))

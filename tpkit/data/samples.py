@@ -183,6 +183,18 @@ class Blend:
 
 
 # --- batches -------------------------------------------------------------------------------
+def count_targets(samples) -> int:
+    """How many labels of ``samples`` carry loss: in every segment, each token after the
+    first whose loss mask is not 0 (``token_batch`` and ``packed_batch`` label exactly
+    these). Sum it over the DP ranks for a step's global token count: the divisor that
+    makes a token-mean loss the same at every layout."""
+    n = 0
+    for sample in samples:
+        for tok, mask in sample:
+            n += len(tok) - 1 if mask is None else int(np.count_nonzero(mask[1:]))
+    return n
+
+
 def token_batch(samples, ignore_index: int = -100) -> tuple[torch.Tensor, torch.Tensor]:
     """``(inputs, targets)``, int64 ``[B, S]``, from window samples (one segment of ``S+1``
     tokens each): targets are the next tokens, ``ignore_index`` where the loss mask is 0."""
