@@ -226,9 +226,29 @@ def test_split_and_build_data_with_a_blend(tmp_path, tok_dir):
                                for h in held)
     n_valid = sum(len(s) for s in next(data.valid_batches()))
     assert n_valid > 0
+    # a nanoGPT token file through the same call: windows over its documents
+    flat = [t for r in ref for t in r + [eod]]
+    np.asarray(flat, np.uint16).tofile(tmp_path / "train.bin")
+    data = build_data(str(tmp_path / "train.bin"), seq_len=8, global_batch=2, split="90,10",
+                      tokenizer=tok_dir)
+    x, y = data.batch(next(data.train))
+    assert x.shape == (2, 8) and torch.equal(x[:, 1:], y[:, :-1])
+    assert len(data.train.samples.source) == 45       # 90 % of the 50 documents
 
 
 # --- order and resume -----------------------------------------------------------------------
+def test_dp_rows_split_every_micro_batch_over_the_dp_ranks():
+    """Micro-batch i is global rows [i*G/m, (i+1)*G/m) at every dp; each rank holds a
+    contiguous G/(m*dp) of it, ranks in order."""
+    from tpkit.data import dp_rows
+    G, m = 24, 3
+    for dp in (1, 2, 4):
+        per_rank = [dp_rows(G, r, dp, m).reshape(m, -1) for r in range(dp)]
+        for i in range(m):
+            assert np.concatenate([p[i] for p in per_rank]).tolist() == \
+                list(range(i * G // m, (i + 1) * G // m))
+
+
 def test_resume_at_another_dp_continues_the_uninterrupted_order():
     """k steps at dp=2 (both ranks simulated), the position saved, resumed at dp=4: each
     later step's rows, gathered over the ranks, are the uninterrupted dp=1 run's."""
@@ -366,6 +386,11 @@ def _indexed(tmp, cut_idx=0, cut_bin=0):
     return IndexedDataset(str(tmp / "d"))
 
 
+def _write_tokens(tmp, tokens, dtype="uint16"):
+    np.asarray(tokens, dtype).tofile(tmp / "train.bin")
+    return str(tmp / "train.bin")
+
+
 def _cli(*argv):
     from tpkit.data.preprocess import parse_args, run as run_cli
     return lambda tmp, tok: run_cli(parse_args([a.format(tmp=tmp, tok=tok) for a in argv]))
@@ -404,6 +429,12 @@ BAD = [
     Row("empty-split", "leaves the validation part of", "use more documents",
         lambda tmp, tok: __import__("tpkit.data").data.split_documents(_docs([3] * 10),
                                                                        "99,1")),
+    Row("data-token-past-vocab", "token id 299 >= the model's vocab_size=200",
+        "re-run tpkit-data with the model's tokenizer",
+        lambda tmp, tok: (lambda d: d.batch(next(d.train), multiple=1))(
+            __import__("tpkit.data").data.build_data(
+                _write_tokens(tmp, [299, 3, 1] * 20), seq_len=4, global_batch=2,
+                vocab_size=200, eod=1, split="100,0"))),
     Row("data-path-blend", "'0.5 a b'", "'W1 PREFIX1 W2 PREFIX2'",
         lambda tmp, tok: __import__("tpkit.data").data.parse_data_path("0.5 a b")),
     Row("resume-other-data", "num_samples=99", "resume with the same --data-path",

@@ -86,11 +86,22 @@ class Data:
     vocab_size: int | None
     pack: bool
     seq_len: int
+    model_vocab: int | None = None
+    name: str = ""
 
     def batch(self, samples, state=None, multiple: int | None = None):
         """Tensors for this rank's samples: a ``PackedBatch`` (whole row, every document
         padded to ``multiple``, default the layout's; ``.shard(state)`` for the CP part)
         when packing, else ``(inputs, targets)`` ``[b, S]``."""
+        if self.model_vocab is not None:
+            top = max((int(t.max()) for sample in samples for t, _ in sample if len(t)),
+                      default=-1)
+            if top >= self.model_vocab:
+                raise ValueError(f"data path {self.name}: token id {top} >= the model's "
+                                 f"vocab_size={self.model_vocab} (in the batch at sample "
+                                 f"{self.train.consumed - self.train.global_batch}); the data "
+                                 "was tokenized for another vocabulary: re-run tpkit-data "
+                                 "with the model's tokenizer")
         return packed_batch(samples, state=state, multiple=multiple) if self.pack \
             else token_batch(samples)
 
@@ -119,7 +130,9 @@ def build_data(data_path, *, seq_len: int, global_batch: int, seed: int = 0,
                microbatches: int = 1) -> Data:
     """Open, split, sample, blend and order the data of ``data_path`` (module doc).
 
-    ``vocab_size``: the model's; a tokenizer with more tokens is refused. ``state`` (or
+    ``vocab_size``: the model's; a tokenizer with more tokens is refused, and so is a
+    batch holding a token id >= it (``Data.batch``: data made by another tokenizer, seen
+    when it is read; a full scan would read the whole dataset). ``state`` (or
     ``dp_rank`` / ``dp_size``): which rows this process reads. ``split``: Megatron's
     ``"train,valid"`` weights by documents (``"100,0"``: no validation)."""
     tok = as_tokenizer(tokenizer) if tokenizer is not None else None
@@ -140,4 +153,5 @@ def build_data(data_path, *, seq_len: int, global_batch: int, seed: int = 0,
         Blend([v for _, v in valids], [w for w, _ in valids])
     loader = Loader(train, global_batch, seed=seed, state=state, dp_rank=dp_rank,
                     dp_size=dp_size, microbatches=microbatches)
-    return Data(loader, valid, None if tok is None else tok.vocab_size, pack, seq_len)
+    return Data(loader, valid, None if tok is None else tok.vocab_size, pack, seq_len,
+                vocab_size, str(data_path))
