@@ -206,7 +206,7 @@ def test_blend_follows_the_weights_at_every_prefix():
 def test_split_and_build_data_with_a_blend(tmp_path, tok_dir):
     """Megatron's 'W1 P1 W2 P2' over an indexed dataset and a jsonl file, split 80/20 by
     documents: the validation documents never appear in training samples."""
-    from tpkit.data import IndexedDatasetWriter, build_data, split_documents
+    from tpkit.data import IndexedDatasetWriter, build_data, check_data, split_documents
     texts = _texts(50, seed=4)
     ref, eod = _ref_encode(tok_dir, texts)
     with IndexedDatasetWriter(str(tmp_path / "a"), np.uint16) as w:
@@ -215,6 +215,8 @@ def test_split_and_build_data_with_a_blend(tmp_path, tok_dir):
     src = _jsonl(tmp_path / "b.jsonl", [{"text": t} for t in texts[:30]])
     train, valid = split_documents(_docs([3] * 10), "80,20")
     assert (train.indices.tolist(), valid.indices.tolist()) == (list(range(8)), [8, 9])
+    assert check_data(f"0.3 {tmp_path / 'a'} 0.7 {src}", split="80,20", tokenizer=tok_dir,
+                      vocab_size=300) == 300
     data = build_data(f"0.3 {tmp_path / 'a'} 0.7 {src}", seq_len=16, global_batch=4,
                       split="80,20", pack=True, tokenizer=tok_dir, vocab_size=300)
     assert data.vocab_size == 300
@@ -386,6 +388,15 @@ def _indexed(tmp, cut_idx=0, cut_bin=0):
     return IndexedDataset(str(tmp / "d"))
 
 
+def _cut(path, n):
+    data = open(path, "rb").read()
+    open(path, "wb").write(data[:-n])
+
+
+def _check(path, **kw):
+    return __import__("tpkit.data").data.check_data(path, **kw)
+
+
 def _write_tokens(tmp, tokens, dtype="uint16"):
     np.asarray(tokens, dtype).tofile(tmp / "train.bin")
     return str(tmp / "train.bin")
@@ -435,6 +446,23 @@ BAD = [
             __import__("tpkit.data").data.build_data(
                 _write_tokens(tmp, [299, 3, 1] * 20), seq_len=4, global_batch=2,
                 vocab_size=200, eod=1, split="100,0"))),
+    # the same mistakes through check_data, a launcher's pre-flight (nothing tokenized)
+    Row("check-truncated-idx", "d.idx: 117 bytes, but its header announces 4 sequences",
+        "truncated: rewrite", lambda tmp, tok: (_indexed(tmp), _cut(tmp / "d.idx", 5),
+                                                _check(f"{tmp}/d"))),
+    Row("check-short-bin", "d.bin: 38 bytes", "truncated or belongs to another index",
+        lambda tmp, tok: (_indexed(tmp), _cut(tmp / "d.bin", 2), _check(f"{tmp}/d"))),
+    Row("check-vocab", "has 300 tokens but the model has vocab_size=256",
+        "use the model's own tokenizer",
+        lambda tmp, tok: _check(_jsonl(tmp / "c.jsonl", [{"text": "a"}]), tokenizer=tok,
+                                vocab_size=256)),
+    Row("check-missing-field", "c.jsonl:2: no field 'text' (it has ['body'])", "--json-keys",
+        lambda tmp, tok: _check(_jsonl(tmp / "c.jsonl", [{"text": "a"}, {"body": "b"}]),
+                                tokenizer=tok)),
+    Row("check-empty-split", "leaves the validation part of", "use more documents",
+        lambda tmp, tok: (_indexed(tmp), _check(f"{tmp}/d", split="99,1"))),
+    Row("check-no-tokenizer", "is text (text): pass a tokenizer directory",
+        "--tokenizer DIR", lambda tmp, tok: _check(_jsonl(tmp / "c.jsonl", [{"text": "a"}]))),
     Row("data-path-blend", "'0.5 a b'", "'W1 PREFIX1 W2 PREFIX2'",
         lambda tmp, tok: __import__("tpkit.data").data.parse_data_path("0.5 a b")),
     Row("resume-other-data", "num_samples=99", "resume with the same --data-path",

@@ -16,9 +16,9 @@ from .indexed import IndexedDataset, IndexedDatasetWriter, TokenFile, index_path
 from .text import Tokenizer, TokenizedDocuments, check_vocabulary, read_records, \
     sft_documents, text_documents
 from .samples import Blend, PackedSamples, Subset, WindowSamples, count_targets, \
-    packed_batch, split_documents, token_batch
+    packed_batch, split_bounds, split_documents, token_batch
 from .order import Loader, dp_rows, epoch_order
-from .build import Data, build_data, open_documents, parse_data_path
+from .build import Data, build_data, check_data, open_documents, parse_data_path
 
 __all__ = [
     "PackedBatch", "check_sequence_length", "cp_chunk_ids", "cp_positions", "pack_sequences",
@@ -28,8 +28,8 @@ __all__ = [
     "Tokenizer", "TokenizedDocuments", "check_vocabulary", "read_records", "sft_documents",
     "text_documents",
     "Blend", "PackedSamples", "Subset", "WindowSamples", "count_targets", "packed_batch",
-    "split_documents",
+    "split_bounds", "split_documents",
     "token_batch",
     "Loader", "dp_rows", "epoch_order",
-    "Data", "build_data", "open_documents", "parse_data_path",
+    "Data", "build_data", "check_data", "open_documents", "parse_data_path",
 ]

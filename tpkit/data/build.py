@@ -11,12 +11,14 @@ from __future__ import annotations
 import dataclasses
 import os
 
+import numpy as np
+
 from .indexed import IndexedDataset, TokenFile
 from .order import Loader, dp_rows, eval_indices
-from .samples import Blend, PackedSamples, WindowSamples, packed_batch, split_documents, \
-    token_batch
-from .text import TEXT_SUFFIXES, as_tokenizer, check_vocabulary, sft_documents, \
-    text_documents
+from .samples import Blend, PackedSamples, WindowSamples, packed_batch, split_bounds, \
+    split_documents, token_batch
+from .text import TEXT_SUFFIXES, as_tokenizer, check_vocabulary, field, read_records, \
+    sft_documents, text_documents
 
 FORMATS = ("auto", "indexed", "tokens", "text", "sft")
 
@@ -120,6 +122,45 @@ class Data:
         rows = dp_rows(t.global_batch, t.dp_rank, t.dp_size)
         for idx in eval_indices(len(self.valid), t.global_batch, batches):
             yield [self.valid.sample(int(idx[r])) for r in rows]
+
+
+def check_data(data_path, *, split="98,2", format: str = "auto", tokenizer=None,
+               json_keys=("text",), vocab_size: int | None = None,
+               token_dtype: str = "uint16") -> int | None:
+    """What :func:`build_data` would refuse, checked without tokenizing or reading tokens,
+    for a launcher's pre-flight (before any worker starts): the data path's form, every
+    indexed dataset's index against its ``.bin``, a token file's size, every text
+    record's JSON and fields, the tokenizer against ``vocab_size``, and no empty split
+    part (token files: their documents are known only after a scan, not counted here).
+    Returns the tokenizer's vocabulary size (None without a tokenizer)."""
+    if format not in FORMATS:
+        raise ValueError(f"data format {format!r}: choose one of {FORMATS}")
+    tok = as_tokenizer(tokenizer) if tokenizer is not None else None
+    if tok is not None and vocab_size is not None:
+        check_vocabulary(tok, vocab_size)
+    for _, path in parse_data_path(data_path):
+        fmt = detect_format(path) if format == "auto" else format
+        if fmt == "indexed":
+            n = len(IndexedDataset(path))
+        elif fmt == "tokens":
+            size = os.path.getsize(path) if os.path.isfile(path) else -1
+            if size <= 0 or size % np.dtype(token_dtype).itemsize:
+                TokenFile(path, token_dtype)           # its own message
+            continue
+        else:
+            if tok is None:
+                raise ValueError(f"data path {path!r} is text ({fmt}): pass a tokenizer "
+                                 "directory (--tokenizer DIR) to tokenize it")
+            n = 0
+            for where, rec in read_records(path, json_keys):
+                if fmt == "text":
+                    for k in json_keys:
+                        field(where, rec, k)
+                n += 1
+            if n == 0:
+                raise ValueError(f"data path {path!r} has no records; pass a non-empty file")
+        split_bounds(n, split, path)
+    return None if tok is None else tok.vocab_size
 
 
 def build_data(data_path, *, seq_len: int, global_batch: int, seed: int = 0,

@@ -43,24 +43,28 @@ def parse_split(split) -> list[float]:
     return [p / sum(parts) for p in parts]
 
 
-def split_documents(source, split="98,2", name=None) -> list[Subset]:
-    """The documents cut into consecutive ranges by ``split`` (Megatron's: train first, then
-    validation, [test]); a range that would be empty but has a weight is a ValueError."""
+def split_bounds(n: int, split="98,2", what="the dataset") -> list[int]:
+    """Where ``split`` cuts ``n`` documents (Megatron's: consecutive ranges, train first,
+    then validation, [test]); a part that would be empty but has a weight is a
+    ValueError."""
     fr = parse_split(split)
-    n = len(source)
     bounds = [0]
     for f in fr:
         bounds.append(bounds[-1] + int(round(f * n)))
     bounds[-1] = n
-    out = []
-    what = name or getattr(source, "name", None) or getattr(source, "prefix", "the dataset")
     for i, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
         if hi <= lo and fr[i] > 0:
             label = ("train", "validation", "test")[i] if i < 3 else f"split {i}"
             raise ValueError(f"split={split!r} leaves the {label} part of {what} empty ({n} "
                              "documents); use more documents or a larger weight for it")
-        out.append(Subset(source, np.arange(lo, hi)))
-    return out
+    return bounds
+
+
+def split_documents(source, split="98,2", name=None) -> list[Subset]:
+    """The documents cut into consecutive ranges by ``split`` (:func:`split_bounds`)."""
+    what = name or getattr(source, "name", None) or getattr(source, "prefix", "the dataset")
+    b = split_bounds(len(source), split, what)
+    return [Subset(source, np.arange(lo, hi)) for lo, hi in zip(b[:-1], b[1:])]
 
 
 def _nonempty(source) -> np.ndarray:
