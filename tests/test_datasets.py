@@ -142,6 +142,19 @@ def test_text_sources_tokenize_like_the_tokenizer(tmp_path, tok_dir):
     for src in sources:
         docs = text_documents(src, tok)
         assert [docs.document(i).tolist() for i in range(len(docs))] == want, src
+    # a directory transformers' AutoTokenizer reads offline (vocab.json + merges.txt, no
+    # tokenizer.json): the same ids
+    from tokenizers import Tokenizer as _T
+    slow = tmp_path / "slow"
+    slow.mkdir()
+    _T.from_file(os.path.join(tok_dir, "tokenizer.json")).model.save(str(slow))
+    (slow / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "GPT2Tokenizer", "eos_token": "<|endoftext|>",
+         "unk_token": "<unk>", "bos_token": "<|endoftext|>"}))
+    auto = Tokenizer(str(slow))
+    assert auto._hf is not None and (auto.vocab_size, auto.eod) == (300, eod)
+    docs = text_documents(sources[0], auto)
+    assert [docs.document(i).tolist() for i in range(len(docs))] == want
 
 
 # --- samples --------------------------------------------------------------------------------
