@@ -380,6 +380,43 @@ def test_sft_prompt_tokens_have_zero_loss_weight_at_cp2_packed(tmp_path, tok_dir
     assert checked == len(weight) and 0 < sum(weight.values()) < len(weight)
 
 
+def _sft_model_loss(tp, cp, tok_dir, path):
+    """The token-mean loss of one global batch of packed SFT rows (build_data, dp x cp x tp
+    from the pool's world) through launch/gpt.py's GPT, weights drawn at full shape from one
+    seed and sharded in (the same model at every layout)."""
+    import torch.distributed as dist
+    import tpkit
+    from tpkit.checkpoint import full_shapes, load_full_state_dict
+    from tpkit.data import build_data, count_targets
+    sys.path.insert(0, os.path.join(ROOT, "launch"))
+    from gpt import GPT, GPTConfig
+    st = tpkit.init_parallel(tp=tp, cp=cp)
+    model = GPT(GPTConfig(vocab_size=300, hidden_size=32, num_layers=2, num_heads=4,
+                          num_gqa_groups=2, ffn_hidden_size=64), st)
+    g = torch.Generator().manual_seed(0)
+    load_full_state_dict(model, {n: torch.randn(s, generator=g) * 0.2
+                                 for n, s in sorted(full_shapes(model).items())})
+    data = build_data(path, format="sft", tokenizer=tok_dir, seq_len=48, global_batch=2,
+                      pack=True, split="100,0", state=st, vocab_size=300)
+    rows = next(data.train)
+    local = data.batch(rows, st).shard(st)
+    loss = model(local.tokens, local.labels, local.position_ids, **local.attention_kwargs())
+    stats = torch.tensor([loss.item(), float(count_targets(rows))], dtype=torch.float64)
+    dist.all_reduce(stats[:1], group=st.cp_group)      # every token's loss, once per replica
+    dist.all_reduce(stats, group=st.dp_group)
+    return (stats[0] / stats[1]).item()
+
+
+def test_sft_packed_loss_through_a_model_is_the_same_at_tp2_cp2(tmp_path, tok_dir):
+    """build_data's packed SFT rows through a real model: the token-mean loss at
+    tp=2 x cp=2 (4 ranks) and at dp=2 x cp=2 equals the single-process one (1e-5)."""
+    path = _jsonl(tmp_path / "sft.jsonl", SFT * 3)
+    (ref,) = run(_sft_model_loss, 1, 1, 1, tok_dir, path, timeout=240)
+    for tp in (2, 1):
+        res = run(_sft_model_loss, 4, tp, 2, tok_dir, path, timeout=240)
+        assert all(abs(r - ref) <= 1e-5 * abs(ref) for r in res), (tp, res, ref)
+
+
 # --- bad input (one line naming the value and the fix each) ---------------------------------
 @dataclasses.dataclass
 class Row:
