@@ -74,6 +74,13 @@ def _megatron():
         pytest.skip(f"megatron-core is not installed ({e}); pip install megatron-core")
 
 
+def _megatron_helpers():
+    """megatron-core's compiled helpers (blend indices), as _megatron()."""
+    _megatron()
+    from megatron.core.datasets import helpers_cpp
+    return helpers_cpp
+
+
 # --- Megatron-Core's indexed format ------------------------------------------------------
 DOCS = [[5, 6, 7], [300, 1], [9] * 10, [70000 % 65000, 2, 3, 4, 5]]
 
@@ -203,8 +210,10 @@ def test_packing_keeps_every_document_once_in_rows_of_at_most_seq_len():
         sum(len(t) - 1 for t, _ in segs)
 
 
-def test_blend_follows_the_weights_at_every_prefix():
-    """Megatron's rule: after i samples, set j has drawn within one of w_j * i."""
+def test_blend_is_megatrons():
+    """The dataset and sample index of every blended sample are those of Megatron-Core's
+    own build_blending_indices (its C++ helper), for 2 and 3 datasets; after i samples,
+    set j has drawn within one of w_j * i."""
     from tpkit.data import Blend, WindowSamples
     a, b = WindowSamples(_docs([40] * 5, 1), 4), WindowSamples(_docs([40] * 5, 2), 4)
     bl = Blend([a, b], [1, 3], size=200)
@@ -212,6 +221,20 @@ def test_blend_follows_the_weights_at_every_prefix():
     for i in range(200):
         counts[bl.which[i]] += 1
         assert np.all(np.abs(counts - np.array([0.25, 0.75]) * (i + 1)) <= 1)
+    helpers = _megatron_helpers()
+
+    class Big:                                       # a sample set of n samples
+        def __init__(self, n):
+            self.n = n
+
+        def __len__(self):
+            return self.n
+    for weights, n in (([0.3, 0.7], 5000), ([2.0, 1.0, 7.0], 7000)):
+        w = np.asarray(weights) / sum(weights)
+        ds_index, ds_sample = np.zeros(n, np.int16), np.zeros(n, np.int64)
+        helpers.build_blending_indices(ds_index, ds_sample, w, len(w), n, False)
+        ours = Blend([Big(n) for _ in w], weights, size=n)
+        assert np.array_equal(ours.which, ds_index) and np.array_equal(ours.index, ds_sample)
     first_b = int(np.flatnonzero(bl.which == 1)[5])
     assert bl.sample(first_b)[0][0].tolist() == b.sample(5)[0][0].tolist()
 
@@ -225,7 +248,8 @@ def test_split_and_build_data_with_a_blend(tmp_path, tok_dir):
     with IndexedDatasetWriter(str(tmp_path / "a"), np.uint16) as w:
         for r in ref:
             w.add_document(r + [eod])
-    src = _jsonl(tmp_path / "b.jsonl", [{"text": t} for t in texts[:30]])
+    other = _texts(30, seed=5)
+    src = _jsonl(tmp_path / "b.jsonl", [{"text": t} for t in other])
     train, valid = split_documents(_docs([3] * 10), "80,20")
     assert (train.indices.tolist(), valid.indices.tolist()) == (list(range(8)), [8, 9])
     assert check_data(f"0.3 {tmp_path / 'a'} 0.7 {src}", split="80,20", tokenizer=tok_dir,
@@ -233,12 +257,14 @@ def test_split_and_build_data_with_a_blend(tmp_path, tok_dir):
     data = build_data(f"0.3 {tmp_path / 'a'} 0.7 {src}", seq_len=16, global_batch=4,
                       split="80,20", pack=True, tokenizer=tok_dir, vocab_size=300)
     assert data.vocab_size == 300
-    held = {tuple(r + [eod]) for r in ref[40:]} | {tuple(r + [eod]) for r in ref[24:30]}
+    held = {tuple(r + [eod]) for r in ref[40:] + _ref_encode(tok_dir, other[24:])[0]}
+    seen = 0
     for _ in range(10):
         for sample in next(data.train):
-            for tok, _ in sample:
-                assert not any(tuple(tok.tolist()) == h[:len(tok)] and len(tok) > 4
-                               for h in held)
+            for tok, _ in sample:   # a held document would come as a first piece somewhere
+                assert not any(tuple(tok.tolist()) == h[:len(tok)] for h in held)
+                seen += 1
+    assert seen >= 40
     n_valid = sum(len(s) for s in next(data.valid_batches()))
     assert n_valid > 0
     # a nanoGPT token file through the same call: windows over its documents

@@ -180,7 +180,9 @@ def run(args) -> dict:
                 dtype=np.dtype(dtype).name)
 
 
-def main(argv=None) -> dict:
+def main(argv=None) -> int:
+    """The console script: 0 after the summary line, exit 2 with one line on a mistake
+    (:func:`run` returns the summary's numbers to Python callers)."""
     args = parse_args(argv)
     try:
         s = run(args)
@@ -191,4 +193,4 @@ def main(argv=None) -> dict:
     print(f"tpkit-data: wrote {names}: {s['documents']:,} documents, {s['tokens']:,} tokens "
           f"({s['dtype']}) in {s['seconds']:.2f} s, {s['tokens_per_s']:,.0f} tokens/s with "
           f"{s['workers']} worker(s)", flush=True)
-    return s
+    return 0

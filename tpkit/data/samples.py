@@ -129,20 +129,23 @@ class PackedSamples:
         self.source, self.seq_len = source, seq_len
         docs = _nonempty(source)
         docs = docs[np.random.default_rng([seed, 17]).permutation(len(docs))]
-        lengths = np.asarray(source.lengths)
-        pieces, rows, used = [], [0], 0
-        for d in docs.tolist():
-            n = int(lengths[d])
-            for lo in range(0, n, seq_len):
-                size = min(seq_len, n - lo)
+        lengths = np.asarray(source.lengths)[docs].astype(np.int64)
+        # pieces of at most seq_len per document, in order: (document, start, stop)
+        count = -(-lengths // seq_len)
+        doc = np.repeat(docs, count)
+        first = np.repeat(np.cumsum(count) - count, count)
+        lo = (np.arange(len(doc)) - first) * seq_len
+        hi = np.minimum(lo + seq_len, np.repeat(lengths, count))
+        self.pieces = np.stack([doc, lo, hi], axis=1).reshape(-1, 3)
+        starts, used, sizes = [0], 0, hi - lo      # greedy rows, a million pieces at a time
+        for base in range(0, len(sizes), 1 << 20):
+            for i, size in enumerate(sizes[base:base + (1 << 20)].tolist(), base):
                 if used + size > seq_len:
-                    rows.append(len(pieces))
+                    starts.append(i)
                     used = 0
-                pieces.append((d, lo, lo + size))
                 used += size
-        rows.append(len(pieces))
-        self.pieces = np.asarray(pieces, np.int64).reshape(-1, 3)
-        self.rows = np.asarray(rows if len(pieces) else [0], np.int64)
+        starts.append(len(doc))
+        self.rows = np.asarray(starts if len(doc) else [0], np.int64)
         if len(self) == 0:
             raise ValueError(f"{getattr(source, 'name', 'the dataset')} has no non-empty "
                              "documents to pack")
@@ -156,10 +159,10 @@ class PackedSamples:
 
 
 class Blend:
-    """Samples drawn from several sample sets by weight, as Megatron's ``BlendedDataset``:
-    sample ``i`` comes from the set ``j`` whose share lags its weight most
-    (``argmax(w_j * (i + 1) - count_j)``, ties to the first), and is that set's next sample
-    (wrapping around a set that runs out). ``size``: default the sets' total."""
+    """Samples drawn from several sample sets by weight, exactly as Megatron's
+    ``BlendedDataset`` (``build_blending_indices``): sample ``i`` comes from the set ``j``
+    with the largest ``w_j * max(i, 1) - count_j`` (ties to the first), and is that set's
+    next sample (wrapping around a set that runs out). ``size``: default the sets' total."""
 
     def __init__(self, sets, weights, size: int | None = None):
         if len(sets) != len(weights) or not sets:
@@ -170,14 +173,20 @@ class Blend:
             raise ValueError(f"blend weights {list(weights)} must be >= 0 with a positive sum")
         self.sets, self.weights = list(sets), w / w.sum()
         size = sum(len(s) for s in sets) if size is None else int(size)
-        which = np.zeros(size, np.int64)
-        index = np.zeros(size, np.int64)
-        counts = np.zeros(len(sets), np.int64)
-        for i in range(size):
-            j = int(np.argmax(self.weights * (i + 1) - counts))
-            which[i], index[i] = j, counts[j] % len(sets[j])
-            counts[j] += 1
-        self.which, self.index = which, index
+        wl, counts, rest = self.weights.tolist(), [0] * len(sets), range(1, len(sets))
+        which, index = [], []
+        for i in range(size):          # plain floats: ~1 s per million samples
+            x = 1.0 if i < 1 else float(i)
+            best, err = 0, wl[0] * x - counts[0]
+            for j in rest:
+                e = wl[j] * x - counts[j]
+                if e > err:
+                    best, err = j, e
+            which.append(best)
+            index.append(counts[best] % len(sets[best]))
+            counts[best] += 1
+        self.which = np.asarray(which, np.int64)
+        self.index = np.asarray(index, np.int64)
 
     def __len__(self):
         return len(self.which)
