@@ -130,8 +130,8 @@ def test_token_file_documents(tmp_path, dtype):
 
 # --- text sources ---------------------------------------------------------------------------
 def test_text_sources_tokenize_like_the_tokenizer(tmp_path, tok_dir):
-    """jsonl, parquet, text lines, a saved datasets directory and a datasets.Dataset give
-    the documents the tokenizers library gives, plus the eod token."""
+    """jsonl, parquet, text lines, a saved datasets directory, a datasets.Dataset and a
+    streaming one give the documents the tokenizers library gives, plus the eod token."""
     import datasets
     from tpkit.data import Tokenizer, text_documents
     texts = _texts(20)
@@ -144,6 +144,8 @@ def test_text_sources_tokenize_like_the_tokenizer(tmp_path, tok_dir):
     sources = [_jsonl(tmp_path / "c.jsonl", [{"text": t} for t in texts]),
                str(tmp_path / "c.parquet"), str(tmp_path / "c.txt"), str(tmp_path / "saved"),
                ds]
+    sources.append(datasets.load_dataset("json", data_files=sources[0], split="train",
+                                         streaming=True))          # an IterableDataset
     tok = Tokenizer(tok_dir)
     assert (tok.vocab_size, tok.eod) == (300, eod)
     for src in sources:

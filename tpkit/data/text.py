@@ -98,7 +98,8 @@ TEXT_SUFFIXES = (".jsonl", ".json", ".parquet", ".txt", ".text")
 def read_records(source, keys=("text",)):
     """``(where, record)`` for every record of ``source``: a ``.jsonl``/``.json`` file (one
     JSON object a line), ``.parquet``, a text file (one document a line, as ``keys[0]``), a
-    directory written by ``datasets.Dataset.save_to_disk``, or a ``datasets.Dataset``."""
+    directory written by ``datasets.Dataset.save_to_disk``, or a ``datasets.Dataset`` (a
+    streaming ``IterableDataset`` too: it is read once, in order)."""
     if not isinstance(source, (str, os.PathLike)):        # a datasets.Dataset (or a list)
         for i, rec in enumerate(source):
             yield f"dataset row {i}", rec
