@@ -466,6 +466,16 @@ def _indexed(tmp, cut_idx=0, cut_bin=0):
     return IndexedDataset(str(tmp / "d"))
 
 
+def _patch(path, offset, data):
+    raw = bytearray(open(path, "rb").read())
+    raw[offset:offset + len(data)] = data
+    open(path, "wb").write(bytes(raw))
+
+
+def _indexed_open(tmp):
+    return __import__("tpkit.data").data.IndexedDataset(str(tmp / "d"))
+
+
 def _cut(path, n):
     data = open(path, "rb").read()
     open(path, "wb").write(data[:-n])
@@ -493,6 +503,9 @@ BAD = [
         lambda tmp, tok: _indexed(tmp, cut_idx=90)),
     Row("short-bin", "d.bin: 38 bytes", "truncated or belongs to another index",
         lambda tmp, tok: _indexed(tmp, cut_bin=2)),
+    Row("idx-pointers", "d.idx: its sequence pointers are not the sequences laid back to "
+        "back", "the index is corrupt", lambda tmp, tok: (_indexed(tmp), _patch(
+            tmp / "d.idx", 34 + 4 * 4 + 8, np.int64(7).tobytes()), _indexed_open(tmp))),
     Row("vocab-mismatch", "has 300 tokens but the model has vocab_size=256",
         "use the model's own tokenizer",
         lambda tmp, tok: __import__("tpkit.data").data.build_data(

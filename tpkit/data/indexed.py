@@ -124,7 +124,9 @@ class IndexedDataset:
         self.sequence_pointers = np.frombuffer(mm, np.int64, n_seq, _FIXED + 4 * n_seq)
         self.document_indices = np.frombuffer(mm, np.int64, n_doc, _FIXED + 12 * n_seq)
         docs = self.document_indices
-        if n_doc < 1 or docs[0] != 0 or docs[-1] != n_seq or np.any(np.diff(docs) < 0):
+        ordered = n_doc >= 1 and docs[0] == 0 and docs[-1] == n_seq and _chunks_ok(
+            n_doc - 1, lambda lo, hi: np.all(docs[lo + 1:hi + 1] >= docs[lo:hi]))
+        if not ordered:
             raise ValueError(f"{idx_path}: its document indices do not run from 0 to the "
                              f"sequence count {n_seq} in order; the index is corrupt")
         self._bin = _PReader(bin_path, self.dtype)
@@ -135,15 +137,23 @@ class IndexedDataset:
             raise ValueError(f"{bin_path}: {self._bin.nbytes} bytes, but {idx_path} indexes "
                              f"{end} bytes ({end // item} tokens of {self.dtype}); the .bin is "
                              "truncated or belongs to another index: rewrite both")
-        # tokens of document d: sequences docs[d]..docs[d+1], contiguous in the .bin
-        tok_start = np.zeros(n_seq + 1, np.int64)
-        np.cumsum(self.sequence_lengths, out=tok_start[1:])
-        if n_seq and not np.array_equal(self.sequence_pointers, tok_start[:-1] * item):
+        # the sequences lie back to back in the .bin (checked a piece at a time: no array
+        # of the index's size is made), so document d is one run of tokens
+        ptr, lens = self.sequence_pointers, self.sequence_lengths
+        if n_seq and (ptr[0] != 0 or not _chunks_ok(n_seq - 1, lambda lo, hi: np.array_equal(
+                ptr[lo + 1:hi + 1] - ptr[lo:hi], lens[lo:hi].astype(np.int64) * item))):
             raise ValueError(f"{idx_path}: its sequence pointers are not the sequences laid "
                              "back to back in the .bin; the index is corrupt")
-        self._doc_start = tok_start[docs[:-1]]
-        self.lengths = tok_start[docs[1:]] - self._doc_start
-        self.num_tokens = int(tok_start[-1])
+        self.num_tokens = end // item
+        if n_doc == n_seq + 1 and _chunks_ok(n_doc, lambda lo, hi: np.array_equal(
+                docs[lo:hi], np.arange(lo, hi))):
+            self._doc_seq = None                 # one sequence a document (tpkit-data's)
+            self.lengths = lens                  # memory-mapped, nothing copied
+        else:
+            self._doc_seq = docs[:-1]
+            tok = np.zeros(n_seq + 1, np.int64)
+            np.cumsum(lens, out=tok[1:])
+            self.lengths = tok[docs[1:]] - tok[docs[:-1]]
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -153,7 +163,11 @@ class IndexedDataset:
                 f"tokens, {self.dtype})")
 
     def document(self, i: int) -> np.ndarray:
-        return self._bin.read(int(self._doc_start[i]), int(self.lengths[i]))
+        seq = i if self._doc_seq is None else int(self._doc_seq[i])
+        n = int(self.lengths[i])
+        if n == 0:
+            return np.zeros(0, self.dtype)
+        return self._bin.read(int(self.sequence_pointers[seq]) // self.dtype.itemsize, n)
 
     def tokens(self, offset: int, count: int) -> np.ndarray:
         """``count`` tokens from token ``offset`` of the whole ``.bin``."""
@@ -172,6 +186,11 @@ class IndexedDataset:
     @staticmethod
     def exists(prefix: str) -> bool:
         return all(os.path.isfile(p) for p in index_paths(prefix))
+
+
+def _chunks_ok(n: int, ok, step: int = 1 << 22) -> bool:
+    """``ok(lo, hi)`` for every piece ``[lo, hi)`` of ``range(n)``."""
+    return all(ok(lo, min(n, lo + step)) for lo in range(0, n, step))
 
 
 class IndexedDatasetWriter:
