@@ -159,6 +159,7 @@ def main(argv=None) -> None:
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--no-write", action="store_true", help="print, keep BENCHMARKS.md")
     args = ap.parse_args(argv)
+    load0 = os.getloadavg()[0]
     from tpkit.data import (IndexedDataset, PackedSamples, WindowSamples, packed_batch,
                             token_batch)
     with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR", "/tmp")) as tmp:
@@ -211,7 +212,9 @@ def main(argv=None) -> None:
             "against VmRSS before the dataset was opened; `tpkit-data` against the "
             "tokenizer's `encode_batch` on the same texts; the trainer's tokens/s is "
             "launch/train.py's last progress line at the README's size (12 steps, "
-            "tp=2 x cp=2, 4 gloo ranks on this machine's cores).\n\n" + table(rows))
+            "tp=2 x cp=2, 4 gloo ranks on this machine's cores). 1-minute load average "
+            f"at the start and the end: {load0:.1f}, {os.getloadavg()[0]:.1f} (a shared "
+            "machine: the ratios move between runs).\n\n" + table(rows))
     if not args.no_write:
         write_section("data", "Data loading and tokenizing (tpkit.data, tpkit-data)", body)
     print(body)
