@@ -316,6 +316,11 @@ def test_resume_at_another_dp_continues_the_uninterrupted_order():
     for ld in dp4:
         ld.load_state_dict(saved)
     assert first + [step_rows(dp4) for _ in range(later)] == ref
+    # step-indexed, no saved state: step s's rows are at stream position s * G
+    fresh = [Loader(samples, G, seed=5, dp_rank=r, dp_size=4) for r in range(4)]
+    assert [i for ld in fresh for i in ld.indices(k * G)] == ref[k]
+    assert [s[0][0].tolist() for s in fresh[0].at(3 * G, range(G))] == \
+        [samples.sample(i)[0][0].tolist() for i in ref[3]]
     # what a rank reads is those rows' samples
     ld = Loader(samples, G, seed=5, dp_rank=3, dp_size=4)
     ld.load_state_dict(saved)

@@ -74,15 +74,25 @@ class Loader:
         start = self.consumed if step_start is None else step_start
         return [self._index(start + i) for i in range(self.global_batch)]
 
-    def indices(self) -> list[int]:
-        """This rank's sample indices of the next global batch (no advance)."""
-        return [self._index(self.consumed + int(r)) for r in self.rows]
+    def indices(self, position: int | None = None, rows=None) -> list[int]:
+        """Sample indices of the global batch starting at stream ``position`` (default: the
+        current one): this rank's rows, or ``rows`` of it. No advance."""
+        start = self.consumed if position is None else int(position)
+        return [self._index(start + int(r)) for r in (self.rows if rows is None else rows)]
+
+    def at(self, position: int, rows=None) -> list:
+        """The samples of the global batch starting at stream ``position`` (``step *
+        global_batch`` for a loop that takes one global batch a step: a step-indexed
+        reader needs no other state), this rank's rows or ``rows`` of it (all of them,
+        ``range(global_batch)``, e.g. for the step's labelled-token count without a
+        collective). No advance."""
+        return [self.samples.sample(i) for i in self.indices(position, rows)]
 
     def __iter__(self):
         return self
 
     def __next__(self) -> list:
-        out = [self.samples.sample(i) for i in self.indices()]
+        out = self.at(self.consumed)
         self.consumed += self.global_batch
         return out
 
