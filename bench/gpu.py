@@ -9,9 +9,13 @@ overhead row is a hand-written loop over ``transformer_engine.pytorch.Transforme
 with the same sizes, data, optimizer, clipping, autocast and fp8 recipe, timed in the same
 run; the same loop over launch/gpt.py's GPT (TE blocks) splits the overhead between the
 model's own layers and the Fabric path.
-Rates are over steps 10..30 (after 10 warm-up steps) in both. MFU = model FLOPs /
-(step time x the bf16 matmul rate measured in the same run), model
-FLOPs per token = 6 x (matmul parameters) + 6 x layers x seq x hidden (causal attention).
+Rates are over steps 10..30 (after 10 warm-up steps) in both. The figures are the ones
+tpkit's logs report (tpkit.observe): model TFLOP/s per device (model FLOPs per token in the
+peers' convention, attention over the full S x S: ``transformer_flops_per_token``) and MFU
+against the device's datasheet dense peak (``peak_tflops``: 989.4 TFLOP/s bf16 on an H100
+SXM; fp8 runs against the bf16 peak as ``mfu`` and the fp8 peak as ``mfu_fp8``), plus
+``of_matmul``: the same TFLOP/s over the bf16 8192^3 matmul rate measured in the same run
+(the physical limit of this card as measured, not MFU).
 """
 from __future__ import annotations
 
@@ -32,11 +36,26 @@ VARIANTS = {  # name -> train.py arguments beyond the size
 }
 
 
-def model_flops_per_token(s=SIZE) -> float:
-    h, f, L, kv = s["hidden"], s["ffn"], s["layers"], s["hidden"] * s["gqa"] // s["heads"]
-    per_layer = h * (h + 2 * kv) + h * h + 2 * h * f
-    matmul_params = L * per_layer + h * s["vocab"]
-    return 6 * matmul_params + 6 * L * s["seq"] * h
+def flops_per_token(s=SIZE) -> float:
+    """Model FLOPs per token of SIZE's GPT (GELU MLPs), tpkit.observe's convention."""
+    from tpkit.observe import transformer_flops_per_token
+    return transformer_flops_per_token(
+        hidden_size=s["hidden"], num_layers=s["layers"], num_heads=s["heads"],
+        kv_heads=s["gqa"], seq_len=s["seq"], vocab_size=s["vocab"], ffn_hidden_size=s["ffn"])
+
+
+def figures(tokens_per_s: float, device_name: str, *, fp8: bool, matmul_tflops: float,
+            devices: int = 1) -> dict:
+    """What the trainer logs for a run at ``tokens_per_s`` on ``devices`` devices named
+    ``device_name`` (tflops_per_device, mfu, and mfu_fp8 for fp8 runs), and ``of_matmul``:
+    TFLOP/s over the measured matmul rate."""
+    from tpkit.observe import mfu, peak_tflops, tflops_per_device
+    t = tflops_per_device(tokens_per_s, flops_per_token(), devices)
+    out = {"tflops_per_device": t, "mfu": mfu(t, peak_tflops(device_name, "bf16")),
+           "of_matmul": t / matmul_tflops}
+    if fp8:
+        out["mfu_fp8"] = mfu(t, peak_tflops(device_name, "fp8"))
+    return out
 
 
 def matmul_tflops() -> float:
@@ -179,7 +198,7 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     import torch
     res = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-           "size": SIZE, "flops_per_token": model_flops_per_token(),
+           "size": SIZE, "flops_per_token": flops_per_token(),
            "date": time.strftime("%Y-%m-%d", time.gmtime())}
     try:
         import transformer_engine
@@ -194,7 +213,8 @@ def main(argv=None) -> dict:
                 continue
             r = run_train(extra, args.steps, log)
             if "tokens_per_s" in r:
-                r["mfu"] = r["tokens_per_s"] * res["flops_per_token"] / (res["matmul_tflops"] * 1e12)
+                r.update(figures(r["tokens_per_s"], res["device"], fp8="fp8" in name,
+                                 matmul_tflops=res["matmul_tflops"]))
             res[f"tpkit {name}"] = r
             print(json.dumps({name: r}), flush=True)
     for (who, make), fp8 in [((w, m), f) for w, m in (("hand te", hand_model),
@@ -205,7 +225,8 @@ def main(argv=None) -> dict:
             continue
         try:
             r = time_loop(make, fp8, args.steps)
-            r["mfu"] = r["tokens_per_s"] * res["flops_per_token"] / (res["matmul_tflops"] * 1e12)
+            r.update(figures(r["tokens_per_s"], res["device"], fp8=fp8,
+                             matmul_tflops=res["matmul_tflops"]))
         except Exception as exc:
             r = {"error": f"{type(exc).__name__}: {exc}"}
         res[name] = r

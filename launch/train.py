@@ -444,6 +444,8 @@ def tpkit_preflight(argv, launch) -> None:
         if args.resume and not launch.dry_run:   # a dry run may plan a resume of a future save
             verify(resolve_resume(args.resume), None if model is None else {"model": model},
                    state=state)
+    from tpkit.memory import MemoryJob   # the model and batch, for tpkit-launch's estimate
+    return MemoryJob.from_train_args(args, dp=config.dp, pp=config.pp)
 
 
 def full_init(model: torch.nn.Module, seed: int) -> None:

@@ -65,6 +65,7 @@ SIGNATURES = {
     "quantized_model_init": (PT + "quantization.py", "quantized_model_init"),
     "fp8_model_init": (PT + "quantization.py", "fp8_model_init"),
     "checkpoint": (PT + "distributed.py", "checkpoint"),
+    "make_graphed_callables": (PT + "graph.py", "make_graphed_callables"),
     "is_fp8_available": (PT + "quantization.py", "is_fp8_available"),
     "is_mxfp8_available": (PT + "quantization.py", "is_mxfp8_available"),
     "is_fp8_block_scaling_available": (PT + "quantization.py", "is_fp8_block_scaling_available"),
@@ -111,6 +112,7 @@ TPKIT_PASSES = {
     "fp8_model_init": {"enabled", "recipe", "preserve_high_precision_init_val"},
     "checkpoint": {"distribute_saved_activations", "get_rng_state_tracker", "tp_group",
                    "use_reentrant"},
+    "make_graphed_callables": ("modules", "sample_args"),
     "DotProductAttention.set_context_parallel_group": (
         "cp_group", "cp_global_ranks", "cp_stream", "cp_comm_type"),
     # ParallelSelfAttention's packed/padded call of its core (TE's DotProductAttention)

@@ -18,7 +18,8 @@ import tpkit.te
 
 FAKE_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fake_te")
 NAMES = ("transformer_engine", "transformer_engine.pytorch", "transformer_engine.common",
-         "transformer_engine.common.recipe")
+         "transformer_engine.common.recipe", "transformer_engine.pytorch.quantization",
+         "transformer_engine.pytorch.distributed")
 
 
 def _load(name: str, path: str, parent=None):

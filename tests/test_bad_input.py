@@ -59,6 +59,10 @@ class Row:
     skip: str | None = None             # "te": only where TE cannot run (no TE or no CUDA)
 
 
+TINY_LLAMA = ('{"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, '
+              '"intermediate_size": 128, "num_attention_heads": 4, "vocab_size": 256}')
+
+
 def T(*args):   # a launch/train.py command line on 2 ranks
     return ["--nproc-per-node", "2", TRAIN, *SMALL, *args]
 
@@ -130,6 +134,35 @@ LAUNCH = [
         ["--master-port", "70000", SCRIPT]),
     Row("no-python-and-m", "--no-python and -m", "drop one of them",
         ["--no-python", "-m", "json.tool"]),
+    # the memory check (tpkit.cli.memory, issue 38)
+    Row("device-memory-zero", "--device-memory=0.0", "must be > 0 GiB",
+        ["--device-memory", "0", SCRIPT]),
+    Row("memory-margin-range", "--memory-margin=1.5", "must be in [0, 1)",
+        ["--memory-margin", "1.5", "--model-config", "{tmp}/config.json", SCRIPT],
+        setup=_write("config.json", TINY_LLAMA)),
+    Row("device-memory-without-model", "--device-memory/--memory-margin need the model",
+        "pass --model-config FILE", ["--device-memory", "80", SCRIPT]),
+    Row("memory-job-without-model", "--memory-job='seq_len=8'", "needs --model-config FILE",
+        ["--memory-job", "seq_len=8", SCRIPT]),
+    Row("model-config-missing", "config.json' cannot be read", "pass a Hugging Face config.json",
+        ["--model-config", "{tmp}/config.json", SCRIPT]),
+    Row("model-config-keys", "model_type=None", "tpkit.models.llama reads",
+        ["--model-config", "{tmp}/config.json", SCRIPT], setup=_write("config.json", "{}")),
+    Row("memory-job-key", "--memory-job item 'seqlen=8'", "KEY one of",
+        ["--model-config", "{tmp}/config.json", "--memory-job", "seqlen=8", SCRIPT],
+        setup=_write("config.json", TINY_LLAMA)),
+    Row("memory-job-value", "--memory-job seq_len='long'", "e.g. seq_len=2048",
+        ["--model-config", "{tmp}/config.json", "--memory-job", "seq_len=long", SCRIPT],
+        setup=_write("config.json", TINY_LLAMA)),
+    Row("memory-too-small", "over the 10.24 MiB device memory", "use more ranks",
+        ["--device-memory", "0.01", "--model-config", "{tmp}/config.json", SCRIPT],
+        setup=_write("config.json", TINY_LLAMA)),
+    Row("train-memory-too-small", "over the 1.02 MiB device memory",
+        "the cheapest layout that fits is --tp 2",
+        ["--nproc-per-node", "2", "--device-memory", "0.001", TRAIN, *SMALL]),
+    Row("preflight-returns-other", "tpkit_preflight returned int",
+        "returns None or a tpkit.memory.MemoryJob", ["{tmp}/hook.py"],
+        setup=_write("hook.py", "def tpkit_preflight(argv, launch):\n    return 5\n")),
     # the script or module
     Row("missing-script", "'missing_script.py' does not exist", "pass the path of a .py file",
         ["--tp", "2", "missing_script.py"]),
@@ -297,6 +330,34 @@ def _cfg(**kw):
     return lambda tmp: ParallelConfig(**kw)
 
 
+def _te(build):
+    """``build(state)`` on a tp=2 SP state (fake group), with the fake TE (tests/fake_te)
+    and tpkit.te believing CUDA is there."""
+    def call(tmp):
+        import te_fake
+        import tpkit.te
+        from tpkit.config import ParallelConfig
+        from tpkit.planning import fake_state
+        from tpkit.random import model_parallel_seed
+        te_fake.install()
+        was, tpkit.te._cuda_available = tpkit.te._cuda_available, lambda: True
+        try:
+            with fake_state(ParallelConfig(tp=2, sequence_parallel=True), 2) as state:
+                model_parallel_seed(1, state)
+                build(state)
+        finally:
+            tpkit.te._cuda_available = was
+            te_fake.uninstall()
+    return call
+
+
+def _te_graphs(state):
+    import tpkit.te
+    attn = tpkit.te.make("attention", state, num_attention_heads=2, kv_channels=2)
+    q = torch.zeros(2, 1, 1, 2)
+    tpkit.te.make_graphed_callables(attn, (q, q, q))
+
+
 def _nn(name):
     import tpkit.nn
     return getattr(tpkit.nn, name)
@@ -310,6 +371,11 @@ def _fabric(name):
 def _recovery(*args, **kw):
     from tpkit.recovery import Recovery
     return Recovery(*args, **kw)
+
+
+def _observe(name):
+    import tpkit.observe
+    return getattr(tpkit.observe, name)
 
 
 def _touch(path):
@@ -418,6 +484,21 @@ API = [
             _touch(tmp / "x.pt") / "ck", {"model": torch.nn.Linear(2, 2)})),
     Row("load-empty-dir", "{tmp}/.metadata is missing", "load another checkpoint",
         call=_load(lambda tmp: tmp)),
+    Row("observe-profile-steps", "--profile-steps='4:2'", "need 0 <= A < B",
+        call=lambda tmp: _observe("parse_profile_steps")("4:2")),
+    Row("observe-every", "every=0", "must be a positive number of steps",
+        call=lambda tmp: _observe("MetricsLogger")(tmp, tokens_per_step=8, every=0)),
+    Row("observe-peak", "peak_tflops=0", "must be a positive TFLOP/s",
+        call=lambda tmp: _observe("MetricsLogger")(tmp, tokens_per_step=8, peak_tflops=0)),
+    Row("observe-flops-model", "does not know object", "transformer_flops_per_token(",
+        call=lambda tmp: _observe("model_flops_per_token")(object(), 8)),
+    # issue 40: TE combinations tpkit cannot make TE run correctly
+    Row("te-layer-sp-dropout", "sequence_parallel=True, tp=2 and attention_dropout=0.1",
+        "Pass attention_dropout=0.0", call=_te(lambda st: __import__("tpkit.te").te.make(
+            "transformer_layer", st, hidden_size=8, ffn_hidden_size=16,
+            num_attention_heads=2))),
+    Row("te-graphs-tpkit-tracker", "make_graphed_callables with tpkit's RNG tracker",
+        "Run without CUDA graphs", call=_te(_te_graphs)),
 ]
 
 

@@ -74,10 +74,12 @@ def test_make_builds_te_modules_with_state_kwargs(fake_te, cuda, fake_state):
         ("layernorm_mlp", dict(hidden_size=8, ffn_hidden_size=32), fake_te.LayerNormMLP,
          dict(parallel, set_parallel_mode=True, activation="gelu")),
         ("attention", dict(num_attention_heads=4, kv_channels=2, attn_mask_type="causal"),
-         fake_te.DotProductAttention, dict(parallel, num_attention_heads=4, cp_group=None)),
+         # TE's attention gets SP off: under SP it would not fork the tracker (issue 40)
+         fake_te.DotProductAttention, dict(parallel, num_attention_heads=4, cp_group=None,
+                                           sequence_parallel=False)),
         ("transformer_layer", dict(hidden_size=8, ffn_hidden_size=32, num_attention_heads=4,
-                                   hidden_dropout=0.0), fake_te.TransformerLayer,
-         dict(parallel, set_parallel_mode=True, hidden_dropout=0.0)),
+                                   hidden_dropout=0.0, attention_dropout=0.0),
+         fake_te.TransformerLayer, dict(parallel, set_parallel_mode=True, hidden_dropout=0.0)),
         ("layernorm", dict(normalized_shape=8, eps=1e-6, params_dtype=torch.bfloat16),
          fake_te.LayerNorm, dict(sequence_parallel=True, eps=1e-6, params_dtype=None,
                                  kwargs={"dtype": torch.bfloat16})),
@@ -114,7 +116,7 @@ def test_make_attention_wires_cp(fake_te, cuda, fake_state):
     s = fake_state
     a = tte.make("attention", s, num_attention_heads=4, kv_channels=8)
     b = tte.make("transformer_layer", s, hidden_size=8, ffn_hidden_size=16,
-                 num_attention_heads=4)
+                 num_attention_heads=4, attention_dropout=0.0)
     assert len(cuda) == 1  # one stream per state, shared
     for m in (a, b.core_attention):
         assert m.cp_group is s.cp_group and m.cp_stream is cuda[0]

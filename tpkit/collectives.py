@@ -25,7 +25,7 @@ from . import shm
 
 __all__ = ["group_size", "group_rank", "all_reduce_sum", "all_reduce_max", "all_reduce_flat",
            "all_gather", "reduce_scatter", "split", "all_to_all", "exchange", "broadcast",
-           "start_p2p"]
+           "start_p2p", "group_device", "any_rank"]
 
 
 def group_size(group) -> int:
@@ -34,6 +34,34 @@ def group_size(group) -> int:
 
 def group_rank(group) -> int:
     return dist.get_rank(group=group)
+
+
+def group_device(group) -> torch.device:
+    """The device a tensor must be on for a collective over ``group`` (None: the default
+    group): the CPU when the group has a CPU backend (gloo, "cpu:gloo,cuda:nccl"), else
+    its accelerator (the current CUDA device for nccl). A group without a CPU backend,
+    as the nccl-only default group on GPUs, rejects CPU tensors."""
+    pg = dist.group.WORLD if group is None else group
+    types = [d.type for d in getattr(pg, "_device_types", ())]
+    if not types:   # a torch without the attribute: the backend string
+        types = ["cpu" if part.split(":")[-1] == "gloo" and ":" not in part
+                 else part.split(":")[0] if ":" in part else "cuda"
+                 for part in str(dist.get_backend(group)).split(",")]
+    if "cpu" in types:
+        return torch.device("cpu")
+    if types[0] == "cuda" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(types[0])
+
+
+def any_rank(flag: bool, group=None) -> bool:
+    """True on every rank of ``group`` when ``flag`` is True on any of them (one MAX
+    all-reduce of one number, on ``group_device(group)``); ``flag`` on a group of one."""
+    if group_size(group) == 1:
+        return bool(flag)
+    t = torch.full((1,), float(bool(flag)), device=group_device(group))
+    all_reduce_max(t, group)
+    return bool(t.item())
 
 
 # --- reductions ------------------------------------------------------------------------

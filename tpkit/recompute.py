@@ -17,6 +17,12 @@ with a context that restores the tracker states and replays the fp8 scales; it d
 support ``distribute_saved_activations`` (ValueError: the non-reentrant checkpoint keeps
 its inputs alive itself, so there is nothing to distribute).
 
+Transformer Engine: a function that reaches TE modules (a module, a bound method, or a
+lambda/partial/closure over them), and any function checkpointed inside TE's fp8
+autocast, runs TE's own checkpoint (``tpkit.te.checkpoint``): only there do TE's modules
+replay the first forward's fp8 scales in the recompute instead of recording their amaxes
+a second time.
+
 fp8 (``tpkit.fp8``): the first forward records amaxes and the scales each fp8 matmul used;
 the recompute replays those scales and records no amax, so nothing is counted twice and
 the recomputed forward is bitwise the original one.
@@ -199,7 +205,10 @@ def checkpoint(function, *args, distribute_saved_activations: bool = False,
     (TE's ``te.distributed.checkpoint`` signature; see the module docstring). A
     ``context_fn`` keyword returning (forward_ctx, recompute_ctx), as torch's and TE's
     checkpoint take, is honoured in both modes; other keywords go to ``function``."""
-    if te.holds_te_modules(function):   # TE modules keep fp8 state TE restores itself
+    # TE modules keep fp8 state that only TE's checkpoint replays (its recompute phase):
+    # any function reaching them (a module, a bound method, a lambda or partial over
+    # them), and anything recomputed inside TE's fp8 autocast, goes to TE's checkpoint.
+    if te.holds_te_modules(function) or te.fp8_enabled():
         return te.checkpoint(function, *args,
                              distribute_saved_activations=distribute_saved_activations,
                              get_rng_state_tracker=get_rng_state_tracker, tp_group=tp_group,

@@ -10,13 +10,20 @@
   of a model (TE modules keep groups as attributes set through ``set_*_parallel_group``).
 - ``make``: build one TE module (the ``backend="te"`` path of tpkit.nn) from a state;
   ``"grouped_linear"`` is the expert GEMMs of tpkit.nn.MoE (no TE communication).
-- ``holds_te_modules``/``checkpoint``: tpkit.recompute hands TE modules to TE's checkpoint.
+- ``holds_te_modules``/``fp8_enabled``/``checkpoint``: tpkit.recompute hands TE modules
+  (and anything recomputed inside TE's fp8 autocast) to TE's checkpoint.
+- ``fp8_alignment``: the token-count alignment TE's fp8 grouped GEMMs need (tpkit.nn.MoE
+  pads each expert's rows to it).
+- ``make_graphed_callables``: TE's, refused while tpkit's RNG tracker states are
+  registered with TE (TE's graph capture takes ``torch.Generator`` states only).
+- ``forget_groups``: drop TE's fp8 global state of process groups tpkit destroys.
 
 Checked against TE 2.20.2's sources (tests/te_contract.py); TE 2.9 or newer 2.x expected.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import inspect
 import sys
@@ -27,7 +34,7 @@ import torch
 
 from .config import FP8_RECIPES
 from .random import EXPERT_PARALLEL_RNG, get_rng_tracker
-from .topology import is_initialized, resolve_state
+from .topology import add_destroy_hook, is_initialized, resolve_state
 
 CHECKED_TE_VERSION = "2.20.2"
 INSTALL_HINT = "pip install 'tpkit[te]'"
@@ -233,11 +240,113 @@ def te_autocast(enabled: bool = True, recipe=None, group=None, *, calibrating: b
 
 def te_model_init(enabled: bool = True, recipe=None, *,
                   preserve_high_precision_init_val: bool = False):
-    """TE's quantized-parameter init context (``quantized_model_init`` since 2.9)."""
+    """TE's quantized-parameter init context (``quantized_model_init`` since 2.9).
+    ``recipe``: anything ``te_recipe`` takes (TE stores it as given and its modules ask
+    it for its type, so a name must become TE's recipe object first)."""
     te = require_te()
+    recipe = te_recipe(recipe)
+    if enabled:
+        check_recipe_support(recipe)
     fn = getattr(te, "quantized_model_init", None) or te.fp8_model_init
     return fn(enabled=enabled, recipe=recipe,
               preserve_high_precision_init_val=preserve_high_precision_init_val)
+
+
+# --- TE's global fp8 state (module transformer_engine.pytorch.quantization, .fp8 before 2.9)
+def _quantization():
+    """TE's module holding FP8GlobalStateManager, or None when TE is not imported (tpkit
+    never imports TE just to ask about its state)."""
+    if "transformer_engine.pytorch" not in sys.modules:
+        return None
+    for name in ("transformer_engine.pytorch.quantization", "transformer_engine.pytorch.fp8"):
+        try:
+            return importlib.import_module(name)
+        except ImportError:
+            continue
+    return None
+
+
+def fp8_enabled() -> bool:
+    """True inside TE's fp8 autocast (``te_autocast``/TE's own)."""
+    q = _quantization()
+    return bool(q is not None and q.FP8GlobalStateManager.is_fp8_enabled())
+
+
+def fp8_alignment() -> int:
+    """Rows per GEMM group that TE's fp8 grouped GEMMs need under the active autocast's
+    recipe (TE's ``get_align_size_for_quantization``: 16, 32 for MXFP8, ...); 0 outside
+    TE's fp8 autocast. cuBLASLt refuses an fp8 wgrad GEMM whose token dimension is not a
+    multiple of 16 on Hopper ("Caller must pad"), and TE's GroupedLinear does not pad."""
+    if not fp8_enabled():
+        return 0
+    q = _quantization()
+    return int(q.get_align_size_for_quantization(q.FP8GlobalStateManager.get_fp8_recipe()))
+
+
+def forget_groups(groups) -> None:
+    """Drop TE's fp8 global state that refers to ``groups`` (being destroyed by
+    tpkit.topology): the autocast arguments keyed by ``id(group)`` and their amax
+    buffers, which TE's next reduction would otherwise all-reduce over a destroyed group.
+    Modules registered there re-register under the new layout's key once
+    ``wire_parallel_groups`` has rewired them (it clears their registration)."""
+    q = _quantization()
+    if q is None:
+        return
+    ids = {id(g) for g in groups if g is not None}
+    qstate = q.FP8GlobalStateManager.quantization_state
+    args = getattr(qstate, "autocast_arguments", {})
+    if getattr(qstate, "autocast_depth", 0) > 0 and any(
+            id(g) in ids for _, g in args.values()):
+        raise ValueError("destroy_parallel was called inside Transformer Engine's fp8 "
+                         "autocast over the layout's groups (te_autocast): leave the "
+                         "autocast first, then destroy the layout")
+    dead = {key for key, (_, g) in args.items() if g is not None and id(g) in ids}
+    for key in dead:
+        del args[key]
+    for name in ("global_amax_buffer", "global_amax_history_buffer", "global_scale_buffer",
+                 "registrants"):
+        buffers = getattr(qstate, name, None)
+        if isinstance(buffers, dict):
+            for buffer_key in [k for k in buffers if k.split("_", 1)[-1] in dead]:
+                del buffers[buffer_key]
+
+
+add_destroy_hook(forget_groups)
+
+
+def _forget_registration(module) -> None:
+    """Make a TE module register its amaxes again on its next forward (under the
+    autocast key of the groups it is wired to now)."""
+    q = _quantization()
+    meta = getattr(module, "fp8_meta", None)
+    if q is not None and isinstance(meta, dict):
+        meta.pop(q.FP8GlobalStateManager.get_buffer_info(), None)
+
+
+# --- CUDA graphs --------------------------------------------------------------------------
+def make_graphed_callables(modules, sample_args, **kwargs):
+    """TE's ``make_graphed_callables``, refused while TE holds RNG states of tpkit's
+    tracker: TE's DotProductAttention registers its tracker's states at construction and
+    graph capture hands them to ``CUDAGraph.register_generator_state``, which takes
+    ``torch.Generator`` objects (TE's graph-safe ``CudaRNGStatesTracker``), and asserts a
+    ``CudaRNGStatesTracker`` under capture; tpkit's tracker keeps ByteTensor states."""
+    te = require_te()
+    dist_mod = importlib.import_module("transformer_engine.pytorch.distributed")
+    states = dist_mod.get_all_rng_states()
+    foreign = sorted(k for k, v in states.items() if not isinstance(v, torch.Generator))
+    for c in (modules if isinstance(modules, tuple) else (modules,)):
+        for m in c.modules() if isinstance(c, torch.nn.Module) else ():
+            tracker = getattr(m, "rng_states_tracker", None)   # TE's attention asserts it
+            if tracker is not None and not isinstance(tracker, dist_mod.CudaRNGStatesTracker):
+                foreign.append(f"{type(tracker).__name__} of {type(m).__name__}")
+    if foreign:
+        raise ValueError(
+            f"make_graphed_callables with tpkit's RNG tracker is not supported: TE's "
+            f"DotProductAttention registered the tracker's states {foreign} (ByteTensors, "
+            "not the torch.Generator objects CUDA-graph capture needs, and TE asserts its own "
+            "CudaRNGStatesTracker under capture). Run without CUDA graphs, or build the TE "
+            "modules with get_rng_state_tracker=None (no attention dropout)")
+    return te.make_graphed_callables(modules, sample_args, **kwargs)
 
 
 # --- wiring ------------------------------------------------------------------------------
@@ -307,6 +416,7 @@ def wire_parallel_groups(model: torch.nn.Module, state=None) -> list[tuple[str, 
     if state.cp_size > 1 and any(hasattr(m, "set_context_parallel_group") for _, m in modules):
         cp = (cp_group_arg(state), state.cp_global_ranks, cp_stream(state), state.cp_comm_type)
     for name, m in modules:
+        _forget_registration(m)   # its amaxes go to this layout's amax group from now on
         if hasattr(m, "set_tensor_parallel_group"):
             m.set_tensor_parallel_group(tp_group)
             wired.append((name, "set_tensor_parallel_group"))
@@ -317,13 +427,35 @@ def wire_parallel_groups(model: torch.nn.Module, state=None) -> list[tuple[str, 
 
 
 # --- recompute (tpkit.recompute.checkpoint delegates here for TE modules) -----------------
-def holds_te_modules(function) -> bool:
-    """True when ``function`` is a module (or a bound method of one) containing TE modules;
-    their fp8 state must be recomputed by TE's own checkpoint. Never imports TE."""
-    if "transformer_engine" not in sys.modules:
+def holds_te_modules(function, _depth: int = 0) -> bool:
+    """True when ``function`` reaches TE modules: a module containing one, a bound method
+    of such a module, a ``functools.partial`` of one or over one, or a function (lambda,
+    closure) whose closure cells, defaults or referenced globals hold one. Their fp8 state
+    must be recomputed by TE's own checkpoint. Never imports TE."""
+    if "transformer_engine" not in sys.modules or _depth > 4:
         return False
     owner = getattr(function, "__self__", function)
-    return isinstance(owner, torch.nn.Module) and any(is_te_module(m) for m in owner.modules())
+    if isinstance(owner, torch.nn.Module):
+        return any(is_te_module(m) for m in owner.modules())
+    refs = []
+    if isinstance(function, functools.partial):
+        refs = [function.func, *function.args, *function.keywords.values()]
+    elif inspect.isfunction(function):
+        code = function.__code__
+        refs = [c.cell_contents for c in (function.__closure__ or ())
+                if _cell_filled(c)]
+        refs += list(function.__defaults__ or ()) + list((function.__kwdefaults__ or {}).values())
+        refs += [function.__globals__[n] for n in code.co_names if n in function.__globals__]
+    return any(holds_te_modules(r, _depth + 1) for r in refs
+               if isinstance(r, torch.nn.Module) or callable(r))
+
+
+def _cell_filled(cell) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:
+        return False
+    return True
 
 
 def checkpoint(function, *args, distribute_saved_activations: bool = False,
@@ -394,6 +526,22 @@ def make(kind: str, state=None, **kwargs) -> torch.nn.Module:
     args = {k: v for k, v in defaults.items() if k in accepted}
     args.update(fixed)
     args.update(kwargs)
+    if cls_name == "DotProductAttention":
+        # TE's DotProductAttention uses sequence_parallel for one thing: with it, attention
+        # dropout does not fork the tracker, so every TP rank draws its heads' masks from
+        # the same default stream (identical masks on different heads). tpkit's
+        # attention dropout always forks the model-parallel stream: so does TE's here.
+        args["sequence_parallel"] = False
+    elif cls_name == "TransformerLayer" and args.get("sequence_parallel") and \
+            state.tp_size > 1 and args.get(
+                "attention_dropout", accepted["attention_dropout"].default) > 0:
+        raise ValueError(
+            f"TransformerLayer with sequence_parallel=True, tp={state.tp_size} and "
+            f"attention_dropout={args.get('attention_dropout', accepted['attention_dropout'].default)}"
+            " (TE's default is 0.1) is refused: TE's attention does not fork the RNG tracker "
+            "under sequence parallelism, so every TP rank would drop the same positions on "
+            "its different heads. Pass attention_dropout=0.0, or build the layer from "
+            "tpkit.nn parts with backend='te' (DotProductAttention forks the tracker)")
     if cls_name in ("LayerNorm", "RMSNorm") and args.get("params_dtype") is not None:
         args["dtype"] = args.pop("params_dtype")  # params_dtype is deprecated on TE norms
     module = cls(**args)

@@ -251,6 +251,16 @@ def _ring_groups(state: ParallelState) -> list:
     return groups
 
 
+_DESTROY_HOOKS: list = []
+
+
+def add_destroy_hook(fn) -> None:
+    """Call ``fn(groups)`` with the process groups ``destroy_groups`` is about to destroy
+    (tpkit.te drops Transformer Engine's fp8 state that refers to them)."""
+    if fn not in _DESTROY_HOOKS:
+        _DESTROY_HOOKS.append(fn)
+
+
 def destroy_groups(state: ParallelState) -> None:
     """Release the TP and CP groups' shared-memory transports and destroy every group of
     ``state`` except the default one, releasing them at once (not at the next cyclic
@@ -266,6 +276,8 @@ def destroy_groups(state: ParallelState) -> None:
               if m is not None]
     for mesh in meshes:
         groups.update((id(g), g) for g in mesh.get_all_groups() if g is not world)
+    for hook in _DESTROY_HOOKS:
+        hook(list(groups.values()))
     for g in groups.values():
         dist.destroy_process_group(g)
     # A DeviceMesh holds its groups in ``_pg_registry``, and a root mesh and the meshes

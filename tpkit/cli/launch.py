@@ -77,6 +77,8 @@ def _add_tpkit_options(parser) -> None:
                         "else gloo); exported as TPKIT_BACKEND")
     g.add_argument("--dry-run", "--dry_run", action="store_true",
                    help="print the rank table and groups this launch would build; start nothing")
+    from .memory import add_memory_options
+    add_memory_options(parser)
 
 
 def build_parser():
@@ -146,6 +148,7 @@ class Plan:
     exports: dict[str, str]
     slurm: object = None
     preflight: list = dataclasses.field(default_factory=list)  # LaunchInfo per node count
+    memory_jobs: list = dataclasses.field(default_factory=list)  # the hook's MemoryJobs
 
 
 def _nproc(value: str, config, *, gpus: int, nnodes: int) -> int:
@@ -308,7 +311,8 @@ def preflight(args, plan: Plan) -> str | None:
     if args.no_python or args.run_path:
         return None
     source = find_hook(args)
-    return None if source is None else run_hook(args, source, plan.preflight)
+    return None if source is None else run_hook(args, source, plan.preflight,
+                                                jobs=plan.memory_jobs)
 
 
 def _check_torchrun_flags(args, rdzv_backend: str, endpoint: str | None) -> None:
@@ -495,9 +499,18 @@ def main(argv: list[str] | None = None) -> int:
     if answer is not None:  # the script answered by itself (its --help): nothing to start
         print(answer, end="", flush=True)
         return 0
+    from .memory import MemoryError_, check_memory
+    try:
+        memory = check_memory(args, plan, plan.memory_jobs)
+    except MemoryError_ as e:
+        if args.dry_run and e.report:   # the report, the estimate, the layouts that fit
+            from .plan import report
+            print(report(plan, limit=DRY_RUN_ROWS, memory=e.report), flush=True)
+        print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
+        return 2
     if args.dry_run:
         from .plan import report
-        print(report(plan, limit=DRY_RUN_ROWS), flush=True)
+        print(report(plan, limit=DRY_RUN_ROWS, memory=memory), flush=True)
         return 0
     return _launch(args, plan)
 

@@ -16,8 +16,9 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def report(plan, *, limit: int) -> str:
-    """The whole dry-run text for a resolved launch ``plan`` (tpkit.cli.launch.Plan)."""
+def report(plan, *, limit: int, memory=()) -> str:
+    """The whole dry-run text for a resolved launch ``plan`` (tpkit.cli.launch.Plan);
+    ``memory``: the memory estimate's lines (tpkit.cli.memory), before the rank table."""
     from tpkit.planning import fake_state, format_rank_table, group_summary
     c = plan.config
     nodes = str(plan.max_nodes) if plan.min_nodes == plan.max_nodes \
@@ -43,4 +44,4 @@ def report(plan, *, limit: int) -> str:
         table = format_rank_table(state.rank_table(nproc_per_node=plan.nproc_per_node),
                                   limit=limit)
     return "\n".join(head + ["groups (size x count, rank 0's members):"] + summary
-                     + ["rank table:", table])
+                     + list(memory) + ["rank table:", table])

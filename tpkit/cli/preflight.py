@@ -12,7 +12,9 @@ arguments and a :class:`LaunchInfo`: the layout ``init_parallel()`` will build w
 arguments (dp resolved), the world, and the workers' environment. A ValueError, or
 argparse's ``error()``, becomes ``tpkit-launch: error: SCRIPT: ...`` and exit 2 with no
 worker started; argparse's ``--help`` prints once and exits 0. Elastic launches call it
-once per node count ``--nnodes MIN:MAX`` allows. See docs/launch.md "Pre-flight checks".
+once per node count ``--nnodes MIN:MAX`` allows. It may return a ``tpkit.memory.MemoryJob``
+(the model and batch it will train): tpkit-launch then estimates every rank's memory
+(tpkit.cli.memory). See docs/launch.md "Pre-flight checks" and "Memory".
 """
 from __future__ import annotations
 
@@ -129,10 +131,13 @@ def _load(args, source: str):
     return module
 
 
-def run_hook(args, source: str, infos: list[LaunchInfo]) -> str | None:
+def run_hook(args, source: str, infos: list[LaunchInfo], jobs: list | None = None
+             ) -> str | None:
     """Import the script and call its hook for every ``LaunchInfo``. Returns None when it
     accepts the launch, or the text to print when it answered instead (``--help``);
-    PreflightError when it refuses."""
+    PreflightError when it refuses. What the hook returns for each (a
+    ``tpkit.memory.MemoryJob``: the model and batch the launch trains, for the memory
+    estimate) is appended to ``jobs``."""
     name = args.training_script
     argv = list(args.training_script_args)
     out, err = io.StringIO(), io.StringIO()
@@ -143,7 +148,14 @@ def run_hook(args, source: str, infos: list[LaunchInfo]) -> str | None:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             hook = getattr(_load(args, source), HOOK)
             for info in infos:
-                hook(argv, info)
+                job = hook(argv, info)
+                if job is not None and jobs is not None:
+                    from tpkit.memory import MemoryJob
+                    if not isinstance(job, MemoryJob):
+                        raise PreflightError(
+                            f"{HOOK} returned {type(job).__name__}; it returns None "
+                            "or a tpkit.memory.MemoryJob (the model for the memory estimate)")
+                    jobs.append(job)
     except SystemExit as e:
         if e.code in (0, None):
             return out.getvalue() + err.getvalue()

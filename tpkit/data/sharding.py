@@ -211,6 +211,8 @@ def pack_sequences(sequences, *, state=None, multiple: int | None = None, pad_id
 
 
 def _bounds(cu_seqlens_padded) -> list[int]:
+    if isinstance(cu_seqlens_padded, (list, tuple)):   # already on the host
+        return [int(x) for x in cu_seqlens_padded]
     return [int(x) for x in torch.as_tensor(cu_seqlens_padded).tolist()]
 
 

@@ -61,9 +61,18 @@ class FP8Meta:
         """The meta that the reductions and updates see (itself; ExpertMeta's owner)."""
         return self
 
+    def to(self, device: torch.device) -> None:
+        """Keep the history and the scales on ``device`` (the recorded tensors')."""
+        if self.amax_history.device != device:
+            self.amax_history = self.amax_history.to(device)
+            self.scale = self.scale.to(device)
+
     def record(self, slot: int, t: torch.Tensor, expert: int | None = None) -> None:
+        """Fold ``t``'s amax into row 0, on ``t``'s device (no host sync: the history
+        lives where the recorded tensors do)."""
         if t.numel():
-            a = t.detach().abs().max().float().cpu()
+            self.to(t.device)
+            a = t.detach().abs().max().float()
             at = (0, slot) if expert is None else (0, slot, expert)
             self.amax_history[at] = torch.maximum(self.amax_history[at], a)
 
@@ -88,7 +97,8 @@ class FP8Meta:
                 amax = torch.as_tensor(r.amax_compute_algo(hist.reshape(len(hist), -1).clone()),
                                        dtype=torch.float32).reshape(hist.shape[1:])
             fwd, bwd = r.formats
-            fmax = torch.tensor([bwd[1] if s == GRAD else fwd[1] for s in slots])
+            fmax = torch.stack([torch.full((), float(bwd[1] if s == GRAD else fwd[1]),
+                                           device=hist.device) for s in slots])  # no copy
             fmax = fmax.view(-1, *[1] * (hist.dim() - 2))   # per slot, over experts
             self.scale[slots] = compute_scale(amax, self.scale[slots], fmax, r.margin)
         hist = torch.roll(hist, -1, dims=0)
@@ -140,7 +150,7 @@ def reduce_and_update(metas: list[FP8Meta], slots: list[int], group, reduce_amax
     if reduce_amax and group is not None and dist.get_world_size(group) > 1:
         dev = torch.device("cuda", torch.cuda.current_device()) \
             if dist.get_backend(group) == "nccl" else torch.device("cpu")
-        flat = all_reduce_max(flat.to(dev).contiguous(), group).cpu()
+        flat = all_reduce_max(flat.to(dev).contiguous(), group).to(rows[0].device)
     at = 0
     for m, r in zip(metas, rows):
         m.amax_history[0, slots] = flat[at:at + r.numel()].view(r.shape)

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint import gather_param
-from ..collectives import all_reduce_max
+from ..collectives import any_rank
 from ..param_tags import tp_spec
 from .llama import ARCHITECTURES, ROPE_TYPES, LlamaConfig
 
@@ -310,18 +310,18 @@ def save_llama(model, path: str, *, dtype, max_shard_size: int) -> None:
     state = model.state
     if max_shard_size <= 0:
         raise ValueError(f"max_shard_size={max_shard_size} must be a positive byte count")
-    failed = torch.zeros(1)
+    failed = False
     if state.rank == 0:
         try:
             os.makedirs(path, exist_ok=True)
             for old in glob.glob(os.path.join(path, "model*.safetensors*")):
                 os.remove(old)   # stale shards of an earlier export
         except OSError as e:
-            failed += 1
+            failed = True
             error = e
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        all_reduce_max(failed, None)   # every rank learns it before any gather starts
-    if failed.item():
+    # every rank learns it before any gather starts, on the default group's device (an
+    # nccl-only default group rejects a CPU tensor)
+    if any_rank(failed, None) if dist.is_initialized() else failed:
         raise ValueError(f"save_hf({path!r}): rank 0 cannot write there "
                          f"({error if state.rank == 0 else 'see rank 0'})")
     shapes = expected_shapes(model.cfg)

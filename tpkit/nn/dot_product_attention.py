@@ -21,6 +21,7 @@ for every comm type; the ring kernels replay their masks in backward from that s
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -59,6 +60,40 @@ def _check_dropout(fmt: str, mask: str, p: float) -> None:
         raise ValueError(f"attention_dropout={p} with qkv_format={fmt!r} and "
                          f"attn_mask_type={mask!r} is not supported by tpkit's torch "
                          "DotProductAttention; use attention_dropout=0 or backend='te'")
+
+
+# The last cu_seqlens validated: (weak references, their versions, host copies). Every
+# layer of a model gets the same tensors in one step, so only the first layer copies them
+# to the host and checks them (one device->host sync per batch, not per layer).
+_THD_LAST: list = [None]
+
+
+def _thd_host(cu_q, cu_kv, cup_q, cup_kv):
+    """(cu_seqlens, cu_seqlens_padded, padded total) on the host, checked once per set of
+    tensors (again when one is replaced or changed in place)."""
+    given = (cu_q, cu_kv, cup_q, cup_kv)
+    tensors = all(isinstance(x, torch.Tensor) for x in given)
+    if tensors:
+        last = _THD_LAST[0]
+        versions = tuple(x._version for x in given)
+        if last is not None and all(r() is x for r, x in zip(last[0], given)) \
+                and last[1] == versions:
+            return last[2]
+    cu, cup = (torch.as_tensor(x).long().cpu() for x in (cu_q, cup_q))
+    if not (torch.equal(cu, torch.as_tensor(cu_kv).long().cpu())
+            and torch.equal(cup, torch.as_tensor(cup_kv).long().cpu())):
+        raise ValueError("cu_seqlens_kv(_padded) differ from cu_seqlens_q(_padded); "
+                         "tpkit's torch DotProductAttention is self-attention only")
+    lens, plens = cu.diff(), cup.diff()
+    if cu.dim() != 1 or cu.shape != cup.shape or len(cu) < 2 or cu[0] != 0 \
+            or cup[0] != 0 or bool((lens < 0).any()) or bool((plens < lens).any()):
+        raise ValueError(f"cu_seqlens={cu.tolist()} / cu_seqlens_padded={cup.tolist()} are "
+                         "not cumulative lengths from 0 with every padded length >= the "
+                         "real one; build them with tpkit.data.pack_sequences")
+    out = (cu.tolist(), cup.tolist(), int(cup[-1]))   # host lists: no sync downstream
+    if tensors:
+        _THD_LAST[0] = (tuple(weakref.ref(x) for x in given), versions, out)
+    return out
 
 
 class DotProductAttention(TEBackendMixin, torch.nn.Module):
@@ -238,20 +273,10 @@ class DotProductAttention(TEBackendMixin, torch.nn.Module):
                              "tpkit.data.pack_sequences gives them)")
         cup_q = cu_q if cup_q is None else cup_q
         cup_kv = cu_kv if cup_kv is None else cup_kv
-        cu, cup = (torch.as_tensor(x).long().cpu() for x in (cu_q, cup_q))
-        if not (torch.equal(cu, torch.as_tensor(cu_kv).long().cpu())
-                and torch.equal(cup, torch.as_tensor(cup_kv).long().cpu())):
-            raise ValueError("cu_seqlens_kv(_padded) differ from cu_seqlens_q(_padded); "
-                             "tpkit's torch DotProductAttention is self-attention only")
-        lens, plens = cu.diff(), cup.diff()
-        if cu.dim() != 1 or cu.shape != cup.shape or len(cu) < 2 or cu[0] != 0 \
-                or cup[0] != 0 or bool((lens < 0).any()) or bool((plens < lens).any()):
-            raise ValueError(f"cu_seqlens={cu.tolist()} / cu_seqlens_padded={cup.tolist()} are "
-                             "not cumulative lengths from 0 with every padded length >= the "
-                             "real one; build them with tpkit.data.pack_sequences")
+        cu, cup, total = _thd_host(cu_q, cu_kv, cup_q, cup_kv)
         t = q.shape[0]
-        if int(cup[-1]) != t * self.cp_size:
-            raise ValueError(f"the packed row has {int(cup[-1])} tokens (cu_seqlens_padded) "
+        if total != t * self.cp_size:
+            raise ValueError(f"the packed row has {total} tokens (cu_seqlens_padded) "
                              f"but this rank holds {t} x cp={self.cp_size}; pass this rank's "
                              "shard (tpkit.data.shard_packed) and the global cu_seqlens")
         rank = 0 if self.cp_size == 1 else (

@@ -47,6 +47,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from .. import te
 from ..collectives import all_gather, group_rank
 from ..param_tags import set_expert_attrs
 from ..random import EXPERT_PARALLEL_RNG, get_rng_tracker
@@ -71,7 +72,9 @@ def plain_grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> tor
     installed torch has it), else one matmul per group (any device and dtype)."""
     if (hasattr(torch, "_grouped_mm") and x.is_cuda and x.dtype == torch.bfloat16
             and w.dtype == torch.bfloat16 and x.shape[0] > 0):
-        offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+        # pinned memory and a non-blocking copy: no host sync
+        offs = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        offs = offs.pin_memory().to(x.device, non_blocking=True)
         return torch._grouped_mm(x, w, offs=offs)
     outs = [xe @ w[e] for e, xe in enumerate(x.split(counts, 0))]
     return torch.cat(outs, 0) if outs else x.new_zeros(0, w.shape[-1])
@@ -347,58 +350,72 @@ class MoE(ParallelModule):
 
     def _dispatch_compute(self, x, idx, keep):
         """Every kept (token, slot)'s expert output, in place: [T, k, h] (zero rows for
-        dropped slots)."""
+        dropped slots).
+
+        Host syncs: the all-to-all split sizes must be on the host, so the per-expert
+        counts are copied there once per exchange: ``send`` [ep, L] (one ``tolist``) and,
+        when ep x etp > 1, what every rank receives [etp, ep, L] (one more). Everything
+        else (the order of the slots by expert, the regrouping of the received rows by
+        local expert, TE's fp8 padding) is computed on the device from them: the number
+        of syncs per forward does not grow with the number of experts."""
         s = self.state
-        E, L = self.num_experts, self.local_experts
-        tok = torch.arange(x.shape[0], device=x.device)[:, None].expand_as(idx)
-        pos = (tok * self.top_k + torch.arange(self.top_k, device=x.device))[keep]
-        flat_e, flat_t = idx[keep], tok[keep]
-        order = torch.sort(flat_e, stable=True).indices       # by expert, then token
-        flat_e, flat_t, pos = flat_e[order], flat_t[order], pos[order]
-        send = torch.bincount(flat_e, minlength=E).view(s.ep_size, L)      # [ep, L]
-        xs = x.index_select(0, flat_t)                                     # permuted tokens
+        E, L, k = self.num_experts, self.local_experts, self.top_k
+        # (token, slot) pairs sorted by expert, then token; dropped slots (expert E) last
+        flat_e = torch.where(keep, idx, torch.full_like(idx, E)).reshape(-1)   # [T*k]
+        order = torch.sort(flat_e, stable=True).indices
+        send = torch.zeros(E + 1, dtype=torch.long, device=x.device)
+        send = send.scatter_add_(0, flat_e, torch.ones_like(flat_e))[:E].view(s.ep_size, L)
+        send_host = send.tolist()                                   # host sync 1
+        in_splits = [sum(row) for row in send_host]
+        pos = order[:sum(in_splits)]                                # flat (token, slot)
+        xs = x.index_select(0, torch.div(pos, k, rounding_mode="floor"))
         # Per-expert counts first (ep), then the tokens; then the etp gather.
         recv = _int_all_to_all(send, s.ep_group, s.ep_size)                # [ep, L] from j
-        xs = _a2av(xs, recv.sum(1).tolist(), send.sum(1).tolist(), s.ep_group, s.ep_size)
+        recv_all = all_gather(recv[None], s.etp_group) if s.etp_size > 1 else recv[None]
+        recv_host = recv_all.tolist() if s.ep_size * s.etp_size > 1 \
+            else [send_host]                                        # host sync 2
+        out_splits = [sum(row) for row in recv_host[s.etp_rank if s.etp_size > 1 else 0]]
+        xs = _a2av(xs, out_splits, in_splits, s.ep_group, s.ep_size)
         if s.etp_size > 1:
-            recv_all = all_gather(recv[None], s.etp_group)                 # [etp, ep, L]
             mine = xs.shape[0]
-            lens = recv_all.sum((1, 2)).tolist()
+            lens = [sum(map(sum, m)) for m in recv_host]
             xs = _a2av(xs.repeat(s.etp_size, 1), lens, [mine] * s.etp_size, s.etp_group,
                        s.etp_size)
-        else:
-            recv_all = recv[None]
-        # Regroup the received chunks (etp rank, ep source, local expert) by expert.
+        # Regroup the received chunks (etp rank, ep source, local expert) by expert: the
+        # chunk of each received row, then a stable sort by (expert, chunk).
         c = recv_all.reshape(-1, L)                                        # [(etp*ep), L]
-        starts = torch.cumsum(c.reshape(-1), 0) - c.reshape(-1)
-        perm = [torch.arange(int(starts[i * L + e]), int(starts[i * L + e] + c[i, e]))
-                for e in range(L) for i in range(c.shape[0])]
-        perm = torch.cat(perm).to(x.device) if perm else torch.zeros(0, dtype=torch.long)
-        per_expert = c.sum(0).tolist()
-        h = self._expert_gemm(0, xs.index_select(0, perm), per_expert)
+        groups = c.shape[0]
+        total = sum(sum(map(sum, m)) for m in recv_host)
+        chunk = torch.repeat_interleave(torch.arange(groups * L, device=x.device),
+                                        c.reshape(-1), output_size=total)
+        perm = torch.sort((chunk % L) * groups + torch.div(chunk, L, rounding_mode="floor"),
+                          stable=True).indices
+        per_expert = [sum(m[i][e] for m in recv_host for i in range(len(m)))
+                      for e in range(L)]
+        counts = (per_expert, c.sum(0))                   # host list, device tensor
+        h = self._expert_gemm(0, xs.index_select(0, perm), counts)
         if self._gated:
             gate, up = h.chunk(2, dim=-1)
             h = self._act(gate) * up
         else:
             h = self._act(h)
-        out = self._expert_gemm(1, h, per_expert)
+        out = self._expert_gemm(1, h, counts)
         out = torch.empty_like(out).index_copy(0, perm, out)               # back to received
         if s.etp_size > 1:
             out = _a2av(out, [mine] * s.etp_size, lens, s.etp_group, s.etp_size)
             out = out.view(s.etp_size, mine, -1).sum(0)                    # partial sums
-        out = _a2av(out, send.sum(1).tolist(), recv.sum(1).tolist(), s.ep_group, s.ep_size)
-        slots = x.new_zeros(x.shape[0] * self.top_k, x.shape[1]).index_copy(0, pos, out)
-        return slots.view(x.shape[0], self.top_k, x.shape[1])
+        out = _a2av(out, in_splits, out_splits, s.ep_group, s.ep_size)
+        slots = x.new_zeros(x.shape[0] * k, x.shape[1]).index_copy(0, pos, out)
+        return slots.view(x.shape[0], k, x.shape[1])
 
-    def _expert_gemm(self, i: int, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """Expert GEMM ``i`` (0: fc1, 1: fc2) of rows grouped by local expert: tpkit's
-        ``grouped_mm`` or TE's GroupedLinear, on the same weights."""
+    def _expert_gemm(self, i: int, x: torch.Tensor, counts) -> torch.Tensor:
+        """Expert GEMM ``i`` (0: fc1, 1: fc2) of rows grouped by local expert (``counts``:
+        rows per expert as a host list and as a device tensor): tpkit's ``grouped_mm`` or
+        TE's GroupedLinear, on the same weights."""
         w = (self.experts_fc1, self.experts_fc2)[i].to(x.dtype)
         if self.te_experts is None:   # tpkit.fp8 keeps its scales by global expert
-            return grouped_mm(x, w, counts, layer=self, name=("fc1", "fc2")[i],
+            return grouped_mm(x, w, counts[0], layer=self, name=("fc1", "fc2")[i],
                               first_expert=self.first_expert, num_experts=self.num_experts)
-        if x.shape[0] == 0:   # no token here: an empty product (TE's GEMMs are TE's fp8)
-            return plain_grouped_mm(x, w, counts)
         return self.te_experts(i, x, w, counts)
 
 
@@ -437,7 +454,38 @@ class _TEExperts(nn.Module):
             gemms.append(lin)
         self.fc1, self.fc2 = gemms
 
-    def forward(self, i: int, x: torch.Tensor, w: torch.Tensor, counts: list[int]):
+    def forward(self, i: int, x: torch.Tensor, w: torch.Tensor, counts):
+        """``counts``: (rows per local expert as a host list, the same on the device).
+
+        Inside TE's fp8 autocast each expert's rows are padded with zero rows to TE's
+        alignment (``tpkit.te.fp8_alignment``: cuBLASLt's fp8 wgrad GEMM needs the token
+        dimension a multiple of 16 on Hopper and TE's GroupedLinear does not pad), and a
+        rank that received no token still runs TE's GEMMs, on one aligned block of zeros:
+        TE registers a module's amaxes in its global buffer on the module's first forward
+        and MAX-all-reduces the buffers of all ranks position by position, so every rank
+        must run every module (zero rows leave the maxima unchanged). Outside fp8, no
+        token means an empty product and TE is not called."""
+        host, dev = counts
+        align = te.fp8_alignment()
+        if not align:
+            if x.shape[0] == 0:
+                return plain_grouped_mm(x, w, host)
+            return self._gemm(i, x, w, host)
+        padded = [-(-m // align) * align for m in host]
+        if not sum(padded):
+            padded[0] = align                      # no token: one block of zeros for expert 0
+        if padded == host:
+            return self._gemm(i, x, w, host)
+        # row r of expert e goes to (its padded expert start) + (its offset in e): on the
+        # device, from the device counts (no host sync)
+        dev_padded = torch.div(dev + (align - 1), align, rounding_mode="floor") * align
+        shift = (torch.cumsum(dev_padded, 0) - dev_padded) - (torch.cumsum(dev, 0) - dev)
+        dst = torch.arange(x.shape[0], device=x.device) + torch.repeat_interleave(
+            shift, dev, output_size=x.shape[0])
+        xp = x.new_zeros(sum(padded), x.shape[1]).index_copy(0, dst, x)
+        return self._gemm(i, xp, w, padded).index_select(0, dst)
+
+    def _gemm(self, i, x, w, splits):
         lin = (self.fc1, self.fc2)[i]
         wt = w.transpose(1, 2).contiguous()                    # [L, out, in]: TE's layout
         names = [f"weight{j}" for j in range(wt.shape[0])]
@@ -445,7 +493,7 @@ class _TEExperts(nn.Module):
             lin.__dict__[name] = wt[j]
             lin.__dict__[f"bias{j}"] = x.new_empty(0)          # bias=False, on x's device
         try:
-            return lin(x, counts)
+            return lin(x, splits)
         finally:
             for name in names:                                 # no reference past the call
                 del lin.__dict__[name]

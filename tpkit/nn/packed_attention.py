@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from ..collectives import exchange, group_rank, group_size
 from ..data import packed_cp_indices
+from ..data.sharding import _bounds
 from .attention_math import compute_dtype, from_grouped, local_attention, to_grouped
 from .mappings import all_to_all, gather_from_sp_region
 
@@ -39,9 +40,10 @@ _KV_TAG, _DKV_TAG = 4, 5
 # --- segments and masks ----------------------------------------------------------------------
 def row_segments(cu_seqlens, cu_seqlens_padded, device=None):
     """(segment, position, real) of every token of a packed row, in row order."""
+    total = _bounds(cu_seqlens_padded)[-1]   # from the host copy: no device sync
     cu = torch.as_tensor(cu_seqlens, device=device).long()
     cup = torch.as_tensor(cu_seqlens_padded, device=device).long()
-    idx = torch.arange(int(cup[-1]), device=device)
+    idx = torch.arange(total, device=device)
     doc = torch.searchsorted(cup[1:], idx, right=True)
     pos = idx - cup[doc]
     real = pos < (cu[1:] - cu[:-1])[doc]

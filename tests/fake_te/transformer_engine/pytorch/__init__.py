@@ -12,11 +12,17 @@ TE's real sources.
 """
 from __future__ import annotations
 
+import contextlib
 import enum
 import inspect
 
 import torch
 import torch.distributed as dist
+
+from ..common.recipe import DelayedScaling
+from . import distributed as _distributed
+from .distributed import CudaRNGStatesTracker  # noqa: F401  (exported, as TE)
+from .quantization import FP8GlobalStateManager, get_align_size_for_quantization
 
 RECORD: list = []  # (name, bound arguments) of module-level calls: autocast, model init
 # What the is_*_available checks answer: (available, TE's reason). Tests change it; the
@@ -47,12 +53,23 @@ def _group_size(group) -> int:
     return dist.get_world_size(group)
 
 
+# Hopper (compute capability 9.0): fp8 GEMMs of a token count that is not a multiple of
+# 16 fail in cuBLASLt (TE's grouped wgrad is NT, done as TN on Hopper: "Caller must pad").
+DEVICE_CAPABILITY = (9, 0)
+_BUILT = [0]  # modules built so far: each module's build index (same on every rank)
+
+
 class _FakeModule(torch.nn.Module):
     """Shared recording; ``__init__`` of subclasses binds their own arguments."""
 
     def _record_init(self, init, loc):
         """Record ``init``'s arguments from its ``locals()`` (taken first thing)."""
         torch.nn.Module.__init__(self)
+        self.build_index = _BUILT[0]
+        _BUILT[0] += 1
+        if FP8GlobalStateManager.with_fp8_parameters():
+            # TE's modules ask the recipe of quantized_model_init for its type
+            FP8GlobalStateManager.get_fp8_recipe().delayed()
         loc = {k: v for k, v in loc.items() if k not in ("self", "__class__")}
         extra = loc.pop("kwargs", {})
         self.init_args = _bound(init, (self,), {**loc, **extra})
@@ -194,6 +211,7 @@ class GroupedLinear(_TPModule):
             raise ValueError(f"Shape of splits tensor (({len(splits)},)) does not match "
                              f"number of GEMMs ({self.num_gemms}).")
         self.calls.append(("forward", {"m_splits": list(splits)}))
+        self._prepare_fp8_forward(inp, splits)
         outs = []
         for i, x in enumerate(inp.split(splits, 0)):
             y = x @ getattr(self, f"weight{i}").t()
@@ -204,6 +222,33 @@ class GroupedLinear(_TPModule):
         if self.return_bias:
             return y, [getattr(self, f"bias{i}") for i in range(self.num_gemms)]
         return y
+
+    def _prepare_fp8_forward(self, inp, splits):
+        """TE's prepare_forward under fp8 autocast: in the recompute phase of TE's
+        checkpoint, replay (record nothing); else register the amax in the global buffer
+        on the first forward (delayed scaling) and record this forward's amaxes
+        (``amax_records`` counts them). Then the GEMM's alignment: on Hopper every
+        split must be a multiple of the recipe's alignment."""
+        if not FP8GlobalStateManager.is_fp8_enabled():
+            return
+        if not _distributed.in_fp8_activation_recompute_phase():
+            recipe = FP8GlobalStateManager.get_fp8_recipe()
+            meta = self.__dict__.setdefault("fp8_meta", {})
+            meta["recipe"], meta["fp8_group"] = recipe, FP8GlobalStateManager.get_fp8_group()
+            meta["build_index"] = self.build_index
+            if "scaling_fwd" not in meta:
+                meta["scaling_fwd"] = _Scaling(torch.zeros(1, 2 * self.num_gemms))
+            FP8GlobalStateManager.add_fp8_tensors_to_global_buffer(meta)
+            amax = meta["scaling_fwd"].amax_history[0]
+            for i, x in enumerate(inp.detach().split(splits, 0)):
+                if x.numel():
+                    amax[2 * i] = torch.maximum(amax[2 * i], x.abs().max().float().to("cpu"))
+            self.amax_records = getattr(self, "amax_records", 0) + 1
+        align = get_align_size_for_quantization(FP8GlobalStateManager.get_fp8_recipe())
+        if DEVICE_CAPABILITY == (9, 0) and any(m % align for m in splits):
+            raise RuntimeError(
+                "fake TE (cuBLASLt on Hopper): fp8 grouped GEMM wgrad needs every m_split to "
+                f"be a multiple of {align}, got m_splits={splits} (Caller must pad)")
 
     # TE's TransformerEngineBaseModule keeps fp8 metadata as extra state (a uint8 tensor)
     def get_extra_state(self):
@@ -250,6 +295,17 @@ class DotProductAttention(_TPModule):
                  name=None):
         self._record_init(DotProductAttention.__init__, locals())
         self._init_tp(tp_group, tp_size)
+        # As TE: with sequence parallelism (or no tracker) attention dropout does not fork
+        # the tracker; otherwise TE registers the tracker's states for CUDA graphs.
+        self.rng_states_tracker = None
+        if sequence_parallel or get_rng_state_tracker is None:
+            attention_dropout_ctx = contextlib.nullcontext
+        else:
+            self.rng_states_tracker = get_rng_state_tracker()
+            _distributed.set_all_rng_states(self.rng_states_tracker.get_states())
+            attention_dropout_ctx = (
+                self.rng_states_tracker.fork if attention_dropout > 0 else contextlib.nullcontext)
+        self.attention_dropout_ctx = attention_dropout_ctx
         self.cp_group, self.cp_global_ranks = cp_group, cp_global_ranks
         self.cp_stream, self.cp_comm_type = cp_stream, cp_comm_type
 
@@ -276,6 +332,9 @@ class DotProductAttention(_TPModule):
                 qkv_interleave_dim=-3, thd_attention_policies=None,
                 thd_attention_policy_dispatch='auto'):
         args = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
+        if self.rng_states_tracker is not None and _GRAPH_CAPTURING[0]:
+            assert isinstance(self.rng_states_tracker, CudaRNGStatesTracker), \
+                "Unsupported RNG states tracker."
         self.calls.append(("forward", args))
         q = query_layer
         return q.new_zeros(*q.shape[:-2], q.shape[-2] * q.shape[-1])
@@ -347,9 +406,15 @@ class autocast:
 
     def __enter__(self):
         RECORD.append(("autocast", self.args))
+        a = self.args
+        self._state = FP8GlobalStateManager.get_autocast_state()
+        FP8GlobalStateManager.autocast_enter(a["enabled"], a["calibrating"], a["recipe"],
+                                             a["amax_reduction_group"], a["_graph"])
         return self
 
     def __exit__(self, *exc):
+        FP8GlobalStateManager.set_autocast_state(self._state)
+        FP8GlobalStateManager.autocast_exit(self.args["enabled"], self.args["_graph"])
         return None
 
 
@@ -372,9 +437,20 @@ class _Recorded:
         return None
 
 
+@contextlib.contextmanager
 def quantized_model_init(enabled=True, recipe=None, preserve_high_precision_init_val=False):
-    return _Recorded("quantized_model_init", _bound(
-        quantized_model_init, (enabled, recipe, preserve_high_precision_init_val), {}))
+    """As TE: the recipe is stored as given (modules built inside ask it its type)."""
+    RECORD.append(("quantized_model_init", _bound(
+        quantized_model_init.__wrapped__, (enabled, recipe, preserve_high_precision_init_val),
+        {})))
+    qstate = FP8GlobalStateManager.quantization_state
+    saved = qstate.fp8_parameters, qstate.fp8_recipe
+    qstate.fp8_parameters = enabled
+    qstate.fp8_recipe = DelayedScaling() if recipe is None else recipe
+    try:
+        yield
+    finally:
+        qstate.fp8_parameters, qstate.fp8_recipe = saved
 
 
 def fp8_model_init(enabled=True, recipe=None, preserve_high_precision_init_val=False):
@@ -388,7 +464,49 @@ def checkpoint(function, *args, **kwargs):
                                             "get_rng_state_tracker", "tp_group",
                                             "use_reentrant") if k in kwargs}
     RECORD.append(("checkpoint", dict(te_kwargs, function=function)))
-    return function(*args, **kwargs)
+    # TE's first forward: the recompute region (its modules keep their fp8 scales for the
+    # recompute, which replays them; the fake does not recompute)
+    with _distributed.activation_recompute_forward(activation_recompute=True,
+                                                   recompute_phase=False):
+        return function(*args, **kwargs)
+
+
+_GRAPH_CAPTURING = [False]
+
+
+def make_graphed_callables(modules, sample_args, num_warmup_iters=3, allow_unused_input=False,
+                           sample_kwargs=None, fp8_enabled=None, fp8_calibrating=None,
+                           fp8_recipe=None, fp8_group=None, fp8_weight_caching=None,
+                           enabled=None, calibrating=None, recipe=None,
+                           amax_reduction_group=None, cache_quantized_params=None, _order=None,
+                           _num_layers_per_chunk=None, pool=None, retain_graph_in_backward=False,
+                           _reuse_graph_input_output_buffers=False,
+                           clone_param_grads_on_return=True, pre_warmup_hook=None,
+                           post_warmup_hook=None, capture_time_hooks=None):
+    """TE's graph capture, as far as the RNG goes: every registered RNG state goes to
+    ``CUDAGraph.register_generator_state`` (a ``torch.Generator`` only), then the callables
+    run once under capture (DotProductAttention asserts TE's tracker there)."""
+    for state in _distributed.get_all_rng_states().values():
+        if not isinstance(state, torch.Generator):
+            raise TypeError("register_generator_state(): argument 'generator' must be "
+                            f"torch.Generator, not {type(state).__name__}")
+    single = not isinstance(modules, tuple)
+    mods = (modules,) if single else modules
+    args = (sample_args,) if single else sample_args
+    _GRAPH_CAPTURING[0] = True
+    try:
+        for m, a in zip(mods, args):
+            m(*a)
+    finally:
+        _GRAPH_CAPTURING[0] = False
+    return modules
+
+
+class _Scaling:
+    """A module's ``fp8_meta["scaling_fwd"]`` (its amax history, as TE's)."""
+
+    def __init__(self, amax_history):
+        self.amax_history = amax_history
 
 
 def _support(kind, return_reason):

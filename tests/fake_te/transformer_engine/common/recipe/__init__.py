@@ -43,6 +43,19 @@ class Recipe:
     def __post_init__(self) -> None:
         assert self.fp8_format != Format.E5M2, "Pure E5M2 training is not supported."
 
+    # TE's type predicates (what modules and get_align_size_for_quantization ask)
+    def delayed(self) -> bool:
+        return isinstance(self, DelayedScaling)
+
+    def mxfp8(self) -> bool:
+        return isinstance(self, MXFP8BlockScaling)
+
+    def nvfp4(self) -> bool:
+        return False
+
+    def custom(self) -> bool:
+        return False
+
 
 @dataclass(repr=False)
 class DelayedScaling(Recipe):

@@ -1,0 +1,824 @@
+"""Per-rank memory of a training job, estimated analytically before anything runs.
+
+``estimate_memory(job, config, rank=...)`` returns a :class:`MemoryEstimate`: the bytes
+one rank holds, term by term (parameters, gradients and DDP's reduction buckets,
+optimizer states, FSDP's gathered copy, the activations autograd keeps per layer for the
+recompute policy, the pipeline schedule's in-flight micro-batches, fp8 copies and amax
+histories, MoE dispatch buffers, the loss' softmax and the async-save staging copy), and
+the peak: the largest sum of the terms alive together at one moment of a step (end of
+the forward, end of the backward, the optimizer step). Everything is arithmetic on the
+model's shape and the layout, so 65,536 ranks' roles take milliseconds
+(``tpkit-launch --dry-run`` prints them; docs/launch.md "Memory").
+
+The activation terms follow what tpkit's torch layers save for backward (tpkit.nn, read
+op by op: the norms keep their input, the normalised input and rstd; QKV keeps its output
+for V's view; RoPE'd q and k; the attention core q/k/v/out and its log-sum-exp; the MLP
+keeps fc1's output and the activation's; the loss keeps the fp32 softmax). They are
+checked against live-tensor bytes measured on CPU at launched layouts
+(tests/test_memory.py); the Transformer Engine backend keeps about the same tensors.
+
+:class:`MemoryJob` is the input: the model's shape (:class:`ModelShape`, from launch/
+train.py's arguments, a tpkit LlamaConfig or a Hugging Face config.json) and how it is
+trained (micro-batch, sequence, precision, recompute, optimizer, ddp/fsdp, pipeline
+schedule, packing, async save). ``suggest_layouts`` searches tp/cp/pp/dp, recompute and
+fsdp at the same world size for layouts that fit a device, cheapest first.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Iterable
+
+from .config import ParallelConfig
+
+__all__ = ["ModelShape", "MemoryJob", "MemoryEstimate", "estimate_memory", "role_ranks",
+           "estimate_roles", "suggest_layouts", "format_estimate", "format_roles",
+           "measured_peak_bytes", "format_measured", "GiB", "PRECISIONS"]
+
+GiB = 1024 ** 3
+PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "fp8")
+OPTIMIZERS = ("adamw", "adam", "sgd", "none")
+# bytes per element of (the residual stream, what the matmuls and attention produce):
+# autocast keeps the residual stream in the float32 of the parameters
+_ACT = {"32-true": (4, 4), "bf16-mixed": (4, 2), "16-mixed": (4, 2), "bf16-true": (2, 2),
+        "fp8": (4, 4)}
+AUTOCAST = ("bf16-mixed", "16-mixed")
+_GATED = ("swiglu", "geglu")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """A decoder-only transformer's sizes (tpkit's GPT and Llama blocks)."""
+
+    layers: int
+    hidden: int
+    ffn: int
+    heads: int
+    kv_heads: int | None = None      # None: = heads (no grouped-query attention)
+    vocab: int = 256
+    activation: str = "gelu"         # gelu/relu/silu, or swiglu/geglu (fc1 2*ffn wide)
+    norm: str = "RMSNorm"            # or LayerNorm (weight and bias)
+    bias: bool = False               # biases of every linear
+    qkv_bias: bool | None = None     # None: bias
+    tied_embeddings: bool = False
+    experts: int = 0                 # MoE experts per MoE layer (0: dense)
+    topk: int = 2
+    moe_every: int = 1               # every k-th block is MoE
+    capacity_factor: float | None = None
+
+    def __post_init__(self):
+        for name in ("layers", "hidden", "ffn", "heads", "vocab", "topk", "moe_every"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"ModelShape.{name}={v!r} must be an integer >= 1")
+        if self.hidden % self.heads:
+            raise ValueError(f"ModelShape: hidden={self.hidden} is not divisible by "
+                             f"heads={self.heads}")
+        if self.heads % self.groups:
+            raise ValueError(f"ModelShape: heads={self.heads} is not divisible by "
+                             f"kv_heads={self.groups}")
+        if self.experts < 0:
+            raise ValueError(f"ModelShape.experts={self.experts} must be >= 0 (0: dense)")
+
+    @property
+    def groups(self) -> int:
+        return self.heads if self.kv_heads is None else self.kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def gated(self) -> bool:
+        return self.activation in _GATED
+
+    def is_moe(self, block: int) -> bool:
+        return self.experts > 0 and (block + 1) % self.moe_every == 0
+
+    # --- constructors ----------------------------------------------------------------
+    @classmethod
+    def from_llama_config(cls, cfg) -> "ModelShape":
+        """From a tpkit.models.LlamaConfig (SwiGLU MLPs, RMSNorm)."""
+        return cls(layers=cfg.num_layers, hidden=cfg.hidden_size, ffn=cfg.ffn_hidden_size,
+                   heads=cfg.num_heads, kv_heads=cfg.num_gqa_groups or cfg.num_heads,
+                   vocab=cfg.vocab_size, activation="swiglu", norm="RMSNorm",
+                   bias=bool(cfg.bias), qkv_bias=cfg.qkv_bias,
+                   tied_embeddings=bool(cfg.tie_word_embeddings))
+
+    @classmethod
+    def from_hf_config(cls, source) -> "ModelShape":
+        """From a Hugging Face ``config.json`` (a path, a directory holding one, or the
+        parsed dict): what tpkit.models reads (Llama, Mistral, Qwen2: through
+        ``tpkit.models.hf.config_from_hf``), or a Mixtral-style MoE (``num_local_experts``,
+        ``num_experts_per_tok``), whose sizes are read here. ValueError naming the file."""
+        where = "the config dict"
+        if not isinstance(source, dict):
+            path = os.fspath(source)
+            if os.path.isdir(path):
+                path = os.path.join(path, "config.json")
+            where = path
+            try:
+                with open(path) as f:
+                    source = json.load(f)
+            except OSError as e:
+                raise ValueError(f"model config {path!r} cannot be read ({e.strerror}); pass "
+                                 "a Hugging Face config.json or the directory holding it") from None
+            except json.JSONDecodeError as e:
+                raise ValueError(f"model config {path!r} is not JSON (line {e.lineno}: "
+                                 f"{e.msg}); pass a Hugging Face config.json") from None
+        if not isinstance(source, dict):
+            raise ValueError(f"model config {where} holds {type(source).__name__}, not a "
+                             "JSON object; pass a Hugging Face config.json")
+        experts = int(source.get("num_local_experts") or source.get("num_experts") or 0)
+        if not experts:
+            from .models.hf import config_from_hf
+            try:
+                return cls.from_llama_config(config_from_hf(source))
+            except ValueError as e:
+                raise ValueError(f"model config {where}: {e}") from None
+        need = ("num_hidden_layers", "hidden_size", "intermediate_size",
+                "num_attention_heads", "vocab_size")
+        missing = [k for k in need if k not in source]
+        if missing:
+            raise ValueError(f"model config {where} lacks {', '.join(missing)}; pass the "
+                             "config.json of a Mixtral-style MoE or a Llama-family model")
+        try:
+            return cls(layers=int(source["num_hidden_layers"]),
+                       hidden=int(source["hidden_size"]),
+                       ffn=int(source.get("moe_intermediate_size")
+                               or source["intermediate_size"]),
+                       heads=int(source["num_attention_heads"]),
+                       kv_heads=int(source.get("num_key_value_heads")
+                                    or source["num_attention_heads"]),
+                       vocab=int(source["vocab_size"]), activation="swiglu",
+                       tied_embeddings=bool(source.get("tie_word_embeddings", False)),
+                       experts=experts, topk=int(source.get("num_experts_per_tok") or 2))
+        except ValueError as e:
+            raise ValueError(f"model config {where}: {e}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryJob:
+    """A training job as the estimator needs it: the model, the batch each rank computes at
+    once, and how it is trained. ``micro_batch`` is the sequences of one micro-batch per
+    data-parallel rank (the local batch / ``microbatches``)."""
+
+    model: ModelShape
+    micro_batch: int = 1
+    seq_len: int = 2048
+    microbatches: int = 1            # per step and dp rank (pp > 1: the schedule's)
+    precision: str = "32-true"       # PRECISIONS; parameters stay float32 except bf16-true
+    recompute: bool = False          # whole blocks recomputed in backward
+    optimizer: str = "adamw"
+    data_parallel: str = "ddp"       # or "fsdp" (FSDP2 over dp x cp)
+    pp_schedule: str = "1F1B"
+    virtual_stages: int | None = None
+    packed: bool = False             # one packed row of documents (THD attention)
+    dropout: float = 0.0             # hidden dropout (keeps a 1-byte mask per element)
+    attention_dropout: float = 0.0
+    async_save: bool = False         # a host staging copy of the rank's checkpoint shard
+    fp8_recipe: str = "delayed"
+    amax_history: int = 1024         # delayed scaling's history length
+
+    def __post_init__(self):
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"MemoryJob.precision={self.precision!r} is unknown; use one of "
+                             f"{PRECISIONS}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"MemoryJob.optimizer={self.optimizer!r} is unknown; use one of "
+                             f"{OPTIMIZERS}")
+        if self.data_parallel not in ("ddp", "fsdp"):
+            raise ValueError(f"MemoryJob.data_parallel={self.data_parallel!r} must be 'ddp' "
+                             "or 'fsdp'")
+        for name in ("micro_batch", "seq_len", "microbatches"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"MemoryJob.{name}={v!r} must be an integer >= 1")
+
+    # --- constructors ----------------------------------------------------------------
+    @classmethod
+    def from_train_args(cls, args, *, dp: int = 1, pp: int = 1) -> "MemoryJob | None":
+        """From launch/train.py's parsed arguments, at ``dp`` data-parallel ranks (the
+        micro-batch is global batch / dp / micro-batches) and ``pp`` stages (the default
+        micro-batch count is 2 x pp there). None when ``--init-from-hf``'s directory has
+        no config.json yet (a dry run may plan its download: nothing to estimate)."""
+        vocab = 256   # launch/corpus.py's byte vocabulary
+        if getattr(args, "init_from_hf", None):
+            path = os.path.join(args.init_from_hf, "config.json")
+            if not os.path.isfile(path):
+                return None
+            model = ModelShape.from_hf_config(path)
+        else:
+            model = ModelShape(layers=args.layers, hidden=args.hidden, ffn=args.ffn,
+                               heads=args.heads, kv_heads=args.gqa_groups, vocab=vocab,
+                               activation="gelu", norm="RMSNorm", bias=False,
+                               experts=getattr(args, "moe_experts", 0) or 0,
+                               topk=getattr(args, "moe_topk", 2),
+                               moe_every=getattr(args, "moe_every", 1),
+                               capacity_factor=getattr(args, "moe_capacity_factor", None))
+        m = args.microbatches or (2 * pp if pp > 1 else 1)
+        return cls(model=model, micro_batch=max(1, args.global_batch // dp // m),
+                   seq_len=args.seq_len, microbatches=m, precision=args.precision,
+                   recompute=bool(args.recompute), optimizer="adamw",
+                   data_parallel=args.data_parallel, pp_schedule=args.pp_schedule,
+                   virtual_stages=args.virtual_stages, packed=bool(args.pack),
+                   dropout=args.dropout, attention_dropout=args.dropout,
+                   async_save=bool(getattr(args, "async_save", False)),
+                   fp8_recipe=args.fp8_recipe or "delayed")
+
+    def at_dp(self, global_batch: int, dp: int) -> "MemoryJob":
+        """This job with the micro-batch of ``global_batch`` sequences split over ``dp``."""
+        return dataclasses.replace(self, micro_batch=max(1, global_batch // dp // self.microbatches))
+
+
+@dataclasses.dataclass
+class MemoryEstimate:
+    """One rank's estimate: ``terms`` (name -> bytes, each at its largest), ``peak`` bytes
+    (the most alive together) and ``phase`` (when: "forward", "backward" or "optimizer")."""
+
+    role: str
+    ranks: str
+    terms: dict
+    peak: int
+    phase: str
+    notes: list = dataclasses.field(default_factory=list)
+
+    @property
+    def biggest(self) -> tuple[str, int]:
+        """The largest term in bytes (the in-flight count is not bytes)."""
+        return max(((k, v) for k, v in self.terms.items()
+                    if k != "pipeline in-flight micro-batches"), key=lambda kv: kv[1])
+
+    def gib(self) -> float:
+        return self.peak / GiB
+
+
+# --- the model's pieces, per rank ------------------------------------------------------
+# an input-gradient step (I) of the zero-bubble schedules keeps the stage's activations
+# and the gradients of the linears' outputs until its weight-gradient step (W)
+_SPLIT_BACKWARD_HOLD = 1.75
+
+
+def _torch_order(schedule: str, pp: int, v: int, m: int, r: int):
+    """torch.distributed.pipelining's own action list of pp rank ``r`` for the multi-stage
+    schedules (its _calculate_single_rank_operations, on an object given only the sizes
+    it reads), or None where that is not possible."""
+    try:
+        from torch.distributed.pipelining import schedules
+        cls = getattr(schedules, "Schedule" + schedule)
+        o = cls.__new__(cls)
+        o.pp_group_size, o.n_local_stages, o._n_microbatches = pp, v, m
+        o.number_of_rounds = max(1, m // pp)
+        o.microbatches_per_round = m // o.number_of_rounds
+        o.num_stages, o.rank, o.pipeline_order = pp * v, r, {}
+        return [str(a) for a in o._calculate_single_rank_operations(r) if a is not None]
+    except Exception:   # another torch: the closed forms below
+        return None
+
+
+def _in_flight(schedule: str, pp: int, v: int, m: int, r: int) -> float:
+    """Stage-micro-batches whose activations pp rank ``r`` holds at once under
+    ``schedule``: torch.distributed.pipelining's own order for the multi-stage schedules
+    (forwards not yet released by a full or weight backward; one whose input gradient is
+    done holds _SPLIT_BACKWARD_HOLD), the closed forms of 1F1B (pp - r) and GPipe (m)."""
+    import re
+    if pp == 1:
+        return 1
+    name = schedule.lower()
+    if name in ("gpipe", "loopedbfs"):
+        return m * v
+    if name == "1f1b":
+        return min(m, pp - r)
+    ops = _torch_order(schedule, pp, v, m, r)
+    if ops is not None:
+        live, split, peak = 0, 0, 0.0
+        for op in ops:
+            kind = re.fullmatch(r"\d+([A-Z_]+)\d+", op)
+            kind = kind.group(1) if kind else ""
+            if kind == "F":
+                live += 1
+            elif kind == "I":
+                split += 1
+            elif kind == "W":
+                live, split = live - 1, split - 1
+            elif kind in ("B", "BW"):
+                live -= 1
+            peak = max(peak, live + split * (_SPLIT_BACKWARD_HOLD - 1))
+        return peak
+    rounds = max(1, m // pp)
+    per_round = m // rounds
+    if name == "interleaved1f1b":
+        return min((v - 1) * per_round + 2 * (pp - 1 - r) + 1, m * v)
+    return min(2 * (pp - r) + 1, 2 * m)
+
+
+def _dtype_bytes(precision: str) -> int:
+    return _ACT[precision][1]
+
+
+class _Rank:
+    """The shapes one rank computes with (micro-batch tokens, local heads, ...)."""
+
+    def __init__(self, job: MemoryJob, c: ParallelConfig):
+        mo = job.model
+        self.job, self.c, self.m = job, c, mo
+        self.tp, self.cp = c.tp, c.cp
+        self.sp = c.sequence_parallel
+        self.r, self.a = _ACT[job.precision]          # residual / compute bytes per element
+        self.s = job.seq_len // c.cp                  # local sequence
+        self.b = job.micro_batch
+        self.t = self.b * self.s                      # tokens of one micro-batch here
+        self.t_sp = self.t // c.tp if self.sp else self.t
+        self.hl = mo.heads // c.tp
+        self.gl = max(1, mo.groups // c.tp)
+        self.d = mo.head_dim
+        self.f = mo.ffn // c.tp
+
+    # parameters (elements) -------------------------------------------------------------
+    def dense_block_params(self) -> int:
+        mo, tp = self.m, self.tp
+        h, d = mo.hidden, mo.head_dim
+        norm = h * (2 if mo.norm == "LayerNorm" else 1)
+        qkv_out = (mo.heads + 2 * mo.groups) * d // tp
+        qkv_bias = mo.bias if mo.qkv_bias is None else mo.qkv_bias
+        n = 2 * norm + h * qkv_out + (qkv_out if qkv_bias else 0)
+        n += mo.heads * d // tp * h + (h if mo.bias else 0)
+        return n + self.mlp_params()
+
+    def mlp_params(self) -> int:
+        mo = self.m
+        w1 = mo.ffn * (2 if mo.gated else 1) // self.tp
+        return mo.hidden * w1 + self.f * mo.hidden + ((w1 + mo.hidden) if mo.bias else 0)
+
+    def expert_params(self) -> int:
+        mo, c = self.m, self.c
+        local = mo.experts // c.ep
+        f = mo.ffn // c.expert_tp
+        return local * mo.hidden * f * (3 if mo.gated else 2)
+
+    def block_params(self, i: int) -> tuple[int, int]:
+        """(dense, expert) parameter elements of block ``i`` on this rank."""
+        if not self.m.is_moe(i):
+            return self.dense_block_params(), 0
+        mo = self.m
+        dense = self.dense_block_params() - self.mlp_params() + mo.experts * mo.hidden
+        return dense, self.expert_params()
+
+    # activations (bytes) of one block and one micro-batch --------------------------------
+    def block_acts(self, i: int) -> dict:
+        j, mo = self.job, self.m
+        a, r, t, tsp, h, d = self.a, self.r, self.t, self.t_sp, mo.hidden, self.d
+        hl, gl, f = self.hl, self.gl, self.f
+        fp8 = j.precision == "fp8"
+        # norms: input, x*rstd and rstd (residual stream), and what the next linear keeps
+        # of the output: the output itself, under SP the all-gathered [s, b, h], under
+        # autocast its low-precision copy, with fp8 its 1-byte copy
+        norm = 2 * tsp * h * r + tsp * 4 + t * h * (1 if fp8 else a)
+        norm_total = 2 * norm - tsp * h * r           # the block's input counted once
+        qkv, rope, attn = self.attention_parts()
+        resid = tsp * h * r                           # x + attention (the MLP's input)
+        acts = {"norms": norm_total + resid, "qkv": qkv, "rope": rope, "attention": attn}
+        if mo.is_moe(i):
+            acts["moe"] = self.moe_bytes()
+        else:
+            w1 = (2 if mo.gated else 1) * f
+            keep = t * w1 * a + t * f * a * (2 if mo.gated else 1)
+            if fp8:
+                keep += t * f                          # fc2's fp8 input copy
+                keep -= t * f * a                      # ... instead of the activation's output
+            acts["mlp"] = keep
+        if j.dropout > 0:
+            acts["dropout masks"] = 2 * tsp * h        # bool masks of both hidden dropouts
+        return acts
+
+    def attention_parts(self) -> tuple[int, int, int]:
+        """(QKV's output, RoPE's outputs, the core's) kept per kernel path, as each path's
+        code keeps them: the plain path keeps QKV's output (V is a view of it), RoPE'd
+        q and k, the core's out and log-sum-exp (the projection's input is a view of
+        out); the ring (p2p) adds the projection's input copy; all_gather keeps RoPE'd q,
+        the gathered K and V, out and the copy, but not QKV's output nor RoPE'd k; the
+        a2a kinds keep only the exchanged q/k/v, out and the copy."""
+        j, c = self.job, self.c
+        a, t, d, hl, gl = self.a, self.t, self.d, self.hl, self.gl
+        q, kv = t * hl * d * a, t * gl * d * a
+        lse = self.b * hl * self.s * 4
+        trig = 4 * self.s * d * a * (self.b if j.packed else 1)   # RoPE's cos/sin
+        qkv, rope = q + 2 * kv, q + kv + trig
+        if j.packed:
+            return qkv, rope, q + lse + q + 2 * kv      # the packed kernel's [1, h, t, d] copies
+        if j.attention_dropout > 0:      # reference kernel: the probabilities and the mask
+            return qkv, rope, q + lse + q + self.b * hl * self.s * (self.s * c.cp) * (a + 1)
+        if c.cp == 1:
+            return qkv, rope, q + lse
+        comm = c.cp_comm_type
+        if comm == "p2p":
+            return qkv, rope, 2 * q + lse
+        if comm == "all_gather":
+            return 0, q + trig, 2 * q + 2 * kv * c.cp + lse
+        return 0, trig, 3 * q + 2 * kv + lse     # a2a, a2a+p2p
+
+    def moe_bytes(self) -> int:
+        """Router (logits, probabilities), dispatched tokens at the capacity factor (or
+        dropless: top-k of every token), the experts' fc1/activation outputs, the combine."""
+        mo, c, a, t = self.m, self.c, self.a, self.t
+        E, k, h = mo.experts, mo.topk, mo.hidden
+        tokens = t // c.tp if (c.tp > 1 and not c.sequence_parallel) else self.t_sp
+        routed = tokens * k
+        if mo.capacity_factor is not None:
+            routed = min(routed, math.ceil(k * tokens * mo.capacity_factor / E) * E)
+        recv = routed * c.expert_tp                   # etp gathers its ranks' tokens
+        f = mo.ffn // c.expert_tp
+        w1 = (2 if mo.gated else 1) * f
+        router = self.t_sp * E * 4 * 3
+        experts = recv * h * a + recv * w1 * a + recv * f * a * (2 if mo.gated else 1)
+        combine = self.t_sp * k * h * a * 2
+        return router + experts + combine
+
+    def head_bytes(self) -> tuple[int, int]:
+        """(kept, transient) of final norm + output layer + loss on the last stage."""
+        mo, a, r, t, tsp, h = self.m, self.a, self.r, self.t, self.t_sp, self.m.hidden
+        v = mo.vocab // self.tp
+        kept = 2 * tsp * h * r + tsp * 4 + t * h * a   # final norm (as a block's norm)
+        kept += t * v * 4 + t * (8 + 2) + 2 * t * 8   # softmax, target ids and masks
+        transient = 2 * t * v * 4 + (t * v * a if a != 4 else 0)
+        return kept, transient
+
+    def stem_bytes(self) -> tuple[int, int]:
+        mo, a, t = self.m, self.a, self.t
+        kept = 2 * t * 8                               # token ids (+ their shard copy)
+        transient = t * mo.hidden * a if self.sp else 0   # before the reduce-scatter
+        return kept, transient
+
+
+def _stage_blocks(plan_style: str, pp: int, v: int, layers: int, r: int) -> list[tuple[int, range]]:
+    stages = [r, 2 * pp - 1 - r] if plan_style == "v" else [r + k * pp for k in range(v)]
+    per = layers // (pp * v)
+    return [(st, range(st * per, (st + 1) * per)) for st in stages]
+
+
+def _style(schedule: str) -> tuple[str, int]:
+    from .pipeline import SCHEDULES
+    names = {k.lower(): k for k in SCHEDULES}
+    key = names.get(schedule.lower())
+    if key is None:
+        raise ValueError(f"pp_schedule={schedule!r} is unknown; use one of {list(SCHEDULES)}")
+    return key, SCHEDULES[key][1]
+
+
+def estimate_memory(job: MemoryJob, config: ParallelConfig, *, rank: int = 0,
+                    world_size: int | None = None) -> MemoryEstimate:
+    """Bytes rank ``rank`` holds at the peak of a training step of ``job`` on the layout
+    ``config`` (validated against ``world_size`` if dp is unresolved). Every rank of one
+    pipeline stage holds the same (experts are spread evenly), so only the rank's pp
+    coordinate matters: ``rank // (tp * cp * dp)`` (tpkit's rank order, pp outermost)."""
+    if config.dp is None:
+        if world_size is None:
+            raise ValueError("estimate_memory needs world_size when config.dp is unresolved")
+        config = config.validate(world_size)
+    per_stage = config.tp * config.cp * config.dp
+    return _estimate(job, config, rank // per_stage, ranks=str(rank))
+
+
+def _estimate(job: MemoryJob, c: ParallelConfig, r: int, *, ranks: str,
+              role: str | None = None) -> MemoryEstimate:
+    mo = job.model
+    R = _Rank(job, c)
+    pp = c.pp
+    schedule, style = _style(job.pp_schedule) if pp > 1 else ("1F1B", "single")
+    v = 1 if style == "single" else (2 if style == "v" else (job.virtual_stages or 2))
+    if mo.layers % (pp * v):
+        raise ValueError(f"{mo.layers} layers do not split into pp x virtual stages = "
+                         f"{pp} x {v}; use a multiple of {pp * v} layers or change pp")
+    mine = _stage_blocks(style, pp, v, mo.layers, r)
+    first = any(st == 0 for st, _ in mine)
+    last = any(st == pp * v - 1 for st, _ in mine)
+    p_bytes = 2 if job.precision == "bf16-true" else 4
+    # --- parameters -----------------------------------------------------------------
+    dense = expert = 0
+    for _, blocks in mine:
+        for i in blocks:
+            dn, ex = R.block_params(i)
+            dense, expert = dense + dn, expert + ex
+    emb = mo.vocab // c.tp * mo.hidden
+    if first:
+        dense += emb
+    if last:
+        dense += mo.hidden * (2 if mo.norm == "LayerNorm" else 1)
+        if not (mo.tied_embeddings and first):
+            dense += emb
+    n_params = dense + expert
+    params = n_params * p_bytes
+    fsdp = job.data_parallel == "fsdp" and c.dp * c.cp > 1 and pp == 1
+    shard = c.dp * c.cp if fsdp else 1
+    terms: dict[str, int] = {}
+    notes: list[str] = []
+    terms["parameters"] = params // shard
+    if fsdp:   # FSDP2's unsharded parameters and its all-gather buffer (one unit: the root)
+        terms["fsdp gathered parameters"] = 2 * params
+    grads = n_params * p_bytes
+    terms["gradients"] = grads // shard
+    buckets = 0
+    if pp == 1 and c.dp * c.cp > 1 and not fsdp:
+        buckets = dense * p_bytes                        # DDP's reduction buckets
+        terms["ddp buckets"] = buckets
+    opt_per = {"adamw": 2, "adam": 2, "sgd": 1, "none": 0}[job.optimizer]
+    master = 4 if p_bytes == 2 and job.optimizer != "none" else 0
+    opt = n_params * (opt_per * 4 + master) // shard
+    terms["optimizer states"] = opt
+    # --- activations ----------------------------------------------------------------
+    stage_acts = []          # (stage, bytes one micro-batch keeps there)
+    detail: dict[str, int] = {}
+    layer_full = 0
+    for st, blocks in mine:
+        kept = 0
+        for i in blocks:
+            acts = R.block_acts(i)
+            full = sum(acts.values())
+            layer_full = max(layer_full, full)
+            if job.recompute:
+                kept += R.t_sp * mo.hidden * R.r + 4 * R.s * R.d * R.a
+            else:
+                kept += full
+                for k, val in acts.items():
+                    detail[k] = detail.get(k, 0) + val
+        if st == 0:
+            kept += R.stem_bytes()[0]
+        if pp > 1 and st < pp * v - 1:
+            kept += R.t_sp * mo.hidden * R.r         # the stage's output, until its backward
+        stage_acts.append((st, kept))
+    units = _in_flight(schedule, pp, v, job.microbatches, r)
+    per_unit = sum(k for _, k in stage_acts) / len(stage_acts)
+    acts = int(per_unit * units)
+    units_shown = round(units, 2) if units != int(units) else int(units)
+    head_kept, head_tmp = R.head_bytes() if last else (0, 0)
+    if schedule.lower() in ("gpipe", "loopedbfs"):   # every micro-batch's loss, then backward
+        head_kept *= job.microbatches
+    stem_tmp = R.stem_bytes()[1] if first else 0
+    scale = units / max(1, len(mine))
+    for k, val in detail.items():
+        terms[f"activations: {k}"] = int(val * scale)
+    if job.recompute:
+        terms["activations: recompute checkpoints"] = acts - sum(
+            R.stem_bytes()[0] for st, _ in mine if st == 0)
+        notes.append("recompute: one block's activations are rebuilt in backward")
+    if first:
+        terms["activations: embedding"] = R.stem_bytes()[0] * units // len(mine)
+    if last:
+        terms["activations: loss (softmax)"] = head_kept
+    p2p = 0
+    if pp > 1:
+        terms["pipeline in-flight micro-batches"] = units_shown
+        # torch's PipelineStage allocates a receive buffer per micro-batch: activations
+        # into every stage but the first, their gradients into every stage but the last
+        p2p = sum(job.microbatches * ((st > 0) + (st < pp * v - 1)) for st, _ in mine) \
+            * R.t_sp * mo.hidden * R.r
+        terms["pipeline receive buffers"] = p2p
+    # fp8: weight copies (1 byte per linear weight element, per in-flight forward) and
+    # amax histories (3 per linear: input, weight, grad)
+    fp8 = 0
+    if job.precision == "fp8":
+        linears = sum(1 for _, b in mine for _ in b) * 4
+        w_linear = dense - (emb if first else 0) - (emb if last else 0)
+        fp8 = w_linear * units // len(mine) + linears * 3 * 4 * (
+            job.amax_history if job.fp8_recipe == "delayed" else 1)
+        terms["fp8 weight copies and amax histories"] = fp8
+    wcopies = 0
+    if job.precision in AUTOCAST:   # autocast's low-precision weight copies, kept by the
+        # linears for their backward (the embedding is not autocast)
+        wcopies = (dense - (emb if first else 0) + expert) * R.a
+        terms["autocast weight copies"] = wcopies
+    save = 0
+    if job.async_save:
+        save = (params + opt) // shard
+        terms["async-save staging copy (host)"] = save
+        notes.append("the async-save copy is in host memory, not on the device")
+    # --- the peak: what is alive together ---------------------------------------------
+    static = terms["parameters"] + buckets + opt + fp8 + p2p
+    gathered = 2 * params if fsdp else 0
+    act_total = acts + head_kept
+    recompute_tmp = layer_full if job.recompute else 0
+    grads_alive = grads if (job.microbatches > 1 or pp > 1) else 0   # accumulation
+    fwd = static + gathered + act_total + max(head_tmp, stem_tmp) + grads_alive // shard \
+        + wcopies
+    bwd = static + gathered + act_total - head_kept + recompute_tmp + grads_alive // shard \
+        + wcopies \
+        + R.t * R.f * R.a * 2
+    if fsdp:
+        end = static + gathered + grads + grads // shard     # unsharded grads + RS output
+    else:
+        end = static + grads + (grads if pp > 1 else 0)          # pp: the flat all-reduce copy
+    opt_step = static + grads // shard + (max(R.block_params(0)) * p_bytes)
+    phases = {"forward": fwd, "backward": bwd, "end of backward": end, "optimizer": opt_step}
+    phase = max(phases, key=phases.get)
+    what = role or _role_name(first, last, pp, r)
+    count = "pipeline in-flight micro-batches"
+    return MemoryEstimate(what, ranks, {k: v if k == count else int(v)
+                                        for k, v in terms.items() if v},
+                          int(phases[phase]), phase, notes)
+
+
+def _role_name(first: bool, last: bool, pp: int, r: int) -> str:
+    if pp == 1:
+        return "every rank"
+    if first and last:
+        return f"pp rank {r} (first and last stage)"
+    return f"pp rank {r} ({'first stage' if first else 'last stage' if last else 'middle stage'})"
+
+
+def role_ranks(config: ParallelConfig) -> list[int]:
+    """The pp ranks whose estimates differ in kind: the first (embedding), the last (head)
+    and, with pp > 2, one middle rank standing for all (estimate_roles takes the heaviest
+    of them)."""
+    pp = config.pp
+    return sorted({0, pp - 1} | ({1} if pp > 2 else set()))
+
+
+def estimate_roles(job: MemoryJob, config: ParallelConfig, world_size: int | None = None
+                   ) -> list[MemoryEstimate]:
+    """One estimate per distinct role (first, middle, last pipeline rank; the expert ranks
+    hold the same as their stage's others), each named with its ranks."""
+    from .planning import format_ranks
+    if config.dp is None:
+        config = config.validate(world_size)
+    per_stage = config.tp * config.cp * config.dp
+    out = []
+    pp = config.pp
+    middles = list(range(1, pp - 1))
+    for r in role_ranks(config):
+        if pp > 2 and r == 1:   # the middle ranks: the heaviest of them
+            cands = [_estimate(job, config, m, ranks="") for m in middles]
+            est = max(cands, key=lambda e: e.peak)
+            r = middles[cands.index(est)]
+            ranks = format_ranks(range(middles[0] * per_stage, (middles[-1] + 1) * per_stage))
+            est = _estimate(job, config, r, ranks=ranks,
+                            role=f"pp ranks {middles[0]}-{middles[-1]} (middle stages; "
+                                 f"heaviest: pp rank {r})" if len(middles) > 1 else None)
+        else:
+            ranks = format_ranks(range(r * per_stage, (r + 1) * per_stage))
+            est = _estimate(job, config, r, ranks=ranks)
+        if config.has_experts and job.model.experts:
+            est.role += f", experts over ep={config.ep} etp={config.expert_tp}"
+        out.append(est)
+    return out
+
+
+# --- layouts that fit -----------------------------------------------------------------
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+# step_cost's machine: dense bf16 throughput and link speeds of a typical 8-GPU node
+FLOPS, NVLINK, NETWORK = 400e12, 200e9, 25e9
+
+
+def step_cost(job: MemoryJob, c: ParallelConfig, nproc_per_node: int = 8) -> float:
+    """The ranking of ``suggest_layouts``: an idealised step time in seconds on
+    ``FLOPS``/``NVLINK``/``NETWORK`` (400 TFLOP/s per device, 200 GB/s inside a node,
+    25 GB/s per device across nodes): the model FLOPs (6 per parameter and token, plus
+    attention) / (tp*cp*pp) stretched by the pipeline bubble (pp-1)/(m*v) and by 4/3 with
+    recompute, plus the bytes of the tp all-reduces (or SP's gathers), the cp K/V
+    exchange, the dp gradient all-reduce (fsdp: gathers as well) and the pp sends, each
+    over the link it uses. Only the order means something."""
+    mo = job.model
+    a = _dtype_bytes(job.precision)
+    m = job.microbatches
+    tokens = job.micro_batch * m * job.seq_len
+    per_layer = 2 * mo.hidden * mo.hidden + 2 * mo.hidden * mo.groups * mo.head_dim \
+        + (3 if mo.gated else 2) * mo.hidden * mo.ffn
+    flops = 6 * tokens * (mo.layers * per_layer + mo.vocab * mo.hidden) \
+        + 6 * tokens * job.seq_len * mo.hidden * mo.layers      # causal attention
+    v = (job.virtual_stages or 2) if c.pp > 1 and job.pp_schedule.lower() != "1f1b" else 1
+    t = flops / (c.tp * c.cp * c.pp) / FLOPS * (1 + (c.pp - 1) / (m * v))
+    if job.recompute:
+        t *= 4 / 3
+    act = tokens / c.cp * mo.hidden * a * mo.layers / c.pp       # one [s, b, h] per layer
+    if c.tp > 1:
+        t += 4 * 2 * act * (c.tp - 1) / c.tp / NVLINK
+    if c.cp > 1:
+        link = NVLINK if c.tp * c.cp <= nproc_per_node else NETWORK
+        kv = act * 2 * mo.groups / mo.heads
+        t += 2 * kv * (c.cp - 1) / link
+    params = (mo.layers * per_layer + 2 * mo.vocab * mo.hidden) / (c.tp * c.pp) * 4
+    dp = c.dp * c.cp
+    if dp > 1:
+        link = NVLINK if c.tp * c.cp * c.dp <= nproc_per_node else NETWORK
+        t += 2 * params * (dp - 1) / dp * (1.5 if job.data_parallel == "fsdp" else 1) / link
+    if c.pp > 1:
+        t += 2 * m * v * tokens / m / c.cp * mo.hidden * a / c.tp / NETWORK
+    return t
+
+
+def suggest_layouts(job: MemoryJob, world_size: int, device_bytes: float, *,
+                    global_batch: int, margin: float = 0.1, limit: int = 5,
+                    base: ParallelConfig | None = None, nproc_per_node: int | None = None
+                    ) -> list[tuple[float, ParallelConfig, MemoryJob, int]]:
+    """Layouts of ``world_size`` ranks (tp within a node, sequence parallelism with tp,
+    cp, pp, dp; recompute and fsdp on or off) whose heaviest rank fits ``device_bytes``
+    less ``margin``, cheapest ``step_cost`` first: (cost, config, job, peak bytes)."""
+    budget = device_bytes * (1 - margin)
+    mo = job.model
+    node = nproc_per_node or 8
+    out = []
+    comm = base.cp_comm_type if base is not None and base.cp_comm_type != "a2a+p2p" else "p2p"
+    for tp in _divisors(world_size):
+        if tp > node or mo.heads % tp or mo.groups % tp or mo.ffn % tp or mo.vocab % tp:
+            continue
+        for cp in _divisors(world_size // tp):
+            if job.seq_len % (2 * cp) or cp > 64:
+                continue
+            for pp in _divisors(world_size // (tp * cp)):
+                if mo.layers % pp or (pp > 1 and job.packed):
+                    continue
+                dp = world_size // (tp * cp * pp)
+                if global_batch % dp:
+                    continue
+                ep = base.ep if base is not None and base.ep > 1 and \
+                    (tp * cp * dp) % base.ep == 0 and mo.experts % base.ep == 0 else 1
+                try:
+                    c = ParallelConfig(tp=tp, cp=cp, pp=pp, dp=dp, sequence_parallel=tp > 1,
+                                       cp_comm_type=comm, ep=ep).validate(world_size)
+                except ValueError:
+                    continue
+                for recompute in (False, True):
+                    for fsdp in (("ddp", "fsdp") if pp == 1 else ("ddp",)):
+                        m = max(job.microbatches, 2 * pp) if pp > 1 else job.microbatches
+                        if global_batch // dp < m:
+                            continue
+                        j = dataclasses.replace(job, recompute=recompute, data_parallel=fsdp,
+                                                microbatches=m,
+                                                pp_schedule="1F1B" if pp > 1 else job.pp_schedule,
+                                                micro_batch=max(1, global_batch // dp // m))
+                        peak = max(_estimate(j, c, r, ranks="").peak
+                                   for r in sorted({0, pp - 1, min(1, pp - 1)}))
+                        if peak <= budget:
+                            out.append((step_cost(j, c, node), c, j, peak))
+    out.sort(key=lambda x: (x[0], x[1].cp, x[1].pp, x[1].tp))
+    return out[:limit]
+
+
+# --- text ------------------------------------------------------------------------------
+def _g(n: float) -> str:
+    """A term's size: GiB, or MiB below 0.1 GiB."""
+    return f"{n / GiB:.2f} GiB" if n >= 0.1 * GiB else f"{n / 2 ** 20:.2f} MiB"
+
+
+def format_estimate(est: MemoryEstimate, device_bytes: float | None = None) -> list[str]:
+    """The lines of one role: every term (GiB, MiB below 0.1 GiB), then ``estimated
+    peak: X.XX GiB per rank`` (a stable line scripts can read)."""
+    lines = [f"  {est.role}" + (f" (ranks {est.ranks})" if est.ranks else "") + ":"]
+    for k, v in est.terms.items():
+        if k == "pipeline in-flight micro-batches":
+            lines.append(f"    {k:<44} {str(v):>13}")
+        else:
+            lines.append(f"    {k:<44} {_g(v):>13}")
+    for n in est.notes:
+        lines.append(f"    ({n})")
+    lines.append(f"    peak during: {est.phase}")
+    lines.append(f"  estimated peak: {est.peak / GiB:.2f} GiB per rank")
+    return lines
+
+
+def format_roles(estimates: Iterable[MemoryEstimate], device_bytes: float | None = None
+                 ) -> list[str]:
+    lines = []
+    for est in estimates:
+        lines += format_estimate(est, device_bytes)
+    return lines
+
+
+def format_layout(c: ParallelConfig, j: MemoryJob) -> str:
+    s = f"--tp {c.tp} --cp {c.cp} --pp {c.pp} --dp {c.dp}"
+    if c.sequence_parallel:
+        s += " --sequence-parallel"
+    if c.ep > 1:
+        s += f" --ep {c.ep}"
+    if j.recompute:
+        s += " (recompute)"
+    if j.data_parallel == "fsdp":
+        s += " (fsdp)"
+    return s
+
+
+# --- measured -------------------------------------------------------------------------
+def measured_peak_bytes(device=None) -> int | None:
+    """The allocator's peak on a CUDA ``device`` since the last reset
+    (``torch.cuda.max_memory_allocated``); None on CPU (no allocator statistics)."""
+    import torch
+    if device is None:
+        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return int(torch.cuda.max_memory_allocated(device))
+
+
+def format_measured(estimate: MemoryEstimate, measured: int | None) -> str:
+    """One line for a trainer's step-1 log: estimate next to the measured peak."""
+    if measured is None:
+        return (f"memory: estimated peak {estimate.peak / GiB:.2f} GiB per rank "
+                "(no allocator statistics on this device)")
+    ratio = measured / estimate.peak if estimate.peak else float("nan")
+    return (f"memory: estimated peak {estimate.peak / GiB:.2f} GiB per rank, measured "
+            f"{measured / GiB:.2f} GiB ({ratio:.0%} of the estimate)")
