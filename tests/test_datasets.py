@@ -415,14 +415,18 @@ def test_sft_prompt_tokens_have_zero_loss_weight_at_cp2_packed(tmp_path, tok_dir
 
 def _sft_model_loss(tp, cp, tok_dir, path):
     """The token-mean loss of one global batch of packed SFT rows (build_data, dp x cp x tp
-    from the pool's world) through launch/gpt.py's GPT, weights drawn at full shape from one
-    seed and sharded in (the same model at every layout)."""
+    from the pool's world) through the reference GPT (launch/gpt.py; tpkit.models.GPT
+    after the Trainer's move), weights drawn at full shape from one seed and sharded in
+    (the same model at every layout)."""
     import torch.distributed as dist
     import tpkit
     from tpkit.checkpoint import full_shapes, load_full_state_dict
     from tpkit.data import build_data, count_targets
-    sys.path.insert(0, os.path.join(ROOT, "launch"))
-    from gpt import GPT, GPTConfig
+    try:                        # the reference GPT: tpkit.models once the Trainer lands
+        from tpkit.models import GPT, GPTConfig
+    except ImportError:
+        sys.path.insert(0, os.path.join(ROOT, "launch"))
+        from gpt import GPT, GPTConfig
     st = tpkit.init_parallel(tp=tp, cp=cp)
     model = GPT(GPTConfig(vocab_size=300, hidden_size=32, num_layers=2, num_heads=4,
                           num_gqa_groups=2, ffn_hidden_size=64), st)
