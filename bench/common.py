@@ -91,8 +91,7 @@ def write_section(name: str, title: str, body: str) -> None:
 
 
 def _tp2_rank(rank: int, port: int, queue, fn, args) -> None:
-    import sys
-    sys.path.insert(0, ROOT)
+    # spawn gives this process the parent's sys.path (ROOT: python -m bench.NAME)
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       OMP_NUM_THREADS="1")

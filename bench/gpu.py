@@ -7,7 +7,7 @@ Every tpkit figure comes from ``tpkit-launch --nproc-per-node 1 launch/train.py 
 road users take; tokens/s of the last logged interval, after warm-up). The peer for the
 overhead row is a hand-written loop over ``transformer_engine.pytorch.TransformerLayer``
 with the same sizes, data, optimizer, clipping, autocast and fp8 recipe, timed in the same
-run; the same loop over launch/gpt.py's GPT (TE blocks) splits the overhead between the
+run; the same loop over tpkit/models/gpt.py's GPT (TE blocks) splits the overhead between the
 model's own layers and the Fabric path.
 Rates are over steps 10..30 (after 10 warm-up steps) in both. The figures are the ones
 tpkit's logs report (tpkit.observe): model TFLOP/s per device (model FLOPs per token in the
@@ -30,9 +30,9 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIZE = dict(hidden=2048, layers=16, heads=16, gqa=4, ffn=8192, seq=4096, batch=4, vocab=256)
 VARIANTS = {  # name -> train.py arguments beyond the size
-    "torch bf16": ["--backend", "torch", "--precision", "bf16-mixed"],
-    "te bf16": ["--backend", "te", "--precision", "bf16-mixed"],
-    "te fp8": ["--backend", "te", "--precision", "fp8", "--fp8-compute-dtype", "bfloat16"],
+    "torch bf16": ["--model.impl", "torch", "--precision", "bf16-mixed"],
+    "te bf16": ["--model.impl", "te", "--precision", "bf16-mixed"],
+    "te fp8": ["--model.impl", "te", "--precision", "fp8", "--fp8-compute-dtype", "bfloat16"],
 }
 
 
@@ -135,10 +135,9 @@ def hand_model():
 
 
 def tpkit_model():
-    """launch/gpt.py's GPT with TE blocks, outside Fabric (tpkit state of one rank)."""
+    """tpkit/models/gpt.py's GPT with TE blocks, outside Fabric (tpkit state of one rank)."""
     import tpkit
-    sys.path.insert(0, os.path.join(ROOT, "launch"))
-    from gpt import GPT, GPTConfig
+    from tpkit.models.gpt import GPT, GPTConfig
     if not tpkit.topology.is_initialized():
         tpkit.init_parallel(backend="nccl")
     s = SIZE
@@ -155,8 +154,7 @@ def time_loop(make, fp8: bool, steps: int) -> dict:
     import torch
     import transformer_engine.pytorch as te
     from transformer_engine.common.recipe import DelayedScaling
-    sys.path.insert(0, os.path.join(ROOT, "launch"))
-    import corpus
+    from tpkit.train import corpus
     s = SIZE
     torch.manual_seed(0)
     model = make()

@@ -1,4 +1,4 @@
-"""Memory of importing a Hugging Face checkpoint: ``Llama.from_hf`` at tp=4 on 4 gloo ranks.
+"""Memory of importing a Hugging Face checkpoint: ``hf.from_hf`` at tp=4 on 4 gloo ranks.
 
     python -m bench.hf [--layers N]
 
@@ -7,7 +7,7 @@ index, the layout ``save_pretrained`` writes) and launches 4 ranks with tpkit-la
 Each rank measures its peak RSS growth (VmHWM after, the peak reset through
 /proc/self/clear_refs, minus VmRSS just before) during
 
-- ``Llama.from_hf(dir)`` at tp=4, against the bound ``1.2 x (own shard + largest single
+- ``hf.from_hf(dir)`` at tp=4, against the bound ``1.2 x (own shard + largest single
   tensor)`` (own shard: the bytes of this rank's parameters; largest tensor: from
   the checkpoint's headers);
 - the peer, in the same processes afterwards: reading the whole checkpoint into memory
@@ -82,14 +82,14 @@ def worker(path: str, out_dir: str) -> None:
     import torch.distributed as dist
     import tpkit
     from safetensors.torch import load_file
-    from tpkit.models import Llama
+    from tpkit.models import hf
     from tpkit.models.hf import CheckpointIndex
     state = tpkit.init_parallel(tp=TP)
     index = CheckpointIndex(path)
     largest = max(4 * torch.Size(s).numel() for _, s in index.tensors.values())
     total = sum(4 * torch.Size(s).numel() for _, s in index.tensors.values())
     dist.barrier()
-    model, grown = _growth(lambda: Llama.from_hf(path, state))
+    model, grown = _growth(lambda: hf.from_hf(path, state))
     own = sum(p.numel() * p.element_size() for p in model.parameters())
     del model
     dist.barrier()
@@ -140,7 +140,7 @@ def main(argv=None) -> list[dict]:
             f"hidden {CONFIG['hidden_size']}, vocab {CONFIG['vocab_size']}, two safetensors "
             f"shards; largest tensor {fmt(max(sizes.values()), 'MiB')}) imported at tp={TP} "
             "on 4 gloo ranks (`python -m bench.hf`). Peak RSS growth of each rank during "
-            "`Llama.from_hf` (VmHWM reset just before), against 1.2 x (its own shard + the "
+            "`hf.from_hf` (VmHWM reset just before), against 1.2 x (its own shard + the "
             "largest single tensor) and against the same rank reading the whole checkpoint "
             "into memory. RSS includes the checkpoint pages a rank maps while reading."
             "\n\n" + table(rows))

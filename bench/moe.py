@@ -3,7 +3,7 @@ the router's decisions give, and step time at ep=2 and ep=4 against ep=1 on the 
 
     python -m bench.moe
 
-The reference GPT (launch/gpt.py) with every block's MLP a tpkit.nn.MoE (E experts, top-k)
+The reference GPT (tpkit/models/gpt.py) with every block's MLP a tpkit.nn.MoE (E experts, top-k)
 on ``WORLD`` gloo ranks, dp=WORLD, one thread each; only ``ep`` changes (ep=1: every rank
 holds every expert and nothing is dispatched; ep=p: each rank holds E/p experts, the
 expert-data-parallel group is WORLD/p ranks). A step is forward + backward + the gradient
@@ -21,21 +21,19 @@ give pairs = tokens * k * (ep-1)/ep.
 from __future__ import annotations
 
 import os
-import sys
 
 import torch
 import torch.distributed as dist
 
-from bench.common import (ROOT, fmt, gloo_rank, median_step, spawn, table, token_batch,
+from bench.common import (fmt, gloo_rank, median_step, spawn, table, token_batch,
                           write_section)
 
-sys.path.insert(0, os.path.join(ROOT, "launch"))
 WORLD, BATCH, SEQ, HIDDEN, LAYERS, EXPERTS, TOPK = 4, 16, 128, 128, 2, 8, 2
 WARMUP, ITERS = 2, 7
 
 
 def _model(state):
-    from gpt import GPT, GPTConfig
+    from tpkit.models.gpt import GPT, GPTConfig
     torch.manual_seed(0)
     return GPT(GPTConfig(vocab_size=256, hidden_size=HIDDEN, num_layers=LAYERS, num_heads=4,
                          num_gqa_groups=2, ffn_hidden_size=2 * HIDDEN,

@@ -17,16 +17,14 @@ from __future__ import annotations
 import io
 import os
 import statistics
-import sys
 import tempfile
 import time
 
 import torch
 import torch.distributed as dist
 
-from bench.common import ROOT, gloo_rank, spawn, write_section
+from bench.common import gloo_rank, spawn, write_section
 
-sys.path.insert(0, os.path.join(ROOT, "launch"))
 WORLD, TP, CP = 4, 2, 2
 SIZE = dict(hidden=128, layers=2, heads=8, gqa=4, ffn=512, seq=128, batch=8)
 STEPS, EVERY, ROUNDS = 20, 10, 5
@@ -35,7 +33,7 @@ STEPS, EVERY, ROUNDS = 20, 10, 5
 def _worker(rank, world, port, logdir, q):
     gloo_rank(rank, world, port)
     import tpkit
-    from gpt import GPT, GPTConfig
+    from tpkit.models.gpt import GPT, GPTConfig
     from tpkit.collectives import all_reduce_sum
     from tpkit.observe import MetricsLogger, model_flops_per_token
     state = tpkit.init_parallel(tp=TP, cp=CP, seed=1)

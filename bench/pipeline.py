@@ -3,7 +3,7 @@ same ranks' work, and the measured 1F1B bubble against the analytical (p-1)/(m+p
 
     python -m bench.pipeline
 
-The reference GPT (launch/gpt.py, 8 blocks) on ``world`` gloo ranks: pp=1 is dp=world (each
+The reference GPT (tpkit/models/gpt.py, 8 blocks) on ``world`` gloo ranks: pp=1 is dp=world (each
 rank one world-th of the batch), pp=p is p stages x dp=world/p, same global batch, so every
 layout does the same total work. The bubble: at pp=p with dp=1 (p ranks), 1F1B with m
 micro-batches; ideal = (one process's step time of the whole model on the same batch) / p;
@@ -13,21 +13,18 @@ figures say how the schedule behaves here, not on GPUs.
 from __future__ import annotations
 
 import os
-import sys
 
 import torch
 import torch.distributed as dist
 
-from bench.common import (ROOT, fmt, gloo_rank, median_step, spawn, table, token_batch,
+from bench.common import (fmt, gloo_rank, median_step, spawn, table, token_batch,
                           write_section)
-
-sys.path.insert(0, os.path.join(ROOT, "launch"))
 BATCH, SEQ, HIDDEN, LAYERS, M = 16, 64, 128, 8, 8
 WARMUP, ITERS = 2, 5
 
 
 def _model(state):
-    from gpt import GPT, GPTConfig
+    from tpkit.models.gpt import GPT, GPTConfig
     torch.manual_seed(0)
     return GPT(GPTConfig(vocab_size=256, hidden_size=HIDDEN, num_layers=LAYERS, num_heads=4,
                          num_gqa_groups=2, ffn_hidden_size=4 * HIDDEN), state)

@@ -2,7 +2,7 @@
 synchronous ``tpkit.checkpoint.save``, measured in one run.
 
 ``python -m bench.recovery`` spawns 2 gloo processes (1 thread each) at tp=2, builds
-launch/gpt.py's GPT (weights and AdamW state: the checkpoint) and, in interleaved rounds:
+tpkit/models/gpt.py's GPT (weights and AdamW state: the checkpoint) and, in interleaved rounds:
 - times plain training steps (no save in flight);
 - times a step followed by a synchronous save (the loop is blocked for the whole write);
 - times a step followed by an ``async_save`` call (the loop is blocked while the tensors
@@ -31,8 +31,8 @@ SEQ, BATCH, ROUNDS, AFTER = 64, 2, 4, 3
 def _measure(save_dir: str, rounds: int) -> dict:
     import torch.distributed as dist
     import tpkit
-    from launch import corpus
-    from launch.gpt import GPT, GPTConfig
+    from tpkit.train import corpus
+    from tpkit.models.gpt import GPT, GPTConfig
     from tpkit.checkpoint import async_save, save
 
     model = GPT(GPTConfig(vocab_size=corpus.VOCAB_SIZE, **SIZES))
@@ -126,7 +126,7 @@ def main(rounds: int = ROUNDS) -> dict:
              peer=fmt(stall_sync, "s"), ratio=r["wait_async"] / stall_sync,
              target="informative"),
     ]
-    body = (f"launch/gpt.py's GPT ({SIZES['hidden_size']} hidden, {SIZES['num_layers']} "
+    body = (f"tpkit/models/gpt.py's GPT ({SIZES['hidden_size']} hidden, {SIZES['num_layers']} "
             f"layers, ffn {SIZES['ffn_hidden_size']}: {r['params'] / 1e6:.1f} M parameters) "
             f"with AdamW state at tp=2 on gloo, 2 processes with 1 thread each; a checkpoint "
             f"is {fmt(r['bytes'], 'MiB')} on local disk. Medians over {rounds} interleaved "

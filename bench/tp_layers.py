@@ -114,7 +114,7 @@ def _measure(h, ffn, s, b, quick):
 
     # ... plus the same collectives alone (g forward, f backward: two all-reduces), through
     # the path the layers take (tpkit.nn.mappings), and gloo's for reference
-    from tpkit.nn.mappings import all_reduce_sum
+    from tpkit.collectives import all_reduce_sum
     buf_a, buf_b = torch.randn(s, b, h), torch.randn(s, b, h)
 
     def comm_step():

@@ -1,7 +1,7 @@
 """Reference-GPT training step at tp=2: tpkit layers vs torch DTensor TP; collectives per step.
 
 ``python -m bench.train`` spawns its own 2 gloo processes (1 thread each) and, per size:
-- loads the SAME full weights into launch/gpt.py's GPT (tpkit.nn layers) and into a plain
+- loads the SAME full weights into tpkit/models/gpt.py's GPT (tpkit.nn layers) and into a plain
   torch GPT of the same math (pre-norm RMSNorm blocks, GQA attention with RoPE, GELU MLP,
   untied head, causal) parallelised with ``parallelize_module``: q/k/v and fc1
   ColwiseParallel, proj and fc2 RowwiseParallel, the embedding RowwiseParallel
@@ -64,7 +64,7 @@ def count_step_collectives(cfg, seq: int, batch: int, sequence_parallel: bool,
                            state=None) -> dict[str, int]:
     """Collectives of one GPT fwd + bwd + SP norm-grad sync, by op, on ``state``'s groups
     with ``sequence_parallel`` switched on or off (a copy of the state: no new groups)."""
-    from launch.gpt import GPT
+    from tpkit.models.gpt import GPT
     import tpkit
     from tpkit.nn import sync_sequence_parallel_grads
     state = state or tpkit.get_parallel_state()
@@ -129,7 +129,7 @@ class _Block(nn.Module):
 
 
 class PlainGPT(nn.Module):
-    """launch/gpt.py's GPT (cp=1, no dropout) with nn.Linear / nn.Embedding / nn.RMSNorm;
+    """tpkit/models/gpt.py's GPT (cp=1, no dropout) with nn.Linear / nn.Embedding / nn.RMSNorm;
     same parameter names except q/k/v, which tpkit fuses into linear_qkv."""
 
     def __init__(self, c):
@@ -182,8 +182,8 @@ def _measure(cfg, seq, batch, quick):
     import torch.distributed as dist
     from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
     import tpkit
-    from launch import corpus
-    from launch.gpt import GPT
+    from tpkit.train import corpus
+    from tpkit.models.gpt import GPT
     from tpkit.checkpoint import load_full_state_dict
 
     st = tpkit.get_parallel_state()
@@ -251,7 +251,7 @@ def _measure(cfg, seq, batch, quick):
 
 
 def _all(quick: bool) -> dict:
-    from launch.gpt import GPTConfig
+    from tpkit.models.gpt import GPTConfig
     res = {}
     for name, sizes, seq, batch, _ in SIZES:
         res[name] = _measure(GPTConfig(**sizes), seq, batch, quick)
@@ -290,7 +290,7 @@ def main(quick: bool = False) -> dict:
                          peer=f"{want} ({_fmt_calls(expect)})",
                          ratio=got / want if calls == expect else float("nan"),  # ops differ
                          target="1.0, same ops"))
-    body = ("Training step of launch/gpt.py's GPT (forward + backward + AdamW step, fp32) at "
+    body = ("Training step of tpkit/models/gpt.py's GPT (forward + backward + AdamW step, fp32) at "
             "tp=2 on gloo, 2 processes with 1 thread each, median over interleaved rounds; "
             "the peer is the same architecture in plain torch modules parallelised with "
             "`parallelize_module` (Colwise q/k/v/fc1, Rowwise proj/fc2, vocab-sharded "

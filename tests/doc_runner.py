@@ -28,7 +28,7 @@ class DocBlockError(RuntimeError):
 def _prepare(code: str) -> None:
     if "import deepspeed" in code:
         # DeepSpeed JIT-compiles a CPU shared-memory op that training never uses; skip
-        # the build as tests/test_deepspeed.py does (TPKIT_TEST_DS_SHM=1 keeps it).
+        # the build as tests/integrations/test_deepspeed.py does (TPKIT_TEST_DS_SHM=1 keeps it).
         from test_deepspeed import _quiet_deepspeed
         _quiet_deepspeed()
 

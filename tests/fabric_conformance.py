@@ -2,7 +2,7 @@
 with sequence parallelism on and off, against a single-process reference (plain torch,
 computed in every process from the same seed).
 
-Launched by tests/test_fabric_conformance.py as ``tpkit-launch --tp 2 --sequence-parallel
+Launched by tests/fabric/test_fabric_conformance.py as ``tpkit-launch --tp 2 --sequence-parallel
 fabric_conformance.py OUT DIR`` and as ``python fabric_conformance.py OUT DIR`` (Fabric's
 own launcher starts the other three ranks; TPKIT_TP and TPKIT_SEQUENCE_PARALLEL in the
 environment). Layout "sp": ``Fabric(strategy="tpkit")`` (the layout from TPKIT_*);
@@ -15,7 +15,7 @@ gate/up column-parallel, row-parallel) and a plain ``nn.Linear`` head.
 At an expert layout (``tpkit-launch --tp 2 --sequence-parallel --ep 2 --etp 1``: TPKIT_EP
 > 1) the run is layout "ep" instead: the same checks on the same model plus a
 ``tpkit.nn.MoE`` block (4 experts, 2 per rank, replicated over edp=2) against the
-single-process MoE reference of tests/test_moe.py (under fp8: its expert GEMMs' operands
+single-process MoE reference of tests/nn/test_moe.py (under fp8: its expert GEMMs' operands
 cast to E4M3 at scale 1, as every first-step delayed-scaling GEMM); FSDP is refused with
 experts (checked), its other checks are left out there.
 """
@@ -72,7 +72,7 @@ class Ref(nn.Module):
 
 class RefMoE(Ref):
     """The reference with an MoE block after the MLP: every expert whole, in one process
-    (tests/test_moe.py's reference: each token's top-2 experts, dropless)."""
+    (tests/nn/test_moe.py's reference: each token's top-2 experts, dropless)."""
 
     def __init__(self):
         super().__init__()

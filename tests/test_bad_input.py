@@ -63,7 +63,7 @@ TINY_LLAMA = ('{"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64
               '"intermediate_size": 128, "num_attention_heads": 4, "vocab_size": 256}')
 
 
-def T(*args):   # a launch/train.py command line on 2 ranks
+def T(*args):   # a launch/train.py (tpkit.train) command line on 2 ranks
     return ["--nproc-per-node", "2", TRAIN, *SMALL, *args]
 
 
@@ -210,7 +210,7 @@ LAUNCH = [
         T("--tp", "2", "--sequence-parallel", "--seq-len", "15")),
     Row("train-resume-missing", "--resume='{tmp}/nope'", "pass a checkpoint written by --save",
         T("--resume", "{tmp}/nope")),
-    Row("train-tp-vs-launch", "tp=4 from train.py --tp", "smaller tp/cp/pp",
+    Row("train-tp-vs-launch", "tp=4 from --tp", "smaller tp/cp/pp",
         ["--tp", "2", TRAIN, *SMALL, "--tp", "4"]),
     Row("train-log-every", "--log-every=0", "must be >= 1", T("--log-every", "0")),
     Row("train-steps", "--steps=0", "must be >= 1", T("--steps", "0")),
@@ -232,49 +232,80 @@ LAUNCH = [
           "--virtual-stages", "3", "--microbatches", "2")),
     Row("train-pp-microbatches", "microbatches=1 is fewer than the 2 pipeline stages",
         "use at least 2", T("--pp", "2", "--layers", "2", "--microbatches", "1")),
-    Row("train-pp-batch", "--global-batch=2 does not split into dp x microbatches = 1 x 4",
+    Row("train-pp-batch", "--global-batch=2 (training.global_batch) does not split into dp x "
+        "microbatches = 1 x 4",
         "use a multiple of 4", T("--pp", "2", "--layers", "2", "--microbatches", "4")),
     Row("train-virtual-stages-no-pp", "--virtual-stages=2", "add --pp N",
         T("--virtual-stages", "2")),
-    Row("train-microbatches-batch", "--global-batch=2 does not split into dp x microbatches "
-        "= 2 x 4", "use a multiple of 8", T("--microbatches", "4")),
-    Row("train-pp-precision", "--precision bf16-mixed with --pp 2", "use --pp 1",
+    Row("train-microbatches-batch", "--global-batch=2 (training.global_batch) does not split "
+        "into dp x microbatches = 2 x 4", "use a multiple of 8", T("--microbatches", "4")),
+    Row("train-pp-precision", "--precision='bf16-mixed' (precision.mode) with --pp 2", "use --pp 1",
         T("--pp", "2", "--layers", "2", "--microbatches", "2", "--precision", "bf16-mixed")),
     Row("train-pp-zero-bubble-recompute", "'ZBVZeroBubble' with recompute",
         "use 1F1B or Interleaved1F1B with recompute",
         T("--pp", "2", "--layers", "4", "--pp-schedule", "ZBVZeroBubble", "--recompute",
           "--microbatches", "2")),
-    Row("train-fp8-dtype", "--fp8-compute-dtype=bfloat16", "needs --precision fp8",
+    Row("train-fp8-dtype", "--fp8-compute-dtype='bfloat16' (precision.fp8_compute_dtype)",
+        "needs --precision fp8 (precision.mode='32-true' (default) here); add --precision fp8 "
+        "or drop it",
         T("--fp8-compute-dtype", "bfloat16")),
     Row("train-save-file", "--save='{tmp}/file'", "pass a directory", T("--save", "{tmp}/file"),
         setup=_write("file", "")),
     # launch/train.py's recovery options (issue 21)
     Row("train-keep-zero", "--keep=0", "must be >= 1", T("--save", "{tmp}/ck", "--keep", "0")),
-    Row("train-keep-without-save", "--keep needs", "--save DIR", T("--keep", "2")),
-    Row("train-auto-resume-without-save", "--auto-resume needs", "--save DIR",
-        T("--auto-resume")),
-    Row("train-async-save-without-save", "--async-save needs", "--save DIR", T("--async-save")),
-    Row("train-auto-resume-and-resume", "--resume={tmp}/ck", "pass one",
+    Row("train-keep-without-save", "--keep=2 (checkpoint.keep) needs", "--save DIR",
+        T("--keep", "2")),
+    Row("train-auto-resume-without-save", "--auto-resume (recovery.auto_resume) needs",
+        "--save DIR", T("--auto-resume")),
+    Row("train-async-save-without-save", "--async-save (checkpoint.async_save) needs",
+        "--save DIR", T("--async-save")),
+    Row("train-auto-resume-and-resume", "--resume='{tmp}/ck' (checkpoint.resume)", "pass one",
         T("--save", "{tmp}/ck", "--auto-resume", "--resume", "{tmp}/ck")),
     Row("train-hang-timeout", "--hang-timeout=0.0", "must be > 0 seconds",
         T("--hang-timeout", "0")),
     Row("train-hang-timeout-env", "TPKIT_HANG_TIMEOUT='soon'", "unset it", T(),
         env={"TPKIT_HANG_TIMEOUT": "soon"}),
-    Row("train-backend-te", "--backend te", "use backend='torch'", T("--backend", "te"),
-        skip="te"),
+    Row("train-impl-te", "--model.impl='te' (model.impl)", "use backend='torch'",
+        T("--model.impl", "te"), skip="te"),
+    # issue 34: the job config (TOML file and flags)
+    Row("train-old-backend-flag", "--backend te", "use --model.impl te", T("--backend", "te")),
+    Row("train-toml-unknown-section", "{tmp}/job.toml:1: unknown section [trainig]",
+        "did you mean 'training'?", T("--config", "{tmp}/job.toml"),
+        setup=_write("job.toml", "[trainig]\nsteps = 5\n")),
+    Row("train-toml-unknown-key", "{tmp}/job.toml:3: unknown key 'step' in [training]",
+        "did you mean 'steps'?", T("--config", "{tmp}/job.toml"),
+        setup=_write("job.toml", "[training]\nsteps = 5\nstep = 3\n")),
+    Row("train-toml-wrong-type", "training.steps='many' ({tmp}/job.toml:2)",
+        "must be an integer", T("--config", "{tmp}/job.toml"),
+        setup=_write("job.toml", "[training]\nsteps = \"many\"\n")),
+    Row("train-toml-bad-value", "optimizer.lr=-1.0 ({tmp}/job.toml:3)", "must be > 0",
+        ["--nproc-per-node", "2", TRAIN, "--config", "{tmp}/job.toml"],
+        setup=_write("job.toml", "[optimizer]\n# the peak\nlr = -1\n")),
+    Row("train-toml-syntax", "--config {tmp}/job.toml: not valid TOML", "fix that line",
+        T("--config", "{tmp}/job.toml"), setup=_write("job.toml", "[training\n")),
+    Row("train-toml-outside-section", "{tmp}/job.toml:1: steps = 5 is outside any section",
+        "put it under [training]", T("--config", "{tmp}/job.toml"),
+        setup=_write("job.toml", "steps = 5\n")),
+    Row("train-module-hook", "--steps=0 (training.steps)", "must be >= 1",   # a package's
+        ["--nproc-per-node", "2", "-m", "tpkit.train", *SMALL, "--steps", "0"]),   # __main__
+    Row("train-long-flag-value", "--training.steps=0 (training.steps)", "must be >= 1",
+        T("--training.steps", "0")),
+    Row("train-unknown-flag", "unrecognized arguments: --trainig.steps", "--help",
+        T("--trainig.steps", "3")),
     # issue 22: mixture of experts
     Row("ep-vs-stage", "etp*ep = 2*4 = 8 does not divide tp*cp*dp = 2*1*3 = 6",
         "choose ep and etp whose product divides 6",
         ["--nproc-per-node", "6", "--tp", "2", "--ep", "4", SCRIPT]),
     Row("train-moe-topk", "top_k=5", "choose top_k <= num_experts",
         T("--moe-experts", "4", "--moe-topk", "5")),
-    Row("train-moe-experts-vs-ep", "--moe-experts=6 is not divisible by ep=4",
+    Row("train-moe-experts-vs-ep", "--moe-experts=6 (experts.num) is not divisible by ep=4",
         "use a multiple of 4", T("--moe-experts", "6", "--ep", "4")),
     Row("train-moe-capacity", "capacity_factor=0.0", "must be > 0",
         T("--moe-experts", "4", "--moe-capacity-factor", "0")),
-    Row("train-pack-te", "--pack needs --backend torch or auto", "drop --pack or --backend te",
-        T("--pack", "--backend", "te")),
-    Row("train-pack-hf", "--pack trains the reference GPT", "drop --init-from-hf or --pack",
+    Row("train-pack-te", "--pack (data.pack) needs --model.impl torch or auto",
+        "drop --pack or set --model.impl torch", T("--pack", "--model.impl", "te")),
+    Row("train-pack-hf", "--pack (data.pack) trains the reference GPT",
+        "drop --init-from-hf or --pack",
         T("--pack", "--init-from-hf", "{tmp}")),
     Row("train-resume-damaged", "{train_ckpt}/step000002/__1_0.distcp",
         "resume from the previous checkpoint: {train_ckpt}/step000001",
@@ -678,8 +709,7 @@ def _damage_on_2_ranks(base: str) -> dict:
         lambda: fabric.load(fck / "step000020", {"model": model, "optimizer": opt}), model, opt)
     fabric.strategy.teardown()
 
-    sys.path.insert(0, os.path.join(ROOT, "launch"))
-    import train
+    from tpkit.train import trainer as train
     tck = base / "train"
     train.main(SMALL + ["--tp", "2", "--save", str(tck), "--save-every", "1"])
     tpkit.destroy_parallel()

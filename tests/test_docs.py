@@ -23,6 +23,7 @@ import sys
 
 import pytest
 
+import paths
 from test_launch_run import launch_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -132,7 +133,7 @@ def undefined_names(code: str) -> set[str]:
 
 def env_for_blocks() -> dict:
     env = launch_env()   # no TPKIT_*/SLURM_*/rendezvous variables; this checkout's tpkit
-    env["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])
+    env["PYTHONPATH"] = paths.PYTHONPATH
     env["TPKIT_PG_TIMEOUT"] = "120"   # a hang fails in two minutes, naming the rank
     return env
 

@@ -505,12 +505,12 @@ def test_fp8_block_emulation_matches_te(state, what, dtype):
 
 
 def test_llama_te_backend_matches_transformers(state, tmp_path):
-    """tpkit.models.Llama.from_hf(backend="te") (TE's TransformerLayer: separate q/k/v
+    """tpkit.models.hf.from_hf(backend="te") (TE's TransformerLayer: separate q/k/v
     parameters, fused [gate; up]) on a Hugging Face Llama with GQA and Llama-3 RoPE: logits
     within TF32 error of transformers' fp32 ones, and save_hf writes the same tensors back."""
     transformers = pytest.importorskip("transformers", reason="pip install 'tpkit[test]'")
     from safetensors.torch import load_file
-    from tpkit.models import Llama
+    from tpkit.models import hf as tpkit_hf
     from tpkit.te import is_te_module
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
@@ -524,7 +524,7 @@ def test_llama_te_backend_matches_transformers(state, tmp_path):
         for name, p in hf.named_parameters():
             p.uniform_(0.5, 1.5) if name.endswith("norm.weight") else p.normal_(0, 0.05)
     hf.save_pretrained(tmp_path / "in")
-    model = Llama.from_hf(str(tmp_path / "in"), state, backend="te").eval()
+    model = tpkit_hf.from_hf(str(tmp_path / "in"), state, backend="te").eval()
     assert any(is_te_module(m) for m in model.layers)
     tokens = torch.randint(0, 512, (2, 128), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -533,7 +533,7 @@ def test_llama_te_backend_matches_transformers(state, tmp_path):
     err = rel(ours, ref)
     report("llama_te_vs_transformers", rel_err=err)
     assert err < 2e-3, err   # TE's GEMMs run in TF32 (about 1e-3 relative per matmul chain)
-    model.save_hf(str(tmp_path / "out"))
+    tpkit_hf.save_hf(model, str(tmp_path / "out"))
     a, b = load_file(tmp_path / "in" / "model.safetensors"), \
         load_file(tmp_path / "out" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

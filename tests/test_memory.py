@@ -15,6 +15,7 @@ import sys
 import pytest
 import torch
 
+import paths
 from tpkit.cli import launch
 from tpkit.config import ParallelConfig
 from tpkit.memory import (GiB, MemoryJob, ModelShape, estimate_memory, estimate_roles,
@@ -37,7 +38,7 @@ def test_estimate_within_10_percent_of_measured_live_bytes_at_18_launched_layout
     every rank's estimate is within 10 % of the peak of live tensor bytes it measured
     during a training step."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TPKIT_", "PET_"))}
-    env["PYTHONPATH"] = ROOT
+    env["PYTHONPATH"] = paths.PYTHONPATH
     proc = subprocess.run([sys.executable, "-m", "tpkit.cli.launch", "--nproc-per-node", "4",
                            os.path.join(SCRIPTS, "memory_layouts.py")], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=400)
@@ -53,11 +54,7 @@ def _meta_params(cfg, layout, world, rank=0):
     device at the planned layout (the pipeline split keeps this rank's stages)."""
     from tpkit.planning import fake_state
     from tpkit.random import get_rng_tracker, model_parallel_seed
-    sys.path.insert(0, os.path.join(ROOT, "launch"))
-    try:
-        from tpkit.models.gpt import GPT
-    except ImportError:
-        from gpt import GPT
+    from tpkit.models.gpt import GPT
     with fake_state(layout, world, rank) as state, torch.device("meta"):
         model_parallel_seed(1, state)
         try:
@@ -81,11 +78,7 @@ def _meta_params(cfg, layout, world, rank=0):
     (ParallelConfig(tp=2, ep=2), 4, 0, 4),
 ])
 def test_parameters_term_equals_the_built_models_parameters(layout, world, rank, experts):
-    sys.path.insert(0, os.path.join(ROOT, "launch"))
-    try:
-        from tpkit.models.gpt import GPTConfig
-    except ImportError:
-        from gpt import GPTConfig
+    from tpkit.models.gpt import GPTConfig
     cfg = GPTConfig(vocab_size=256, hidden_size=64, num_layers=4, num_heads=4,
                     num_gqa_groups=2, ffn_hidden_size=256, moe_experts=experts)
     shape = ModelShape(layers=4, hidden=64, ffn=256, heads=4, kv_heads=2, vocab=256,
@@ -178,11 +171,7 @@ def test_estimate_within_10_percent_of_cuda_max_memory_allocated():
     torch.cuda.max_memory_allocated against the estimate."""
     import torch.distributed as dist
     import tpkit
-    sys.path.insert(0, os.path.join(ROOT, "launch"))
-    try:
-        from tpkit.models.gpt import GPT, GPTConfig
-    except ImportError:
-        from gpt import GPT, GPTConfig
+    from tpkit.models.gpt import GPT, GPTConfig
     if not dist.is_initialized():
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29577", RANK="0",
                           WORLD_SIZE="1", LOCAL_RANK="0")

@@ -6,16 +6,16 @@ import sys
 
 import pytest
 
+import paths
 from dist import run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "launch"))
 BATCH, SEQ = 8, 16
 TOL = 1e-5
 
 
 def _cfg(layers, recompute=False):
-    from gpt import GPTConfig
+    from tpkit.models.gpt import GPTConfig
     return GPTConfig(vocab_size=64, hidden_size=32, num_layers=layers, num_heads=4,
                      num_gqa_groups=2, ffn_hidden_size=64, recompute=recompute)
 
@@ -42,7 +42,7 @@ def _batch():
 def _reference(layers, recompute=False):
     """One process, no pipeline: the batch-mean loss and every full gradient."""
     import tpkit
-    from gpt import GPT
+    from tpkit.models.gpt import GPT
     from tpkit.checkpoint import load_full_state_dict
     tpkit.init_parallel(tp=1, cp=1, pp=1)
     model = GPT(_cfg(layers, recompute))
@@ -60,7 +60,7 @@ def _pipelined(layers, *, tp=1, cp=1, pp=2, schedule="1F1B", microbatches=4,
     import torch
     import torch.distributed as dist
     import tpkit
-    from gpt import GPT
+    from tpkit.models.gpt import GPT
     from tpkit.checkpoint import gather_param, load_full_state_dict
     from tpkit.grads import sync_sequence_parallel_grads
     from tpkit.param_tags import tp_spec
@@ -190,7 +190,7 @@ def test_plan_stage_maps():
 
 def _bad_models():
     import tpkit
-    from gpt import GPT
+    from tpkit.models.gpt import GPT
     from torch import nn
     from tpkit.pipeline import build_pipeline
     tpkit.init_parallel(pp=2)
@@ -240,7 +240,7 @@ def _ckpt_save(path, *, tp, pp):
     """One AdamW step of the pipelined GPT, saved; what was saved, full (_full_local)."""
     import torch
     import tpkit
-    from gpt import GPT
+    from tpkit.models.gpt import GPT
     from tpkit.checkpoint import load_full_state_dict, save
     from tpkit.pipeline import build_pipeline
     state = tpkit.init_parallel(tp=tp, pp=pp)
@@ -262,7 +262,7 @@ def _ckpt_load(path, *, tp, pp):
     """Load into a fresh model (pipelined at pp > 1) and optimizer: _full_local + step."""
     import torch
     import tpkit
-    from gpt import GPT
+    from tpkit.models.gpt import GPT
     from tpkit.checkpoint import load
     from tpkit.pipeline import build_pipeline
     state = tpkit.init_parallel(tp=tp, pp=pp)
@@ -323,8 +323,7 @@ MOE = ["--moe-experts", "4", "--moe-topk", "2", "--moe-every", "2", "--moe-aux-c
 
 
 def _train_reference(extra=()):
-    sys.path.insert(0, os.path.join(ROOT, "launch"))
-    import train
+    from tpkit.train import trainer as train
     return train.main(TRAIN_SMALL + list(extra))
 
 
@@ -338,7 +337,7 @@ def _launch_train(world, runs, tmp_path):
     out = tmp_path / f"w{world}"
     out.mkdir()
     env = launch_env()
-    env["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])
+    env["PYTHONPATH"] = paths.PYTHONPATH
     argv = {k: TRAIN_SMALL + v for k, v in runs.items()}
     proc = subprocess.run([sys.executable, "-m", "tpkit.cli.launch", "--nproc-per-node",
                            str(world), os.path.join(ROOT, "tests", "launch_scripts",

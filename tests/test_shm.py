@@ -242,7 +242,7 @@ def _shared_and_bypassed():
     x = torch.full((3,), float(st.rank + 1))
     with shm.bypassed(st.tp_group):
         with count_collectives() as calls:
-            from tpkit.nn.mappings import all_reduce_sum
+            from tpkit.collectives import all_reduce_sum
             all_reduce_sum(x, st.tp_group)
         inside = (shm.get(st.tp_group) is None, t.seq, calls.summary())
     all_reduce_sum(x, st.tp_group)

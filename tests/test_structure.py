@@ -9,8 +9,6 @@ import re
 import subprocess
 import tokenize
 
-import pytest
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DESIGN = os.path.join(ROOT, "docs", "design.md")
 
@@ -68,32 +66,36 @@ def tpkit_imports(path: str, rel: str):
     return out
 
 
+def tpkit_files(root=ROOT):
+    """(path, path relative to ``root``) of every .py file under root/tpkit, in order."""
+    for dirpath, _, files in sorted(os.walk(os.path.join(root, "tpkit"))):
+        for f in sorted(files):
+            if f.endswith(".py"):
+                path = os.path.join(dirpath, f)
+                yield path, os.path.relpath(path, root)
+
+
 def layer_violations(order, exceptions, root=ROOT):
     """Upward imports not excepted, modules missing from the table, and unused exceptions."""
     bad, used = [], set()
-    for dirpath, _, files in os.walk(os.path.join(root, "tpkit")):
-        for f in sorted(files):
-            if not f.endswith(".py"):
+    for path, rel in tpkit_files(root):
+        if rel == os.path.join("tpkit", "__init__.py"):
+            continue  # the package's lazy façade
+        unit = _unit(rel)
+        if unit not in order:
+            bad.append(f"{rel}: {unit!r} is not in the layer table of docs/design.md")
+            continue
+        for line, target in tpkit_imports(path, rel):
+            if target == unit:
                 continue
-            path = os.path.join(dirpath, f)
-            rel = os.path.relpath(path, root)
-            if rel == os.path.join("tpkit", "__init__.py"):
-                continue  # the package's lazy façade
-            unit = _unit(rel)
-            if unit not in order:
-                bad.append(f"{rel}: {unit!r} is not in the layer table of docs/design.md")
-                continue
-            for line, target in tpkit_imports(path, rel):
-                if target == unit:
-                    continue
-                if target not in order:
-                    bad.append(f"{rel}:{line} imports tpkit.{target}, not in the layer table")
-                elif order[target] >= order[unit]:
-                    if (unit, target) in exceptions:
-                        used.add((unit, target))
-                    else:
-                        bad.append(f"{rel}:{line}: {unit} (line {order[unit]}) imports "
-                                   f"{target} (line {order[target]}), not below it")
+            if target not in order:
+                bad.append(f"{rel}:{line} imports tpkit.{target}, not in the layer table")
+            elif order[target] >= order[unit]:
+                if (unit, target) in exceptions:
+                    used.add((unit, target))
+                else:
+                    bad.append(f"{rel}:{line}: {unit} (line {order[unit]}) imports "
+                               f"{target} (line {order[target]}), not below it")
     bad += [f"layer exception {a} -> {b} matches no import; remove it"
             for a, b in sorted(exceptions - used)]
     return bad
@@ -120,7 +122,7 @@ def test_layer_check_catches_an_upward_import(tmp_path):
 
 # --- references to repository files -----------------------------------------------------
 REPO_DIRS = ("tpkit", "tests", "docs", "launch", "bench", "slurm", ".ci")
-PLACEHOLDERS = {"script.py"}   # "python script.py": any user script, in prose
+PLACEHOLDERS = {"script.py", "job.toml"}   # any user script / job file, in prose
 _EXT = r"(?:py|md|sh|sbatch|toml)"
 _PATH = re.compile(r"(?<![\w/-])((?:\.{1,3}/)?(?:[\w.-]+/)+[\w.-]+\." + _EXT + r")(?![\w/])")
 _BARE = re.compile(r"(?<![\w./-])([\w-]+(?:\.[\w-]+)*\." + _EXT + r")(?![\w/])")
@@ -232,35 +234,90 @@ def test_reference_check_catches_missing_files(tmp_path):
         ["sdpa.py", "DESIGN.md", "tpkit/nn/gone.py", "link b.md", "launch/train.py"]), bad
 
 
-# --- old import paths (docs/design.md, "Old import paths") ------------------------------
-OLD_PATHS = [  # (old module, name, new module)
-    ("tpkit.topology", "init_parallel", "tpkit.parallel_state"),
-    ("tpkit.topology", "destroy_parallel", "tpkit.parallel_state"),
-    ("tpkit.topology", "build_fake_state", "tpkit.planning"),
-    ("tpkit.topology", "destroy_fake_state", "tpkit.planning"),
-    ("tpkit.topology", "format_rank_table", "tpkit.planning"),
-    ("tpkit.cli.plan", "planned_rank_table", "tpkit.planning"),
-    ("tpkit.config", "shm_allreduce_enabled", "tpkit.shm"),
-    ("tpkit.fabric.grads", "sync_sequence_parallel_grads", "tpkit.grads"),
-    ("tpkit.fabric.grads", "grad_norm", "tpkit.grads"),
-    ("tpkit.fabric.grads", "clip_grad_norm", "tpkit.grads"),
-    ("tpkit.nn.norm", "sync_sequence_parallel_grads", "tpkit.grads"),
-    ("tpkit.nn", "sync_sequence_parallel_grads", "tpkit.grads"),
-    ("tpkit.nn.norm", "all_reduce_flat", "tpkit.collectives"),
-    ("tpkit.nn.mappings", "all_reduce_sum", "tpkit.collectives"),
-    ("tpkit.nn.mappings", "group_size", "tpkit.collectives"),
-    ("tpkit.nn.mappings", "group_rank", "tpkit.collectives"),
-    ("tpkit.nn.context_parallel", "COMM_TYPES", "tpkit.config", "CP_COMM_TYPES"),
-    ("tpkit.nn.context_parallel", "lb_positions", "tpkit.data", "cp_positions"),
-    ("tpkit", "init_parallel", "tpkit.parallel_state"),
-    ("tpkit", "destroy_parallel", "tpkit.parallel_state"),
-]
+# --- import cycles ----------------------------------------------------------------------
+def _module_file(root: str, mod: str) -> str | None:
+    """tpkit/a/b.py or tpkit/a/b/__init__.py for the dotted name ``mod``, else None."""
+    p = os.path.join(root, *mod.split("."))
+    if os.path.isdir(p):
+        return os.path.join(p, "__init__.py")
+    return p + ".py" if os.path.exists(p + ".py") else None
 
 
-@pytest.mark.parametrize("entry", OLD_PATHS, ids=lambda e: f"{e[0]}.{e[1]}")
-def test_old_import_paths_still_work(entry):
-    import importlib
-    old, name, new = entry[:3]
-    new_name = entry[3] if len(entry) > 3 else name
-    assert getattr(importlib.import_module(old), name) is \
-        getattr(importlib.import_module(new), new_name)
+def import_graph(root=ROOT) -> dict[str, set[str]]:
+    """{file: files it imports} over tpkit/, at file level and at any depth (imports inside
+    functions count: a lazy import that closes a circle is still a circle). ``from a import
+    b`` is an edge to a/b.py when that module exists, else to a's own file."""
+    graph = {}
+    for path, rel in tpkit_files(root):
+        pkg = ".".join(os.path.dirname(rel).split(os.sep))
+        out = set()
+        for node in ast.walk(ast.parse(open(path).read(), path)):
+            if isinstance(node, ast.Import):
+                mods = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module
+                if node.level:
+                    parts = pkg.split(".")
+                    base = ".".join(parts[:len(parts) - node.level + 1] +
+                                    ([node.module] if node.module else []))
+                mods = [f"{base}.{a.name}" if _module_file(root, f"{base}.{a.name}")
+                        else base for a in node.names]
+            else:
+                continue
+            for m in mods:
+                target = _module_file(root, m) if m.split(".")[0] == "tpkit" else None
+                if target is not None and os.path.relpath(target, root) != rel:
+                    out.add(os.path.relpath(target, root))
+        graph[rel] = out
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one file (Tarjan), each sorted."""
+    index, low, stack, on, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycles():
+    assert import_cycles(import_graph()) == []
+
+
+def test_cycle_check_catches_a_lazy_circle(tmp_path):
+    """Planted: a model that imports its converter inside a method, which imports the model
+    at the top (the models/hf <-> models/llama circle issue 34 removed), and a package
+    __init__ that only re-exports (no circle)."""
+    m = tmp_path / "tpkit" / "models"
+    m.mkdir(parents=True)
+    (m / "__init__.py").write_text("from .llama import Llama\n")
+    (m / "llama.py").write_text("class Llama:\n    def f(self):\n        from .hf import g\n")
+    (m / "hf.py").write_text("from .llama import Llama\n")
+    (tmp_path / "tpkit" / "config.py").write_text("import os\n")
+    assert import_cycles(import_graph(str(tmp_path))) == [
+        ["tpkit/models/hf.py", "tpkit/models/llama.py"]]
+    (m / "llama.py").write_text("class Llama:\n    pass\n")
+    assert import_cycles(import_graph(str(tmp_path))) == []

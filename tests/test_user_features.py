@@ -7,7 +7,6 @@ computed here (train.py on one rank; fabric_helpers' plain torch model)."""
 import json
 import os
 import re
-import sys
 
 import pytest
 
@@ -16,8 +15,7 @@ from fabric_helpers import reference_losses
 from test_userpath import LAUNCH, SCRIPTS, _env, finish, start
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(SCRIPTS))
-from user_features import LR, TRAIN  # noqa: E402
+from launch_scripts.user_features import LR, TRAIN
 
 pytestmark = pytest.mark.slow
 
@@ -29,8 +27,7 @@ BF16_REL, FP16_REL, FP8_BF16_REL = 3e-4, 1.5e-4, 2e-3
 
 
 def _single_process_train():
-    sys.path.insert(0, os.path.join(ROOT, "launch"))
-    import train
+    from tpkit.train import trainer as train
     return {"ref": train.main(TRAIN), "dropout": train.main(TRAIN + ["--dropout", "0.1"])}
 
 

@@ -25,6 +25,7 @@ import time
 
 import pytest
 
+import paths
 from test_launch_run import launch_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,7 +39,7 @@ pytestmark = pytest.mark.slow
 
 def _env(**extra) -> dict:
     env = launch_env()
-    env["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])
+    env["PYTHONPATH"] = paths.PYTHONPATH
     # a hang (the re-created default group of issue 14) fails in a minute, naming the rank
     env["TPKIT_PG_TIMEOUT"] = "60"
     env.update(extra)
@@ -96,8 +97,7 @@ def launched(*argv, **env_extra) -> tuple[str, str]:
 
 # --- init -> destroy -> init ----------------------------------------------------------------
 def check_reinit(summary: dict, world: int, rounds: int) -> None:
-    sys.path.insert(0, SCRIPTS)
-    from reinit import LAYOUTS
+    from launch_scripts.reinit import LAYOUTS
     distinct = {lay[:3] + (tuple(sorted(lay[3].items())),) for lay in LAYOUTS[world] if lay}
     assert len(distinct) >= (5 if world > 1 else 1), distinct
     assert summary["world"] == world and summary["cycles"] == rounds * len(LAYOUTS[world])
@@ -171,7 +171,7 @@ def test_deepspeed_two_layouts_in_one_process(tmp_path):
     assert res["cp2dp2_zero1"] == pytest.approx(reference_run()[0], rel=1e-5)
 
 
-# --- launch/train.py: save -> kill -> resume ----------------------------------------------------
+# --- launch/train.py, then -m tpkit.train: save -> kill -> resume --------------------------
 TRAIN = os.path.join(ROOT, "launch", "train.py")
 SMALL = ["--steps", "30", "--hidden", "64", "--layers", "2", "--heads", "4", "--gqa-groups",
          "2", "--ffn", "128", "--seq-len", "32", "--global-batch", "4", "--warmup", "5",
@@ -179,8 +179,7 @@ SMALL = ["--steps", "30", "--hidden", "64", "--layers", "2", "--heads", "4", "--
 
 
 def _reference_run(argv):
-    sys.path.insert(0, os.path.join(ROOT, "launch"))
-    import train
+    from tpkit.train import trainer as train
     return train.main(argv)
 
 
@@ -192,7 +191,7 @@ def _printed_losses(out: str) -> dict[int, float]:
 def test_train_save_kill_resume(tmp_path):
     """A cp=2 x dp=2 job saving every 5 steps is SIGKILLed (launcher and every rank at
     once, as a node loss would) after its step-10 checkpoint; tpkit-launch --tp 2 --cp 2
-    resumes the latest complete checkpoint (a half-written one is never picked) and
+    -m tpkit.train resumes the latest complete checkpoint (a half-written one is never picked) and
     finishes. Every printed loss is the single-process run's (printed to 4 decimals)."""
     from dist import run
     (reference,) = run(_reference_run, 1, SMALL + ["--tp", "1", "--cp", "1"])
@@ -214,7 +213,9 @@ def test_train_save_kill_resume(tmp_path):
     done = sorted(d.name for d in ckpt.iterdir() if re.fullmatch(r"step\d{6}", d.name))
     latest = int(done[-1][4:])
 
-    out2, _ = launched("--tp", "2", "--cp", "2", TRAIN, *SMALL, "--resume", str(ckpt))
+    # resumed through the package's entry point (python -m tpkit.train, what tpkit-train runs)
+    out2, _ = launched("--tp", "2", "--cp", "2", "-m", "tpkit.train", *SMALL, "--resume",
+                       str(ckpt))
     resumed = _printed_losses(out2)
     assert sorted(resumed) == list(range(latest, 30)), (latest, sorted(resumed))
     assert "done:" in out2

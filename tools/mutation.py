@@ -40,16 +40,17 @@ MODULES = {
     "random": ("tpkit/random.py", ["tests/test_random.py", "-k", "not forked_masks"]),
     "data": ("tpkit/data/sharding.py", [
         "tests/test_data.py", "--deselect", "tests/test_data.py::test_unshard_roundtrip_and_grad",
-        *(f"tests/test_packed.py::test_{t}" for t in (
+        *(f"tests/nn/test_packed.py::test_{t}" for t in (
             "pack_sequences_rows_labels_positions", "per_document_layout", "packing_errors"))]),
     # the exact single-process checks against quantisers written in the tests
     "quantize": ("tpkit/fp8/quantize.py", [
-        "tests/test_fp8_recipes.py", "tests/test_strength_fp8.py", "tests/test_fp8.py", "-k",
+        "tests/fp8/test_fp8_recipes.py", "tests/fp8/test_strength_fp8.py",
+        "tests/fp8/test_fp8.py", "-k",
         "current_scale_formula or block_scaling_cast or mxfp8_cast or linear_matches_the_ref"
         " or backward_override or reference_quantiser or second_step_uses_the_delayed"
         " or fp8_linear_matches_manual or te_scales_against or quantize_helpers"]),
     "planning": ("tpkit/planning.py", [
-        "tests/test_planning.py", "tests/test_launch.py::test_dry_run_65536_ranks_summarises"]),
+        "tests/test_planning.py", "tests/cli/test_launch.py::test_dry_run_65536_ranks_summarises"]),
     "dcp_verify": ("tpkit/_dcp_verify.py", ["tests/test_dcp_verify.py"]),
 }
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

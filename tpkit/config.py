@@ -277,10 +277,3 @@ def fused_attn_enabled(env: Mapping[str, str] | None = None) -> bool:
     return env_flag("TPKIT_FUSED_ATTN", env, default=True,
                     fix="use 1 (fused kernels where available) or 0 (reference kernels)")
 
-
-def __getattr__(name):
-    # shm_allreduce_enabled moved to tpkit.shm (issue 23); this path works for one release.
-    if name == "shm_allreduce_enabled":
-        from .shm import shm_allreduce_enabled
-        return shm_allreduce_enabled
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

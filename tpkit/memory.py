@@ -199,34 +199,34 @@ class MemoryJob:
 
     # --- constructors ----------------------------------------------------------------
     @classmethod
-    def from_train_args(cls, args, *, dp: int = 1, pp: int = 1) -> "MemoryJob | None":
-        """From launch/train.py's parsed arguments, at ``dp`` data-parallel ranks (the
-        micro-batch is global batch / dp / micro-batches) and ``pp`` stages (the default
-        micro-batch count is 2 x pp there). None when ``--init-from-hf``'s directory has
-        no config.json yet (a dry run may plan its download: nothing to estimate)."""
-        vocab = 256   # launch/corpus.py's byte vocabulary
-        if getattr(args, "init_from_hf", None):
-            path = os.path.join(args.init_from_hf, "config.json")
+    def from_job(cls, job, *, dp: int = 1, pp: int = 1) -> "MemoryJob | None":
+        """From the trainer's ``tpkit.train.JobConfig``, at ``dp`` data-parallel ranks (the
+        micro-batch is global batch / dp / micro-batches) and ``pp`` stages (the job's
+        micro-batch count there). None when ``model.init_from_hf``'s directory has no
+        config.json yet (a dry run may plan its download: nothing to estimate)."""
+        m, e, t = job.model, job.experts, job.training
+        if m.init_from_hf:
+            path = os.path.join(m.init_from_hf, "config.json")
             if not os.path.isfile(path):
                 return None
             model = ModelShape.from_hf_config(path)
         else:
-            model = ModelShape(layers=args.layers, hidden=args.hidden, ffn=args.ffn,
-                               heads=args.heads, kv_heads=args.gqa_groups, vocab=vocab,
+            model = ModelShape(layers=m.layers, hidden=m.hidden, ffn=m.ffn,
+                               heads=m.heads, kv_heads=m.gqa_groups,
+                               vocab=256,   # the built-in corpus's byte vocabulary
                                activation="gelu", norm="RMSNorm", bias=False,
-                               experts=getattr(args, "moe_experts", 0) or 0,
-                               topk=getattr(args, "moe_topk", 2),
-                               moe_every=getattr(args, "moe_every", 1),
-                               capacity_factor=getattr(args, "moe_capacity_factor", None))
-        m = args.microbatches or (2 * pp if pp > 1 else 1)
-        return cls(model=model, micro_batch=max(1, args.global_batch // dp // m),
-                   seq_len=args.seq_len, microbatches=m, precision=args.precision,
-                   recompute=bool(args.recompute), optimizer="adamw",
-                   data_parallel=args.data_parallel, pp_schedule=args.pp_schedule,
-                   virtual_stages=args.virtual_stages, packed=bool(args.pack),
-                   dropout=args.dropout, attention_dropout=args.dropout,
-                   async_save=bool(getattr(args, "async_save", False)),
-                   fp8_recipe=args.fp8_recipe or "delayed")
+                               experts=e.num, topk=e.topk, moe_every=e.every,
+                               capacity_factor=e.capacity_factor)
+        mb = job.microbatches(pp)
+        return cls(model=model, micro_batch=max(1, t.global_batch // dp // mb),
+                   seq_len=t.seq_len, microbatches=mb, precision=job.precision.mode,
+                   recompute=bool(t.recompute), optimizer="adamw",
+                   data_parallel=job.parallelism.data_parallel,
+                   pp_schedule=job.pipeline.schedule,
+                   virtual_stages=job.pipeline.virtual_stages, packed=bool(job.data.pack),
+                   dropout=m.dropout, attention_dropout=m.dropout,
+                   async_save=bool(job.checkpoint.async_save),
+                   fp8_recipe=job.precision.fp8_recipe or "delayed")
 
     def at_dp(self, global_batch: int, dp: int) -> "MemoryJob":
         """This job with the micro-batch of ``global_batch`` sequences split over ``dp``."""

@@ -315,14 +315,3 @@ def set_parallel_state(state: ParallelState | None) -> None:
     global _CURRENT
     _CURRENT = state
 
-
-def __getattr__(name):
-    # Names that lived here before issue 23; importing them from tpkit.topology keeps
-    # working for one release (docs/design.md, "Old import paths").
-    if name in ("init_parallel", "destroy_parallel"):
-        from . import parallel_state
-        return getattr(parallel_state, name)
-    if name in ("build_fake_state", "destroy_fake_state", "format_rank_table"):
-        from . import planning
-        return getattr(planning, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,4 +1,4 @@
-"""Worker script for tests/test_launch_run.py and tests/test_slurm.py: checks that
+"""Worker script for tests/cli/test_launch_run.py and tests/cli/test_slurm.py: checks that
 tpkit.init_parallel() with no arguments builds the layout tpkit-launch exported.
 
     check_layout.py TP CP [--fail-rank R] [--wait-signal DIR]

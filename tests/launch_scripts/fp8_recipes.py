@@ -1,4 +1,4 @@
-"""Launched by tests/test_fp8_recipes.py as
+"""Launched by tests/fp8/test_fp8_recipes.py as
 ``tpkit-launch --nproc-per-node 4 --tp 2 --cp 2 --sequence-parallel fp8_recipes.py OUT``:
 every fp8 recipe the way a user runs it, in one process per rank.
 
@@ -25,8 +25,7 @@ from tpkit.fp8 import fp8_autocast
 from tpkit.nn import ColumnParallelLinear, RowParallelLinear
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "launch"))
-import train  # noqa: E402
+from tpkit.train import trainer as train
 
 RECIPES = ["delayed", "current", "block", "mxfp8"]
 STEPS = int(os.environ.get("FP8_RECIPES_STEPS", 20))

@@ -3,7 +3,7 @@
 
 Row 2: MoE(backend="te") at ep=2 with every token routed to rank 0's expert, two steps
 under te_autocast("delayed"): rank 1 receives no token, TE's amax reduction must neither
-hang nor fail. Row 5: Llama.save_hf on the nccl-only default group. Row 8: TE attention
+hang nor fail. Row 5: tpkit.models.hf.save_hf on the nccl-only default group. Row 8: TE attention
 built by tpkit under tp=2 with SP draws different dropout masks on the two TP ranks.
 Row 10: two pp=2 layouts in a row, each with a TE fp8 step (the second must not reduce
 over the first's destroyed amax group). Prints "ISSUE40 OK" last.
@@ -41,7 +41,8 @@ model = Llama(LlamaConfig(64, 64, 128, 1, 4), st)
 path = tempfile.mkdtemp() if st.rank == 0 else None
 box = [path]
 dist.broadcast_object_list(box, src=0)
-model.save_hf(box[0] + "/hf")
+from tpkit.models.hf import save_hf  # noqa: E402
+save_hf(model, box[0] + "/hf")
 tpkit.destroy_parallel()
 
 # row 8

@@ -1,11 +1,11 @@
-"""Launched by tests/test_models_hf.py (``tpkit-launch --nproc-per-node 4``): Hugging Face
+"""Launched by tests/models/test_models_hf.py (``tpkit-launch --nproc-per-node 4``): Hugging Face
 checkpoints read at several layouts in one process, through the public API only.
 
     hf_layouts.py WORK_DIR
 
 ``WORK_DIR/inputs.pt`` holds ``{"dirs": {name: checkpoint dir}, "x": tokens [B, S],
 "y": targets [B, S]}``. For every layout of LAYOUTS (init_parallel -> destroy_parallel in
-a loop) and every checkpoint, each rank loads ``Llama.from_hf`` and computes the mean
+a loop) and every checkpoint, each rank loads ``hf.from_hf`` and computes the mean
 loss of its tokens and the vocab-parallel logits of its shard; the losses are averaged
 over dp x cp and the logits gathered over tp (vocab), cp (load-balanced chunks) and dp
 (rows) with plain torch.distributed. At the first layout every model is exported with
@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import tpkit
-from tpkit.models import Llama
+from tpkit.models import hf
 
 LAYOUTS = [(2, 2, False), (4, 1, True), (1, 2, False)]   # (tp, cp, sequence_parallel), 4 ranks
 SHARD_BYTES = 100_000   # exports in several safetensors files with an index
@@ -57,7 +57,7 @@ def check_layout(dirs: dict, x: torch.Tensor, y: torch.Tensor, tp: int, cp: int,
     mine = slice(state.dp_rank * rows, (state.dp_rank + 1) * rows)
     out = {}
     for name, path in dirs.items():
-        model = Llama.from_hf(path, state)
+        model = hf.from_hf(path, state)
         with torch.no_grad():
             logits = model(x[mine])
             loss = model(x[mine], y[mine]).reshape(1)
@@ -65,7 +65,7 @@ def check_layout(dirs: dict, x: torch.Tensor, y: torch.Tensor, tp: int, cp: int,
         out[name] = {"loss": loss.item() / state.dp_cp_size,
                      "logits": full_logits(logits, state)}
         if export and name in export:
-            model.save_hf(export[name], max_shard_size=SHARD_BYTES)
+            hf.save_hf(model, export[name], max_shard_size=SHARD_BYTES)
     tpkit.destroy_parallel()
     return out
 

@@ -5,7 +5,7 @@ storages and knows nothing of the estimator), at many layouts in one launch.
     tpkit-launch --nproc-per-node 4 memory_layouts.py [NAME ...]
 
 For each layout of LAYOUTS (or those named): init_parallel at that layout, a small GPT
-(launch/gpt.py) trained two steps with AdamW the way launch/train.py does it (DDP or
+(tpkit.models.gpt) trained two steps with AdamW the way launch/train.py does it (DDP or
 FSDP2 over dp x cp, tpkit.pipeline schedules, recompute, emulated fp8, experts, packed
 documents), all inside the counting mode; the peak of live bytes during the second step
 is compared with ``tpkit.memory.estimate_memory`` for that rank; destroy_parallel.
@@ -21,18 +21,13 @@ import torch
 import torch.distributed as dist
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))                       # tests/ (memcount)
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "launch"))
 
 import tpkit  # noqa: E402
 from memcount import LiveBytes  # noqa: E402
 from tpkit.config import ParallelConfig  # noqa: E402
 from tpkit.memory import MemoryJob, ModelShape, estimate_memory  # noqa: E402
 
-try:   # the reference GPT (launch/gpt.py; tpkit.models.gpt once it moves there)
-    from tpkit.models.gpt import GPT, GPTConfig  # noqa: E402
-except ImportError:
-    from gpt import GPT, GPTConfig  # noqa: E402
+from tpkit.models.gpt import GPT, GPTConfig  # noqa: E402   # the reference GPT
 
 H, HEADS, GROUPS, FFN, LAYERS, V, SEQ, BATCH = 64, 4, 2, 256, 4, 256, 128, 8
 

@@ -1,4 +1,4 @@
-"""Worker script for tests/test_moe.py: MoE with expert parallelism the way a user runs
+"""Worker script for tests/nn/test_moe.py: MoE with expert parallelism the way a user runs
 it, under ``tpkit-launch --nproc-per-node 4 --tp 2 --ep 2 --sequence-parallel``, public
 API only. Every rank checks, then prints one ``OK`` line:
 

@@ -1,4 +1,4 @@
-"""Launched by tests/test_observe_launch.py as ``tpkit-launch --nproc-per-node 4 --tp 2
+"""Launched by tests/observe/test_observe_launch.py as ``tpkit-launch --nproc-per-node 4 --tp 2
 --cp 2 observe_run.py WORKDIR``: a user's own loop over the reference GPT with MoE
 layers, logged with tpkit.observe's MetricsLogger (public API only): 6 steps, a window
 of 2, steps 2..3 profiled, a checkpoint saved in step 3, a validation loss at the end. Rank 0 prints each row it
@@ -15,22 +15,14 @@ import tpkit
 import tpkit.checkpoint
 from tpkit.collectives import all_reduce_sum
 from tpkit.grads import grad_norm
+from tpkit.models.gpt import GPT, GPTConfig
 from tpkit.observe import MetricsLogger, model_flops_per_token, moe_scalars
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS, EVERY, BATCH, SEQ, LR = 6, 2, 2, 16, 1e-2
-
-
-def gpt():
-    """The reference GPT (its one import here: it moves to tpkit.models with the trainer)."""
-    sys.path.insert(0, os.path.join(ROOT, "launch"))
-    from gpt import GPT, GPTConfig
-    return GPT, GPTConfig
 
 
 def main(workdir: str) -> None:
     state = tpkit.init_parallel(seed=7)            # tp 2 x cp 2 from tpkit-launch
-    GPT, GPTConfig = gpt()
     cfg = GPTConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_gqa_groups=2,
                     ffn_hidden_size=64, moe_experts=4, moe_topk=2)
     model = GPT(cfg)

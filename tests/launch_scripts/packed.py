@@ -1,4 +1,4 @@
-"""Launched by tests/test_packed.py as
+"""Launched by tests/nn/test_packed.py as
 ``tpkit-launch --nproc-per-node 4 --tp 2 --cp 2 packed.py``: packed sequences the way a
 user writes them (public API only), checked on every rank:
 

@@ -17,8 +17,7 @@ import torch.distributed as dist
 import tpkit
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "launch"))
-import train  # noqa: E402
+from tpkit.train import trainer as train
 
 out_dir, runs = sys.argv[1], json.loads(sys.argv[2])
 losses = {}

@@ -1,4 +1,4 @@
-"""launch/train.py with faults injected on one rank, for tests/test_recovery.py:
+"""launch/train.py with faults injected on one rank, for tests/recovery/test_recovery.py:
 
     tpkit-launch ... recovery_faults.py [--slow-rank R --slow-s S] [--hang-rank R
         --hang-after N] [--hold-writes PATH] -- ARGS OF launch/train.py
@@ -19,8 +19,7 @@ import torch
 import torch.distributed as dist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "launch"))
-import train  # noqa: E402
+from tpkit.train import trainer as train
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--slow-rank", type=int, default=None)

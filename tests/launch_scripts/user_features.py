@@ -42,8 +42,7 @@ from tpkit.fabric import TPKitPrecision, TPKitStrategy
 from tpkit.random import get_rng_tracker
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "launch"))
-import train  # noqa: E402
+from tpkit.train import trainer as train
 
 TRAIN = ["--steps", "8", "--hidden", "32", "--layers", "1", "--heads", "4",
          "--gqa-groups", "2", "--ffn", "64", "--seq-len", "16", "--global-batch", "4",

@@ -8,14 +8,6 @@ import shlex
 __all__ = ["report"]
 
 
-def __getattr__(name):
-    # planned_rank_table moved to tpkit.planning (issue 23); this path works for one release.
-    if name == "planned_rank_table":
-        from tpkit.planning import planned_rank_table
-        return planned_rank_table
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def report(plan, *, limit: int, memory=()) -> str:
     """The whole dry-run text for a resolved launch ``plan`` (tpkit.cli.launch.Plan);
     ``memory``: the memory estimate's lines (tpkit.cli.memory), before the rank table."""

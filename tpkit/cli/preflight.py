@@ -123,8 +123,9 @@ def find_hook(args) -> str | None:
 
 
 def _load(args, source: str):
-    if args.module:
-        return importlib.import_module(args.training_script)
+    if args.module:   # a package runs its __main__, which holds the hook (find_hook)
+        main = os.path.basename(source) == "__main__.py"
+        return importlib.import_module(args.training_script + (".__main__" if main else ""))
     spec = importlib.util.spec_from_file_location("__tpkit_preflight__", source)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

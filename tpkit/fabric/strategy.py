@@ -63,14 +63,15 @@ DATA_PARALLEL = ("ddp", "fsdp")
 
 class TPKitStrategy(ParallelStrategy):
     """Fabric strategy for tpkit layouts; see the module docstring. Sizes left ``None``
-    come from ``TPKIT_*`` variables, else 1; dp is what is left of the world."""
+    come from ``TPKIT_*`` variables, else 1; dp is what is left of the world. ``layout``: a
+    ParallelConfig resolved by the caller, used as it is (instead of the sizes)."""
 
     def __init__(self, tp: int | None = None, cp: int | None = None, pp: int | None = None, *,
                  sequence_parallel: bool | None = None, cp_comm_type: str | None = None,
                  cp_a2a_size: int | None = None, ep: int | None = None,
                  etp: int | None = None, data_parallel: str = "ddp",
                  microbatches: int | None = None, pp_schedule: str = "1F1B",
-                 virtual_stages: int | None = None,
+                 virtual_stages: int | None = None, layout: ParallelConfig | None = None,
                  parallelize_fn: Callable | None = None, seed: int | None = None,
                  accelerator=None, parallel_devices=None, cluster_environment=None,
                  checkpoint_io=None, precision=None, process_group_backend: str | None = None,
@@ -78,11 +79,20 @@ class TPKitStrategy(ParallelStrategy):
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision=precision)
-        # Validate the sizes now (clear errors before any process starts); dp later.
-        self._config = ParallelConfig.from_env(
-            tp=tp, cp=cp, pp=pp, sequence_parallel=sequence_parallel,
-            cp_comm_type=cp_comm_type, cp_a2a_size=cp_a2a_size, ep=ep, etp=etp,
-            given_as="TPKitStrategy's {name} argument")
+        # Validate the sizes now (clear errors before any process starts); dp later. A
+        # caller that resolved the layout already (tpkit.train) hands it over as ``layout``.
+        sizes = dict(tp=tp, cp=cp, pp=pp, sequence_parallel=sequence_parallel,
+                     cp_comm_type=cp_comm_type, cp_a2a_size=cp_a2a_size, ep=ep, etp=etp)
+        if layout is not None:
+            given = [f"{k}={v!r}" for k, v in sizes.items() if v is not None]
+            if given or not isinstance(layout, ParallelConfig):
+                raise ValueError(f"TPKitStrategy(layout={layout!r}, {', '.join(given)}): pass "
+                                 "the layout either as one ParallelConfig (layout=) or as "
+                                 "sizes, not both")
+            self._config = layout
+        else:
+            self._config = ParallelConfig.from_env(
+                **sizes, given_as="TPKitStrategy's {name} argument")
         self._pipeline_args = _pipeline_args(self._config.pp, microbatches, pp_schedule,
                                              virtual_stages, data_parallel)
         self._pipeline = None

@@ -143,7 +143,7 @@ def read_config(path: str) -> tuple[LlamaConfig, dict]:
     file = os.path.join(path, "config.json")
     if not os.path.isfile(file):
         raise ValueError(f"{path!r} has no config.json; pass a Hugging Face model directory "
-                         "(what save_pretrained or Llama.save_hf writes)")
+                         "(what save_pretrained or tpkit.models.hf.save_hf writes)")
     with open(file) as f:
         raw = json.load(f)
     return config_from_hf(raw), raw
@@ -374,3 +374,22 @@ def save_llama(model, path: str, *, dtype, max_shard_size: int) -> None:
                       sort_keys=True)
     if dist.is_initialized():
         dist.barrier()
+
+
+# --- the adapter's entry points (the models never import this module) ---------------------
+def from_hf(path: str, state=None, *, dtype: torch.dtype = torch.float32, **overrides):
+    """The ``tpkit.models.Llama`` of the Hugging Face checkpoint directory ``path``
+    (config.json and ``*.safetensors``, sharded or not) on ``state``'s layout, in ``dtype``.
+    Each rank reads only the slices it keeps; no collective. ``overrides`` set LlamaConfig's
+    training fields (``backend``, ``recompute``, ``hidden_dropout``, ...)."""
+    from .llama import Llama
+    return load_llama(Llama, path, state, dtype=dtype, overrides=overrides)
+
+
+def save_hf(model, path: str, *, dtype: torch.dtype | None = None,
+            max_shard_size: int = 2 * 2**30) -> None:
+    """Write ``model`` (a ``tpkit.models.Llama``) to ``path``/config.json and safetensors
+    shards (at most ``max_shard_size`` bytes each, with an index when there are several)
+    that ``transformers`` loads unchanged. Collective (every rank calls it); rank 0 writes,
+    gathering one tensor at a time. ``dtype``: the tensors' (default: the parameters')."""
+    save_llama(model, path, dtype=dtype, max_shard_size=max_shard_size)

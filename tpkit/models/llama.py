@@ -3,12 +3,13 @@
 Pre-norm blocks of RMSNorm, grouped-query attention with rotary embeddings (rotate-half
 layout, ``rope_theta``, linear or Llama-3 frequency scaling), SwiGLU MLP; optional q/k/v
 biases (Qwen2) or biases on every linear layer; tied or untied embeddings. Sequence-first
-activations, TP / SP / CP / DP and recompute exactly as launch/gpt.py: the blocks are
+activations, TP / SP / CP / DP and recompute exactly as tpkit/models/gpt.py: the blocks are
 ``tpkit.nn.TransformerLayer`` (``backend="torch"``, or TE's TransformerLayer with
 ``backend="te"``), so nothing here computes attention or shards a weight itself.
 
-``Llama.from_hf(dir)`` and ``model.save_hf(dir)`` read and write Hugging Face checkpoints
-(tpkit.models.hf); ``hf_names()`` is the one table between tpkit's parameters and
+Hugging Face checkpoints are read and written by the adapter tpkit.models.hf
+(``hf.from_hf(dir)``, ``hf.save_hf(model, dir)``), which this module never imports;
+``hf_names()`` is the one table between tpkit's parameters and
 Hugging Face's tensor names.
 """
 from __future__ import annotations
@@ -256,22 +257,3 @@ class Llama(nn.Module):
         unknown = [n for n in names if n not in table]
         assert not unknown, f"parameters without a Hugging Face name: {unknown}"
         return {n: table[n] for n in names}
-
-    @classmethod
-    def from_hf(cls, path: str, state=None, *, dtype: torch.dtype = torch.float32,
-                **overrides) -> "Llama":
-        """The model of the Hugging Face checkpoint directory ``path`` (config.json and
-        ``*.safetensors``, sharded or not) on ``state``'s layout, in ``dtype``. Each rank
-        reads only the slices it keeps; no collective. ``overrides`` set LlamaConfig's
-        training fields (``backend``, ``recompute``, ``hidden_dropout``, ...)."""
-        from .hf import load_llama
-        return load_llama(cls, path, state, dtype=dtype, overrides=overrides)
-
-    def save_hf(self, path: str, *, dtype: torch.dtype | None = None,
-                max_shard_size: int = 2 * 2**30) -> None:
-        """Write ``path``/config.json and safetensors shards (at most ``max_shard_size``
-        bytes each, with an index when there are several) that ``transformers`` loads
-        unchanged. Collective (every rank calls it); rank 0 writes, gathering one tensor at
-        a time. ``dtype``: the tensors' (default: the parameters')."""
-        from .hf import save_llama
-        save_llama(self, path, dtype=dtype, max_shard_size=max_shard_size)

@@ -28,11 +28,6 @@ from .attention_math import (causal_mask, from_grouped, local_attention, positio
 from .mappings import all_to_all, gather_from_sp_region
 from .ring_attention import ring_attention
 
-# Old names (issue 23 moved them): the comm types are tpkit.config.CP_COMM_TYPES and the
-# load-balanced positions tpkit.data.cp_positions; these aliases work for one release.
-COMM_TYPES = CP_COMM_TYPES
-lb_positions = cp_positions
-
 
 def _lb_from_a2a(x: torch.Tensor, a: int, dim: int) -> torch.Tensor:
     """The shards of ``a`` consecutive CP ranks, concatenated in rank order, -> one shard of

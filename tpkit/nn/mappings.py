@@ -14,15 +14,13 @@ from __future__ import annotations
 
 import torch
 
-from ..collectives import (all_gather, all_reduce_sum, group_rank, group_size,  # noqa: F401
+from ..collectives import (all_gather, all_reduce_sum, group_size,
                            reduce_scatter, split)
 from ..collectives import all_to_all as _all_to_all
 
 __all__ = ["copy_to_tp_region", "reduce_from_tp_region", "scatter_to_tp_region",
            "gather_from_tp_region", "gather_from_sp_region", "reduce_scatter_to_sp_region",
            "scatter_to_sp_region", "all_to_all"]
-# all_reduce_sum, group_size and group_rank moved to tpkit.collectives; importing them
-# from here keeps working for one release (docs/design.md, "Old import paths").
 
 
 # --- autograd functions -----------------------------------------------------------------

@@ -71,8 +71,3 @@ class RMSNorm(TEBackendMixin, _Norm):
         self._check(x)
         return F.rms_norm(x, (self.hidden_size,), self.weight, self.eps)
 
-
-# sync_sequence_parallel_grads and the flat all-reduce moved to tpkit.grads and
-# tpkit.collectives (issue 23); these names work from here for one release.
-from ..collectives import all_reduce_flat  # noqa: E402,F401
-from ..grads import sync_sequence_parallel_grads  # noqa: E402,F401

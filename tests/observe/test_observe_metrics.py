@@ -1,7 +1,7 @@
 """tpkit.observe in one process: MetricsLogger's rows (MFU against an overridden peak, the
 fp8 pair, a restarted run's CSV kept), the progress line on a terminal and off it, the
 profile-steps range, measured memory, and the bad-input errors. The launched tp 2 x cp 2
-run is tests/test_observe_launch.py."""
+run is tests/observe/test_observe_launch.py."""
 import csv
 import io
 import os

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join("tests", "launch_scripts", "check_layout.py")
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 

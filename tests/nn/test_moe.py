@@ -10,7 +10,6 @@ backend."""
 import math
 import os
 import re
-import sys
 
 import pytest
 import torch
@@ -18,7 +17,7 @@ import torch
 from dist import run
 
 S, B, H, F, E = 8, 2, 8, 6, 4
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TRAIN_SMALL = ["--steps", "20", "--hidden", "32", "--layers", "2", "--heads", "4",
                "--gqa-groups", "2", "--ffn", "64", "--seq-len", "32", "--global-batch", "4",
                "--warmup", "5", "--log-every", "100"]
@@ -451,7 +450,7 @@ def test_launched_moe_layouts():
     layout's expert groups and getters, MoE vs its dense reference at four layouts,
     a bad ep refused before any group (the script's docstring lists the checks)."""
     from test_launch_run import finish, launch
-    script = os.path.join(os.path.dirname(__file__), "launch_scripts", "moe_layouts.py")
+    script = os.path.join(ROOT, "tests", "launch_scripts", "moe_layouts.py")
     rc, out, err = finish(launch("--nproc-per-node", "4", "--tp", "2", "--ep", "2",
                                  "--sequence-parallel", script))
     assert rc == 0, err[-3000:]
@@ -464,8 +463,7 @@ MOE = ["--moe-experts", "4", "--moe-topk", "2", "--moe-every", "2", "--moe-aux-c
 
 
 def _train(flags):
-    sys.path.insert(0, os.path.join(ROOT, "launch"))
-    import train
+    from tpkit.train import trainer as train
     return train.main(TRAIN_SMALL + MOE + list(flags))
 
 
@@ -489,7 +487,7 @@ def test_train_moe_same_curve_at_every_ep():
     # boundary, a jump of up to an fp8 ulp each, and the curves drift apart as any two fp8
     # runs do: measured 1.0e-5 at step 1 and <= 1.1e-3 over 20 steps (fp8's own distance to
     # the float32 curve: 1.6e-3). Expert scales mixed across experts (amaxes by local
-    # expert index) move step 1 by ~5e-5. tests/test_moe_fp8.py checks the expert GEMMs
+    # expert index) move step 1 by ~5e-5. tests/fp8/test_moe_fp8.py checks the expert GEMMs
     # themselves against a per-expert fp8 reference.
     (ref8,) = run(_train, 1, ["--tp", "1", "--ep", "1", "--precision", "fp8"])
     got8 = run(_train, 4, ["--tp", "2", "--sequence-parallel", "--ep", "2", "--etp", "1",
@@ -501,28 +499,26 @@ def test_train_moe_same_curve_at_every_ep():
 
 @pytest.mark.parametrize("argv,words", [
     (["--moe-experts", "4", "--moe-topk", "5"], "top_k=5"),
-    (["--moe-experts", "6", "--ep", "4"], "--moe-experts=6 is not divisible by ep=4"),
+    (["--moe-experts", "6", "--ep", "4"],
+     "--moe-experts=6 (experts.num) is not divisible by ep=4; use a multiple of 4"),
     (["--moe-experts", "4", "--moe-capacity-factor", "0"], "capacity_factor=0.0"),
-    (["--ep", "2"], "--ep needs --moe-experts > 0"),
-    (["--moe-experts", "4", "--ep", "0"], "ep=0"),
-    (["--moe-experts", "4", "--moe-every", "3"], "--moe-every=3"),
-    (["--moe-experts", "4", "--pack"], "--moe-experts with --pack is not supported"),
+    (["--ep", "2"], "--ep=2 (parallelism.ep) needs --moe-experts > 0"),
+    (["--moe-experts", "4", "--ep", "0"], "--ep=0 (parallelism.ep) must be >= 1"),
+    (["--moe-experts", "4", "--moe-every", "3"], "--moe-every=3 (experts.every) must be"),
+    (["--moe-experts", "4", "--pack"],
+     "--moe-experts=4 (experts.num) with --pack (data.pack) is not supported"),
 ])
-def test_train_moe_bad_input(argv, words, capsys):
-    """train.py's MoE options: exit 2 naming the value, before any process group."""
-    sys.path.insert(0, os.path.join(ROOT, "launch"))
-    import train
-    with pytest.raises(SystemExit) as e:
-        train.parse_args(argv)
-    assert e.value.code == 2
-    assert words in capsys.readouterr().err
+def test_train_moe_bad_input(argv, words):
+    """tpkit-train's MoE options: one line naming the value, before any process group."""
+    from jobs import refusal
+    assert words in refusal(argv)
 
 
 def test_train_moe_fp8_accepted():
     """--precision fp8 with --moe-experts (once refused: expert GEMMs had no fp8 path) and
-    every fp8 recipe pass train.py's checks; the runs: test_train_moe_same_curve_at_every_ep."""
-    sys.path.insert(0, os.path.join(ROOT, "launch"))
-    import train
+    every fp8 recipe pass tpkit-train's checks; the runs: test_train_moe_same_curve_at_every_ep."""
+    from tpkit.train import parse
     for recipe in ("delayed", "current", "block", "mxfp8"):
-        args = train.parse_args(MOE + ["--ep", "2", "--precision", "fp8", "--fp8-recipe", recipe])
-        assert (args.moe_experts, args.precision, args.fp8_recipe) == (4, "fp8", recipe)
+        job, _ = parse(MOE + ["--ep", "2", "--precision", "fp8", "--fp8-recipe", recipe])
+        assert (job.experts.num, job.precision.mode, job.precision.fp8_recipe) == \
+            (4, "fp8", recipe)

@@ -24,7 +24,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 
@@ -130,8 +129,7 @@ def _check_curve(text: str, reference: list[float]) -> None:
 
 
 def _reference(argv):
-    sys.path.insert(0, os.path.join(ROOT, "launch"))
-    import train
+    from tpkit.train import trainer as train
     return train.main(argv)
 
 

@@ -1,4 +1,4 @@
-"""tpkit.observe on a GPU (``python -m pytest -m gpu tests/test_observe_gpu.py``; skipped
+"""tpkit.observe on a GPU (``python -m pytest -m gpu tests/observe/test_observe_gpu.py``; skipped
 without CUDA): MFU is the logged TFLOP/s over Lightning's table's dense peak for this
 device, peak memory is torch.cuda's, and a profiled range leaves a CUDA memory snapshot
 beside the trace. No Transformer Engine needed."""

@@ -1,4 +1,4 @@
-"""A small GPT built only from tpkit.nn layers (the reference model of launch/train.py).
+"""A small GPT built only from tpkit.nn layers (the reference model of tpkit.train).
 
 Inputs are this rank's tokens: the DP slice of the global batch, and under CP the
 load-balanced sequence shard (tpkit.data.shard_sequence) with matching RoPE positions.
@@ -6,7 +6,7 @@ load-balanced sequence shard (tpkit.data.shard_sequence) with matching RoPE posi
 the same number of tokens, so averaging gradients over the dp×cp group (what
 TPKitStrategy's DDP does) gives exactly the gradient of the global mean loss.
 
-Packed documents (``train.py --pack``): ``forward(tokens, labels, position_ids,
+Packed documents (``tpkit-train --data.pack``): ``forward(tokens, labels, position_ids,
 **cu_seqlens...)`` takes this rank's shard of one packed row (``tpkit.data.PackedBatch``)
 and returns the *sum* of its token losses (padding and document ends carry
 ``ignore_index``); the caller divides by the global batch's count of labelled tokens.
@@ -18,11 +18,11 @@ import dataclasses
 import torch
 from torch import nn
 
-from tpkit.data import shard_position_ids, shard_sequence
-from tpkit.nn import (ColumnParallelLinear, RMSNorm, RotaryEmbedding, TransformerLayer,
-                      VocabParallelEmbedding, vocab_parallel_cross_entropy)
-from tpkit.recompute import checkpoint
-from tpkit.topology import get_parallel_state
+from ..data import shard_position_ids, shard_sequence
+from ..nn import (ColumnParallelLinear, RMSNorm, RotaryEmbedding, TransformerLayer,
+                  VocabParallelEmbedding, vocab_parallel_cross_entropy)
+from ..recompute import checkpoint
+from ..topology import get_parallel_state
 
 
 @dataclasses.dataclass
@@ -61,14 +61,14 @@ class GPT(nn.Module):
                              bias=False, backend=cfg.backend, **kw)
             for _ in range(cfg.num_layers))
         if cfg.moe_experts:
-            from tpkit.nn import MoE
+            from ..nn import MoE
             for i, layer in enumerate(self.layers):
                 if (i + 1) % cfg.moe_every == 0:
                     layer.mlp = MoE(cfg.hidden_size, cfg.ffn_hidden_size, cfg.moe_experts,
                                     cfg.moe_topk, aux_loss_coeff=cfg.moe_aux_coeff,
                                     capacity_factor=cfg.moe_capacity_factor,
                                     aux_loss_scope="global", **kw)
-        from tpkit.te import is_te_module
+        from ..te import is_te_module
         # TE's TransformerLayer takes the full sequence's RoPE angles and picks this CP
         # rank's chunks itself; tpkit's takes the angles of this rank's positions.
         self._te_blocks = any(is_te_module(m) for m in self.layers)
@@ -111,14 +111,14 @@ class GPT(nn.Module):
         """The router losses of ``layer``'s last forward (this rank's share, docs/moe.md),
         None for a dense layer: forward adds them to the loss; a pipeline stage attaches
         their gradient to its activations (tpkit.pipeline)."""
-        from tpkit.nn import MoE
+        from ..nn import MoE
         aux = [m.aux_loss for m in layer.modules() if isinstance(m, MoE)]
         return sum(aux) if aux else None
 
     def moe_layers(self) -> list:
         """The MoE layers of this model (their ``aux_loss``/``last_routing`` after a
         forward)."""
-        from tpkit.nn import MoE
+        from ..nn import MoE
         return [m for m in self.modules() if isinstance(m, MoE)]   # a pipeline stage's own
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor,

@@ -572,16 +572,15 @@ def test_every_recipe_launched(tmp_path):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--fp8-recipe", "current"], "--fp8-recipe=current needs --precision fp8"),
+    (["--fp8-recipe", "current"],
+     "--fp8-recipe='current' (precision.fp8_recipe) needs --precision fp8"),
     (["--precision", "fp8", "--fp8-recipe", "nvfp4"], "invalid choice: 'nvfp4'"),
 ])
-def test_train_py_fp8_recipe_option_errors(argv, message, capsys):
-    """launch/train.py refuses a recipe without fp8, or an unknown one, before any process
-    group exists (argparse's exit 2 with the message)."""
-    import os
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "launch"))
-    import train
-    with pytest.raises(SystemExit) as exc:
-        train.parse_args(argv)
-    assert exc.value.code == 2 and message in capsys.readouterr().err
-    assert train.parse_args(["--precision", "fp8", "--fp8-recipe", "mxfp8"]).fp8_recipe == "mxfp8"
+def test_train_py_fp8_recipe_option_errors(argv, message):
+    """tpkit-train refuses a recipe without fp8, or an unknown one, before any process
+    group exists (argparse's exit 2, or the JobConfig's ValueError)."""
+    from jobs import refusal
+    from tpkit.train import parse
+    assert message in refusal(argv)
+    job, _ = parse(["--precision", "fp8", "--fp8-recipe", "mxfp8"])
+    assert job.precision.fp8_recipe == "mxfp8"

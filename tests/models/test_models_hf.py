@@ -22,7 +22,6 @@ import importlib.util
 import json
 import os
 import re
-import sys
 
 import pytest
 import torch
@@ -113,8 +112,7 @@ def _close(got: dict, ref: dict, where: str) -> None:
 
 
 def _one_process(dirs, x, y):
-    sys.path.insert(0, SCRIPTS)
-    from hf_layouts import check_layout
+    from launch_scripts.hf_layouts import check_layout
     return check_layout(dirs, x, y, 1, 1, False)
 
 
@@ -163,7 +161,6 @@ def test_layouts_exports_and_round_trip_match_transformers(ckpts):
 
 def _count_reads(path, tp, cp, sp):
     import tpkit
-    from tpkit.models import Llama
     from tpkit.models import hf
     state = tpkit.init_parallel(tp=tp, cp=cp, sequence_parallel=sp)
     read, counted = hf.CheckpointIndex.read, []
@@ -174,7 +171,7 @@ def _count_reads(path, tp, cp, sp):
         return t
     hf.CheckpointIndex.read = counting
     try:
-        model = Llama.from_hf(path, state)
+        model = hf.from_hf(path, state)
     finally:
         hf.CheckpointIndex.read = read
     return sum(counted), sum(p.numel() for p in model.parameters())
@@ -192,12 +189,12 @@ def test_each_rank_reads_only_its_shard(ckpts, name):
 
 def _fsdp_export(dirs: dict, out: str) -> None:
     from fabric_helpers import launch_fabric
-    from tpkit.models import Llama
+    from tpkit.models import hf
     fabric, state = launch_fabric(tp=2, data_parallel="fsdp")   # FSDP2 over dp=2
     for name, path in dirs.items():
-        model = fabric.setup_module(Llama.from_hf(path, state))
+        model = fabric.setup_module(hf.from_hf(path, state))
         assert all(hasattr(p, "to_local") for p in model.parameters())   # DTensors
-        model.module.save_hf(os.path.join(out, name))
+        hf.save_hf(model.module, os.path.join(out, name))
 
 
 def test_fsdp_sharded_export_is_the_original_checkpoint(ckpts, tmp_path):
@@ -257,31 +254,31 @@ BAD = [
                          ids=[f"{b[0]}-{i}" for i, b in enumerate(BAD)])
 def test_bad_checkpoints_are_value_errors(ckpts, tmp_path, name, edit, drop, tp, match):
     from tpkit import ParallelConfig
-    from tpkit.models import Llama
+    from tpkit.models import hf
     from tpkit.planning import fake_state
     path = _copy(ckpts["models"][name]["dir"], tmp_path / "bad", edit, drop)
     with fake_state(ParallelConfig(tp=tp), tp) as state:
         with pytest.raises(ValueError, match=match):
-            Llama.from_hf(str(path), state)
+            hf.from_hf(str(path), state)
 
 
 def test_bad_arguments_are_value_errors(ckpts, tmp_path):
     from tpkit import ParallelConfig
-    from tpkit.models import Llama, LlamaConfig
+    from tpkit.models import Llama, LlamaConfig, hf
     from tpkit.planning import fake_state
     path = ckpts["models"]["qwen2"]["dir"]
     with fake_state(ParallelConfig(), 1) as state:
         with pytest.raises(ValueError, match=r"from_hf\(hidden_size=...\) is not a training"):
-            Llama.from_hf(path, state, hidden_size=32)
+            hf.from_hf(path, state, hidden_size=32)
         with pytest.raises(ValueError, match=r"has no config.json"):
-            Llama.from_hf(str(tmp_path), state)
+            hf.from_hf(str(tmp_path), state)
         with pytest.raises(ValueError, match=r"qkv_bias=True, bias=True cannot be written as "
                                              r"architecture='qwen2'"):
             Llama(LlamaConfig(64, 64, 128, 1, 4, architecture="qwen2", bias=True), state)
         with pytest.raises(ValueError, match=r"rope scaling type 'dynamic'"):
             LlamaConfig(rope_scaling={"rope_type": "dynamic", "factor": 2.0}).validate()
         with pytest.raises(ValueError, match=r"max_shard_size=0"):
-            Llama.from_hf(path, state).save_hf(str(tmp_path / "x"), max_shard_size=0)
+            hf.save_hf(hf.from_hf(path, state), str(tmp_path / "x"), max_shard_size=0)
 
 
 # --- launch/train.py ----------------------------------------------------------------------------
@@ -294,8 +291,7 @@ def test_train_init_from_hf_and_export(ckpts, tmp_path):
     """tp=2 x cp=2 with recompute from the tied, biased Qwen2: step 0's printed loss (4
     decimals) is transformers' on the same corpus batch; the export after 3 steps loads
     into transformers, trained (every matrix moved) and with the original names."""
-    sys.path.insert(0, os.path.join(ROOT, "launch"))
-    import corpus
+    from tpkit.train import corpus
     import lightning.fabric  # noqa: F401  (it replaces warnings.formatwarning, whose
     # docstring is corpus text: train.py's workers read the corpus after importing it)
     m = ckpts["models"]["qwen2"]
@@ -312,24 +308,21 @@ def test_train_init_from_hf_and_export(ckpts, tmp_path):
     assert all(not torch.equal(after[k], before[k]) for k in before if after[k].dim() == 2)
 
 
-def test_train_refuses_bad_hf_arguments(ckpts, tmp_path, capsys):
-    """Option clashes: the script's parser (exit 2, one line); a directory tpkit cannot use:
-    a ValueError before any process group exists."""
-    sys.path.insert(0, os.path.join(ROOT, "launch"))
+def test_train_refuses_bad_hf_arguments(ckpts, tmp_path):
+    """Option clashes: the JobConfig's checks (one line); a directory tpkit cannot use:
+    a ValueError from the Trainer before any process group exists."""
     import torch.distributed as dist
-    import train
+    from jobs import refusal
+    from tpkit.train import Trainer, parse
     for argv, message in [
-            (["--export-hf", str(tmp_path / "o")], "--export-hf needs --init-from-hf"),
+            (["--export-hf", str(tmp_path / "o")], "(checkpoint.export_hf) needs --init-from-hf"),
             (["--init-from-hf", ckpts["models"]["qwen2"]["dir"], "--hidden", "32"],
-             "--hidden cannot be combined with --init-from-hf")]:
-        with pytest.raises(SystemExit) as e:
-            train.parse_args(argv)
-        err = capsys.readouterr().err
-        assert e.value.code == 2 and message in err, (argv, err)
+             "--hidden=32 (model.hidden) cannot be combined with --init-from-hf")]:
+        assert message in refusal(argv), argv
     small = _copy(ckpts["models"]["qwen2"]["dir"], tmp_path / "small", {"vocab_size": 128})
     for argv, message in [(["--init-from-hf", str(tmp_path)], "has no config.json"),
                           (["--init-from-hf", str(small)],
                            "vocab_size=128 cannot hold the corpus' 256")]:
         with pytest.raises(ValueError, match=message):
-            train.main(argv)
+            Trainer(parse(argv)[0])
         assert not dist.is_initialized()

@@ -12,9 +12,11 @@ import sys
 
 import pytest
 
+import paths
+
 pytestmark = pytest.mark.slow
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "tests", "fabric_conformance.py")
 LAYOUTS = ("sp", "nosp")
 CHECKS = [
@@ -53,7 +55,7 @@ EP_CHECKS = [c for c in CHECKS if not c.startswith("fsdp_")] + ["fsdp_refused"]
 
 
 def _env(**extra):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]),
+    env = {**os.environ, "PYTHONPATH": paths.PYTHONPATH,
            "OMP_NUM_THREADS": "1", "TPKIT_PG_TIMEOUT": "120", **extra}
     for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
         env.pop(var, None)

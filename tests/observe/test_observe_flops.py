@@ -8,20 +8,16 @@ their backward (the recomputed scores included), and the CPU flash kernel not at
 the check runs attention on SDPA's math backend, whose matmuls it counts as the peers'
 convention does (2 forward, 4 backward, full S x S): the count is then exactly the
 convention's, and any difference is the formula's."""
-import os
-import sys
 
 import pytest
 
 from dist import run
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "launch"))
 
 
 def _gpt():
-    """The reference GPT (its one import here: it moves to tpkit.models with the trainer)."""
-    from gpt import GPT, GPTConfig
+    """The reference GPT."""
+    from tpkit.models.gpt import GPT, GPTConfig
     return GPT, GPTConfig
 
 

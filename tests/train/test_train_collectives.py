@@ -1,4 +1,4 @@
-"""Exact collectives per training step of launch/gpt.py's GPT at tp=2, with and without
+"""Exact collectives per training step of tpkit/models/gpt.py's GPT at tp=2, with and without
 sequence parallelism: guards bench/train.py's analytical count (and catches any layer that
 starts issuing extra collectives)."""
 from bench.train import analytical_collectives, count_step_collectives
@@ -7,7 +7,7 @@ from dist import run
 
 def _counts():
     import tpkit
-    from launch.gpt import GPTConfig
+    from tpkit.models.gpt import GPTConfig
     tpkit.init_parallel(tp=2, seed=1234)
     out = {}
     for layers, h in ((1, 32), (2, 128)):

@@ -312,11 +312,7 @@ PACK = ["--pack", "--steps", "20", "--hidden", "32", "--layers", "2", "--heads",
 
 
 def _train_packed(tp, cp, extra=()):
-    import os
-    import sys
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(
-        os.path.abspath(__file__))), "launch"))
-    import train
+    from tpkit.train import trainer as train
     return train.main(PACK + ["--tp", str(tp), "--cp", str(cp)] + list(extra))
 
 

@@ -1,0 +1,12 @@
+"""Where the suite's files are: the checkout, tests/ (the shared harness: this folder's
+modules, launch_scripts/, fake_te/) and the test folders that mirror tpkit/'s packages.
+``PYTHONPATH`` is what a launched worker needs to import all of them by name, as pytest
+does (pyproject.toml's ``pythonpath`` lists the same folders)."""
+import os
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(TESTS)
+SCRIPTS = os.path.join(TESTS, "launch_scripts")
+SUBDIRS = ("cli", "fabric", "fp8", "integrations", "models", "nn", "observe", "recovery",
+           "train")
+PYTHONPATH = os.pathsep.join([ROOT, TESTS] + [os.path.join(TESTS, d) for d in SUBDIRS])

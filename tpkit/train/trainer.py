@@ -1,0 +1,445 @@
+"""Trainer: one job (a checked JobConfig) built in one straight line, and its loop.
+
+``Trainer(job).__init__`` resolves the layout once (the parallelism section over
+tpkit-launch's TPKIT_* variables, checked against the world) and hands it to the Fabric
+strategy; then builds the precision plugin, the model (the reference GPT drawn at full
+size from the seed and sharded, or a Hugging Face model), the optimizer, the learning-rate
+schedule, the data and the recovery manager. ``fit()`` runs the loop and returns the
+global mean loss of every step. Only tpkit's public API is used: this file is also the
+worked example of a user's own training script.
+
+The global batch of step k is the same at every layout (every rank computes it and keeps
+its share), so runs at different layouts follow the same loss curve (tests/train).
+"""
+from __future__ import annotations
+
+import math
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from . import corpus
+from .config import JobConfig, parse
+
+
+# --- the layout, once per process ----------------------------------------------------------
+def _launched() -> bool:
+    """Started by a launcher (tpkit-launch, torchrun, Slurm) or inside a process group."""
+    return "WORLD_SIZE" in os.environ or (dist.is_available() and dist.is_initialized())
+
+
+def resolve_layout(job: JobConfig, env=None):
+    """The job's ParallelConfig checked against this world (dp filled in); ValueError
+    naming the sizes, where they came from and the fix."""
+    config = job.layout(env)
+    world = dist.get_world_size() if dist.is_initialized() else \
+        int(os.environ.get("WORLD_SIZE", 1))
+    if not _launched() and config.model_size > 1:
+        sizes = " ".join(f"--{k} {getattr(config, k)}" for k in ("tp", "cp", "pp")
+                         if getattr(config, k) > 1)
+        raise ValueError(
+            f"tp*cp*pp = {config.tp}*{config.cp}*{config.pp} needs {config.model_size} "
+            "processes and this is one, started without a launcher; run it under tpkit-launch:"
+            f" tpkit-launch --nproc-per-node {config.model_size} {sizes} launch/train.py ...")
+    return config.validate(world)
+
+
+# --- pieces the Trainer puts together ------------------------------------------------------
+class WarmupCosine:
+    """Linear warmup to ``lr``, then cosine decay to a tenth of it at ``steps``."""
+
+    def __init__(self, lr: float, warmup: int, steps: int):
+        self.lr, self.warmup, self.steps = lr, warmup, steps
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup:
+            return self.lr * (step + 1) / self.warmup
+        frac = (step - self.warmup) / max(1, self.steps - self.warmup)
+        return self.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+
+    def apply(self, optimizer, step: int) -> float:
+        lr = self(step)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        return lr
+
+
+class CorpusData:
+    """The built-in corpus (tpkit.train.corpus): step ``k``'s global batch, the same at
+    every layout, and this rank's share of it."""
+
+    def __init__(self, job: JobConfig, state):
+        self.job, self.state = job, state
+        self.train, _ = corpus.split(corpus.tokens())
+        self.docs = corpus.documents(self.train) if job.data.pack else None
+
+    def rows(self) -> torch.Tensor:
+        """The global batch's rows this dp rank trains on. With m micro-batches, micro-batch
+        i of the step is the same global rows [i*G/m, (i+1)*G/m) at every layout, each dp
+        rank taking its contiguous share of it (the MoE load-balancing loss, computed per
+        micro-batch over the dp ranks, is then the same at every layout)."""
+        s = self.state
+        m, dp = self.job.microbatches(s.pp_size), s.dp_size
+        per = self.job.training.global_batch // (m * dp)
+        return torch.cat([torch.arange(per) + i * per * dp + s.dp_rank * per
+                          for i in range(m)])
+
+    def tokens(self, step: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        t = self.job.training
+        x, y = corpus.batch(self.train, step, t.global_batch, t.seq_len, seed=t.seed)
+        rows = self.rows()
+        return x[rows].to(device), y[rows].to(device)
+
+    def packed(self, step: int, device):
+        """(this rank's shard of its packed row as model kwargs, labelled tokens of the
+        whole global batch)."""
+        from tpkit.data import pack_sequences
+        t, s = self.job.training, self.state
+        batch = corpus.doc_batch(self.train, self.docs, step, t.global_batch, t.seq_len,
+                                 t.seed)
+        labelled = sum(len(d) - 1 for d in batch)          # the same number on every rank
+        per = t.global_batch // s.dp_size
+        local = pack_sequences(batch[s.dp_rank * per:(s.dp_rank + 1) * per],
+                               state=s).shard(s)
+        kw = {k: v.to(device) if torch.is_tensor(v) else v
+              for k, v in local.attention_kwargs().items()}
+        args = (local.tokens.to(device), local.labels.to(device),
+                local.position_ids.to(device))
+        return args, kw, labelled
+
+
+def gpt_config(job: JobConfig, impl: str | None = None):
+    from tpkit.models import GPTConfig
+    m, e = job.model, job.experts
+    return GPTConfig(vocab_size=corpus.VOCAB_SIZE, hidden_size=m.hidden, num_layers=m.layers,
+                     num_heads=m.heads, num_gqa_groups=m.gqa_groups, ffn_hidden_size=m.ffn,
+                     dropout=m.dropout, recompute=job.training.recompute,
+                     backend=impl or m.impl, moe_experts=e.num, moe_topk=e.topk,
+                     moe_every=e.every, moe_aux_coeff=e.aux_coeff,
+                     moe_capacity_factor=e.capacity_factor)
+
+
+def full_init(model: torch.nn.Module, seed: int) -> None:
+    """Layout-independent initialisation: draw every parameter at its full (unsharded)
+    shape from a generator seeded by (seed, parameter index), then shard it in."""
+    from tpkit.checkpoint import full_shapes, load_full_state_dict
+    new = {}
+    own = model.state_dict()
+    for i, (name, shape) in enumerate(sorted(full_shapes(model).items())):
+        g = torch.Generator().manual_seed(seed * 10_007 + i)
+        if name.endswith("_extra_state"):                  # TE's fp8 metadata
+            new[name] = own[name]
+        elif name.endswith("weight") and len(shape) == 1:   # norm scales
+            new[name] = torch.ones(shape)
+        elif len(shape) == 1:                              # biases
+            new[name] = torch.zeros(shape)
+        else:
+            std = 0.02 / math.sqrt(2 * model.cfg.num_layers) if "proj" in name or "fc2" in name \
+                else 0.02
+            new[name] = torch.randn(shape, generator=g, dtype=torch.float32).mul_(std)
+    load_full_state_dict(model, new)
+
+
+def check_hf_dir(job: JobConfig):
+    """model.init_from_hf's LlamaConfig; ValueError unless it is a model tpkit reads whose
+    vocabulary holds the corpus' byte ids."""
+    from tpkit.models.hf import read_config
+    cfg, _ = read_config(job.model.init_from_hf)
+    if cfg.vocab_size < corpus.VOCAB_SIZE:
+        raise ValueError(f"{job.show('model.init_from_hf')}: vocab_size={cfg.vocab_size} "
+                         f"cannot hold the corpus' {corpus.VOCAB_SIZE} byte ids; use a model "
+                         "with a larger vocabulary")
+    return cfg
+
+
+def build_model(job: JobConfig, state) -> torch.nn.Module:
+    """The job's model on ``state``: a Hugging Face model, or the reference GPT with
+    full-size weights drawn from the seed."""
+    m = job.model
+    if m.init_from_hf:
+        from tpkit.models import hf
+        return hf.from_hf(m.init_from_hf, state, backend=m.impl,
+                          recompute=job.training.recompute, hidden_dropout=m.dropout,
+                          attention_dropout=m.dropout)
+    from tpkit.models import GPT
+    model = GPT(gpt_config(job), state)
+    full_init(model, job.training.seed)
+    return model
+
+
+def resolve_resume(job: JobConfig) -> str:
+    """checkpoint.resume itself if it is a checkpoint, else the latest SAVE/stepNNNNNN."""
+    path = job.checkpoint.resume
+    if not os.path.isdir(path):
+        raise job.bad("checkpoint.resume", "is not a directory; pass a checkpoint written by "
+                                           "--save (SAVE/stepNNNNNN) or the --save directory "
+                                           "(its latest)")
+    steps = sorted(d for d in os.listdir(path) if d.startswith("step") and d[4:].isdigit())
+    return os.path.join(path, steps[-1]) if steps else path
+
+
+def moe_report(model, job: JobConfig, state) -> str:
+    """The aux loss and per-expert token load (min / max over experts, summed over the
+    MoE layers) of the last step's last micro-batch on this rank's data-parallel replica,
+    over every pipeline stage's MoE layers (collective over pp_group at pp > 1)."""
+    if not job.experts.num:
+        return ""
+    stats = torch.zeros(1 + job.experts.num, dtype=torch.float64)
+    for m in model.moe_layers():   # this rank's stages' own at pp > 1
+        stats[0] += float(m.aux_loss.detach())
+        stats[1:] += m.last_routing.tokens_per_expert.detach().cpu().double()
+    if state.pp_size > 1:
+        from tpkit.collectives import all_reduce_sum
+        stats = all_reduce_sum(stats.to(state.device), state.pp_group).cpu()
+    aux, load = float(stats[0]), stats[1:]
+    return f"  aux {aux:.4f}  load {int(load.min())}-{int(load.max())}"
+
+
+# --- the trainer ----------------------------------------------------------------------------
+class Trainer:
+    """Builds ``job`` (a checked JobConfig) and trains it with ``fit()``."""
+
+    def __init__(self, job: JobConfig):
+        from lightning.fabric import Fabric
+        from tpkit.fabric import TPKitStrategy
+        from tpkit.recovery import Recovery
+
+        self.job = job
+        if job.model.init_from_hf:
+            check_hf_dir(job)                       # before any process group
+        self.layout = resolve_layout(job)           # once; the strategy receives it
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        strategy = TPKitStrategy(
+            layout=self.layout, data_parallel=job.parallelism.data_parallel,
+            seed=job.training.seed,
+            microbatches=job.pipeline.microbatches if self.layout.pp > 1 else None,
+            pp_schedule=job.pipeline.schedule, virtual_stages=job.pipeline.virtual_stages)
+        self.fabric = Fabric(accelerator="cuda" if torch.cuda.is_available() else "cpu",
+                             devices=local, num_nodes=max(1, self.layout.world_size // local),
+                             strategy=strategy, plugins=[self._precision()])
+        self.fabric.launch()
+        self.state = state = self.fabric.strategy.parallel_state
+        job.check_layout(state)
+
+        self.raw_model = build_model(job, state)
+        # Set the module up first, then build the optimizer from what it holds: FSDP2
+        # replaces the parameters by sharded ones, and pipeline stages keep only theirs.
+        self.model = self.fabric.setup_module(self.raw_model)
+        self.optimizer = self.fabric.setup_optimizers(torch.optim.AdamW(
+            self.model.parameters(), lr=job.optimizer.lr, betas=(0.9, 0.95), weight_decay=0.0))
+        self.schedule = WarmupCosine(job.optimizer.lr, job.optimizer.warmup, job.training.steps)
+        self.data = CorpusData(job, state)
+
+        c = job.checkpoint
+        self.saved = {"model": self.model, "optimizer": self.optimizer}
+        self.recovery = Recovery(
+            c.save, save_every=c.save_every, keep=c.keep,
+            hang_timeout=job.recovery.hang_timeout, async_save=c.async_save,
+            signals=(signal.SIGTERM, signal.SIGUSR1) if c.save else (),
+            straggler_every=job.logging.log_every if state.world_size > 1 else None)
+        self.start = 0
+        if c.resume:
+            extra = self.fabric.load(resolve_resume(job), self.saved)
+            self.start = int(extra["step"]) + 1
+        if job.recovery.auto_resume:
+            self.start = self.recovery.resume(self.saved)
+
+    def _precision(self):
+        p = self.job.precision
+        from tpkit.fabric import TPKitPrecision
+        if p.mode != "fp8":
+            return TPKitPrecision(p.mode)
+        fallback = {"float32": None, "bfloat16": torch.bfloat16}[p.fp8_compute_dtype]
+        return TPKitPrecision("fp8", fallback_compute_dtype=fallback, recipe=p.fp8_recipe)
+
+    def step_loss(self, step: int) -> torch.Tensor:
+        """Forward and backward of step ``step``'s batch; this rank's loss (pp > 1: every
+        stage gets it from the last, tpkit.pipeline)."""
+        fabric, state, device = self.fabric, self.state, self.fabric.device
+        if self.job.data.pack:
+            args, kw, labelled = self.data.packed(step, device)
+            # the summed loss scaled so that DDP's average over dp x cp is the global mean
+            loss = self.model(*args, **kw) * (state.dp_cp_size / max(1, labelled))
+            fabric.backward(loss)
+            return loss
+        x, y = self.data.tokens(step, device)
+        if state.pp_size > 1:
+            return fabric.strategy.pipeline_step(x, target=y)
+        m = self.job.microbatches(1)
+        total = 0.0
+        for i, (xi, yi) in enumerate(zip(x.chunk(m), y.chunk(m))):   # gradient accumulation
+            with fabric.no_backward_sync(self.model, enabled=i < m - 1):
+                loss = self.model(xi, yi) / m
+                fabric.backward(loss)
+            total = total + loss.detach()
+        return total
+
+    def fit(self) -> list[float]:
+        """Run the loop from the start step; the global mean loss of every step run."""
+        job, state, t = self.job, self.state, self.job.training
+        log_every = job.logging.log_every
+        losses, t_last, tokens_since = [], time.perf_counter(), 0
+        for step in range(self.start, t.steps):
+            t_step = time.perf_counter()
+            lr = self.schedule.apply(self.optimizer, step)
+            loss = self.step_loss(step)
+            if job.optimizer.clip > 0:
+                self.fabric.clip_gradients(self.model, self.optimizer,
+                                           max_norm=job.optimizer.clip)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            own_time = time.perf_counter() - t_step   # before the step's last wait
+            report = loss.detach().float().clone()
+            dist.all_reduce(report, group=state.dp_cp_group)
+            losses.append(report.item() / state.dp_cp_size)
+            tokens_since += t.global_batch * t.seq_len
+            last = step == t.steps - 1
+            if step % log_every == 0 or last:
+                moe = moe_report(self.raw_model, job, state)   # every stage joins at pp > 1
+                if state.rank == 0:
+                    dt = time.perf_counter() - t_last
+                    print(f"step {step:5d}  loss {losses[-1]:.6f}  lr {lr:.2e}  "
+                          f"{tokens_since / dt:,.0f} tokens/s" + moe, flush=True)
+                    t_last, tokens_since = time.perf_counter(), 0
+            if self.recovery.step_end(step, self.saved, last=last, seconds=own_time):
+                break
+        self.recovery.close()
+        if self.recovery.stopped_by:
+            raise SystemExit(self.recovery.exit_code)
+        if job.checkpoint.export_hf:
+            from tpkit.models import hf
+            hf.save_hf(self.raw_model, job.checkpoint.export_hf)
+        return losses
+
+
+# --- before any worker starts (tpkit-launch calls the script's tpkit_preflight) ------------
+def pipeline_stages(job: JobConfig, state) -> list[str]:
+    """The dry run's lines: which stages and blocks every pp rank (and its ranks) runs."""
+    from tpkit.pipeline import plan_pipeline
+    from tpkit.planning import format_ranks
+    layers = job.model.layers
+    plan = plan_pipeline(pp=state.pp_size, num_blocks=layers,
+                         microbatches=job.microbatches(state.pp_size),
+                         schedule=job.pipeline.schedule,
+                         virtual_stages=job.pipeline.virtual_stages)
+    rows = state.rank_table(nproc_per_node=1)
+    lines = [f"pipeline (tpkit-train): {plan.schedule}, {plan.microbatches} micro-batches, "
+             f"{plan.num_stages} stages of {layers // plan.num_stages} block(s)"]
+    for r in range(plan.pp):
+        ranks = [row["rank"] for row in rows if row["pp"] == r]
+        parts = []
+        for st in plan.stages_of(r):
+            blocks = plan.blocks_of(st)
+            what = f"layers {blocks.start}-{blocks.stop - 1}" if len(blocks) > 1 \
+                else f"layer {blocks.start}"
+            if st == 0:
+                what = "embedding + " + what
+            if st == plan.num_stages - 1:
+                what += " + final_norm, output, loss"
+            parts.append(f"stage {st} ({what})")
+        lines.append(f"  pp rank {r} (ranks {format_ranks(ranks)}): " + "; ".join(parts))
+    return lines
+
+
+def preflight(argv, launch):
+    """tpkit-launch's pre-flight (docs/launch.md, "Pre-flight checks"): the JobConfig's
+    checks, the layout it gives under this launch, the model built on the meta device of
+    that planned layout (the layers' own checks) and checkpoint.resume against that model.
+    Returns the job's ``tpkit.memory.MemoryJob`` for tpkit-launch's memory estimate.
+    ValueError (or argparse's exit 2) stops the launch; --print-config and --help answer
+    instead of launching."""
+    from tpkit.checkpoint import verify
+    from tpkit.planning import fake_state
+    from tpkit.random import get_rng_tracker, model_parallel_seed
+    job, ns = parse(argv)
+    if ns.print_config:
+        print(job.to_toml(), end="")
+        raise SystemExit(0)
+    try:
+        config = job.layout(launch.env).validate(launch.world_size)
+    except ValueError as e:
+        raise ValueError(f"{e} [world size {launch.world_size} = {launch.nnodes} node(s) x "
+                         f"{launch.nproc_per_node} processes: this launch]") from None
+    if job.model.impl == "te" and not launch.dry_run:   # the workers run here: TE as here
+        from tpkit.te import require_te
+        try:
+            require_te()
+        except (ImportError, RuntimeError) as e:
+            raise ValueError(f"{job.show('model.impl')}: {e}") from None
+    # a dry run may plan a download: the directory is read only when workers will start
+    hf_cfg = check_hf_dir(job) if job.model.init_from_hf and not launch.dry_run else None
+    with fake_state(config, launch.world_size) as state:
+        job.check_layout(state)
+        try:
+            with torch.random.fork_rng(devices=[]), torch.device("meta"):
+                model_parallel_seed(job.training.seed, state)   # the layers draw TP shards
+                if hf_cfg is not None:   # its shapes at this layout, no weights read
+                    hf_cfg.validate().check_tp(state.tp_size)
+                from tpkit.models import GPT
+                model = None if job.model.init_from_hf else \
+                    GPT(gpt_config(job, impl="torch"), state)   # shapes: impl-independent
+        except ValueError as e:
+            m = job.model
+            what = (f"--init-from-hf {m.init_from_hf}" if m.init_from_hf else
+                    f"--hidden {m.hidden} --heads {m.heads} --gqa-groups {m.gqa_groups} "
+                    f"--ffn {m.ffn}")
+            raise ValueError(f"the model ({what}) does not fit tp={config.tp}: {e}") from None
+        finally:
+            get_rng_tracker().reset()
+        if launch.dry_run and state.pp_size > 1:
+            print("\n".join(pipeline_stages(job, state)))
+        if job.checkpoint.resume and not launch.dry_run:   # a dry run may plan a future save
+            verify(resolve_resume(job), None if model is None else {"model": model},
+                   state=state)
+    from tpkit.memory import MemoryJob   # the model and batch, for tpkit-launch's estimate
+    return MemoryJob.from_job(job, dp=config.dp, pp=config.pp)
+
+
+# --- entry points ----------------------------------------------------------------------------
+DESCRIPTION = """Train the reference GPT (tpkit.models.GPT) or a Hugging Face Llama-family model
+on the built-in corpus with Fabric + TPKitStrategy + TPKitPrecision (docs/train.md).
+
+    tpkit-launch --tp 2 --cp 2 launch/train.py                     # CPU: 4 gloo ranks
+    tpkit-launch --tp 2 --cp 2 -m tpkit.train --config job.toml --training.steps 100
+    tpkit-train --print-config > job.toml                           # every field, documented
+
+Values: defaults < --config FILE (TOML) < flags (--section.field VALUE, or the short names).
+"""
+
+
+def main(argv=None, prog: str | None = None) -> list[float]:
+    """Parse ``argv``, train, print a summary on rank 0; the losses. Outside a launcher a
+    bad value is one line on stderr and exit 2; inside one it raises (the launcher's
+    pre-flight has reported it already, or the worker wrapper records it)."""
+    try:
+        job, ns = parse(argv, prog=prog, description=DESCRIPTION)
+        if ns.print_config:
+            print(job.to_toml(), end="")
+            return []
+        trainer = Trainer(job)
+    except ValueError as e:
+        if _launched():
+            raise
+        print(f"{prog or 'tpkit-train'}: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    losses = trainer.fit()
+    if losses and trainer.state.rank == 0:
+        k = max(1, len(losses) // 10)
+        first, final = sum(losses[:k]) / k, sum(losses[-k:]) / k
+        print(f"done: mean loss of first {k} steps {first:.4f} -> last {k} steps {final:.4f}",
+              flush=True)
+    return losses
+
+
+def cli(prog: str | None = None) -> None:
+    """The console script ``tpkit-train`` and ``python -m tpkit.train``: main, then the
+    layout and the process group torn down."""
+    main(prog=prog)
+    import tpkit
+    tpkit.destroy_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
