@@ -1,4 +1,4 @@
-"""Launched by tests/test_datasets.py as
+"""Launched by tests/data/test_datasets.py as
 ``tpkit-launch --nproc-per-node 4 --cp 2 data_loader.py PREFIX TOKENIZER`` (dp=2 x cp=2):
 a dataset tpkit-data wrote, read the way a training loop reads it (public API only).
 

@@ -7,7 +7,7 @@ takes its rows of each global batch, and the position saved in a checkpoint is t
 number of samples the whole job consumed, so a resume at another dp (tp, cp, pp)
 continues with exactly the samples an uninterrupted run would have seen.
 
-Rows of a DP rank, as ``launch/train.py``'s ``local_rows``: with ``m`` micro-batches,
+Rows of a DP rank, as the Trainer's (``tpkit.train``) ``rows``: with ``m`` micro-batches,
 micro-batch ``i`` is global rows ``[i*G/m, (i+1)*G/m)`` at every layout and DP rank ``r``
 takes its contiguous ``G/(m*dp)`` of them. TP and CP ranks of one replica read the same
 rows themselves (a read from the page cache costs less than a broadcast over the group:

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 import torch
 
+import paths
 from dist import run
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORDS = ("the quick brown fox jumps over a lazy dog while tensor sequence context and data "
          "parallel ranks pipeline their micro batches").split()
 
@@ -415,18 +415,13 @@ def test_sft_prompt_tokens_have_zero_loss_weight_at_cp2_packed(tmp_path, tok_dir
 
 def _sft_model_loss(tp, cp, tok_dir, path):
     """The token-mean loss of one global batch of packed SFT rows (build_data, dp x cp x tp
-    from the pool's world) through the reference GPT (launch/gpt.py; tpkit.models.GPT
-    after the Trainer's move), weights drawn at full shape from one seed and sharded in
-    (the same model at every layout)."""
+    from the pool's world) through the reference GPT (tpkit.models.GPT), weights drawn at
+    full shape from one seed and sharded in (the same model at every layout)."""
     import torch.distributed as dist
     import tpkit
     from tpkit.checkpoint import full_shapes, load_full_state_dict
     from tpkit.data import build_data, count_targets
-    try:                        # the reference GPT: tpkit.models once the Trainer lands
-        from tpkit.models import GPT, GPTConfig
-    except ImportError:
-        sys.path.insert(0, os.path.join(ROOT, "launch"))
-        from gpt import GPT, GPTConfig
+    from tpkit.models import GPT, GPTConfig
     st = tpkit.init_parallel(tp=tp, cp=cp)
     model = GPT(GPTConfig(vocab_size=300, hidden_size=32, num_layers=2, num_heads=4,
                           num_gqa_groups=2, ffn_hidden_size=64), st)
@@ -447,7 +442,7 @@ def _sft_model_loss(tp, cp, tok_dir, path):
 def test_sft_packed_loss_through_a_model_is_the_same_at_dp2_cp2(tmp_path, tok_dir):
     """build_data's packed SFT rows through a real model: the token-mean loss at
     dp=2 x cp=2 (4 ranks: each DP rank its own rows, each CP rank its shard of them)
-    equals the single-process one (1e-5). (TP over packed rows: tests/test_packed.py.)"""
+    equals the single-process one (1e-5). (TP over packed rows: tests/nn/test_packed.py.)"""
     path = _jsonl(tmp_path / "sft.jsonl", SFT * 3)
     (ref,) = run(_sft_model_loss, 1, 1, 1, tok_dir, path, timeout=240)
     res = run(_sft_model_loss, 4, 1, 2, tok_dir, path, timeout=240)
@@ -610,7 +605,7 @@ def test_tpkit_data_then_launched_loader_at_dp2_cp2(tmp_path, tok_dir):
                           "--output-prefix", str(tmp_path / "c"), "--tokenizer", tok_dir,
                           "--json-keys", "text", "title", "--workers", "2", "--append-eod"],
                          capture_output=True, text=True, timeout=240,
-                         env={**os.environ, "PYTHONPATH": ROOT})
+                         env={**os.environ, "PYTHONPATH": paths.PYTHONPATH})
     assert out.returncode == 0, out.stderr
     ref, eod = _ref_encode(tok_dir, texts)
     titles, _ = _ref_encode(tok_dir, [t[:9] for t in texts])
@@ -621,8 +616,7 @@ def test_tpkit_data_then_launched_loader_at_dp2_cp2(tmp_path, tok_dir):
     assert m[0].dtype == np.uint16
     assert os.path.exists(str(tmp_path / "c_title_document.idx"))
     rc, out, err = finish(launch("--nproc-per-node", "4", "--cp", "2",
-                                 os.path.join(ROOT, "tests", "launch_scripts",
-                                              "data_loader.py"),
+                                 os.path.join(paths.SCRIPTS, "data_loader.py"),
                                  str(tmp_path / "c_text_document"), tok_dir))
     assert rc == 0, err[-3000:]
     assert sorted(int(x) for x in re.findall(r"DATA OK rank=(\d)", out)) == [0, 1, 2, 3], out

@@ -5,6 +5,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import paths
 from dist import run
 from tpkit.data import check_sequence_length, shard_position_ids, shard_sequence
 
@@ -82,8 +83,7 @@ def test_set_context_parallel_group_has_te_signature():
     with open(te_contract.FAKE_FILE) as f:
         fake = te_contract.signature(f.read(), "DotProductAttention.set_context_parallel_group")
     mine = os.path.abspath(DotProductAttention.__module__.replace(".", "/") + ".py")
-    with open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "tpkit", "nn",
-                           os.path.basename(mine))) as f:
+    with open(os.path.join(paths.ROOT, "tpkit", "nn", os.path.basename(mine))) as f:
         ours = te_contract.signature(f.read(), "DotProductAttention.set_context_parallel_group")
     assert [n for n, _, _ in ours] == [n for n, _, _ in fake]
     assert ours[:4] == fake[:4]  # cp_comm_type defaults to 'p2p'; the strategy to dual chunk swap
