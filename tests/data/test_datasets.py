@@ -29,9 +29,9 @@ def _texts(n, seed=0, lo=3, hi=40):
     return [" ".join(rng.choice(WORDS, int(rng.integers(lo, hi)))) for _ in range(n)]
 
 
-@pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory):
-    """A byte-level BPE of 300 tokens trained here (no download), with <|endoftext|>."""
+def make_tokenizer(directory) -> str:
+    """A byte-level BPE of 300 tokens trained here (no download), with <|endoftext|>,
+    saved as DIRECTORY/tokenizer.json."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -39,9 +39,13 @@ def tok_dir(tmp_path_factory):
     tok.train_from_iterator(_texts(300, seed=1), trainers.BpeTrainer(
         vocab_size=300, special_tokens=["<unk>", "<|endoftext|>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
-    d = tmp_path_factory.mktemp("tok")
-    tok.save(str(d / "tokenizer.json"))
-    return str(d)
+    tok.save(os.path.join(str(directory), "tokenizer.json"))
+    return str(directory)
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    return make_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
 def _ref_encode(tok_dir, texts):
@@ -558,6 +562,12 @@ BAD = [
         lambda tmp, tok: (_indexed(tmp), _check(f"{tmp}/d", split="99,1"))),
     Row("check-no-tokenizer", "is text (text): pass a tokenizer directory",
         "--tokenizer DIR", lambda tmp, tok: _check(_jsonl(tmp / "c.jsonl", [{"text": "a"}]))),
+    Row("train-data-path-no-tokenizer", "--data-path='x' (data.path) needs data.tokenizer",
+        "--tokenizer DIR", lambda tmp, tok: __import__("tpkit.train.config").train.config
+        .parse(["--data-path", "x"], env={})),
+    Row("train-data-path-missing", "--data-path=", "check the path",
+        lambda tmp, tok: __import__("tpkit.train.config").train.config.parse(
+            ["--data-path", str(tmp / "nope"), "--tokenizer", tok], env={})),
     Row("data-path-blend", "'0.5 a b'", "'W1 PREFIX1 W2 PREFIX2'",
         lambda tmp, tok: __import__("tpkit.data").data.parse_data_path("0.5 a b")),
     Row("resume-other-data", "num_samples=99", "resume with the same --data-path",

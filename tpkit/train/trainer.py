@@ -112,10 +112,53 @@ class CorpusData:
         return args, kw, labelled
 
 
+class DatasetData:
+    """data.path (tpkit.data.build_data): step ``k``'s global batch is the samples at stream
+    position ``k * global_batch`` of the layout-independent order, so a resume from step
+    ``k`` at any layout reads what an uninterrupted run reads; this rank's rows as
+    CorpusData's."""
+
+    def __init__(self, job: JobConfig, state):
+        from tpkit.data import build_data, dp_rows
+        d, t = job.data, job.training
+        self.job, self.state = job, state
+        self.data = build_data(d.path, seq_len=t.seq_len, global_batch=t.global_batch,
+                               seed=t.seed, split=d.split, pack=d.pack, format=d.format,
+                               tokenizer=d.tokenizer, vocab_size=vocab_size(job),
+                               dp_rank=state.dp_rank, dp_size=state.dp_size)
+        m = 1 if d.pack else job.microbatches(state.pp_size)
+        self.rows = dp_rows(t.global_batch, state.dp_rank, state.dp_size, m)
+
+    def tokens(self, step: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = self.data.train.at(step * self.job.training.global_batch, self.rows)
+        x, y = self.data.batch(rows)
+        return x.to(device), y.to(device)
+
+    def packed(self, step: int, device):
+        from tpkit.data import count_targets
+        G, s = self.job.training.global_batch, self.state
+        train = self.data.train
+        labelled = count_targets(train.at(step * G, range(G)))   # the whole global batch
+        local = self.data.batch(train.at(step * G, self.rows), s).shard(s)
+        kw = {k: v.to(device) if torch.is_tensor(v) else v
+              for k, v in local.attention_kwargs().items()}
+        args = (local.tokens.to(device), local.labels.to(device),
+                local.position_ids.to(device))
+        return args, kw, labelled
+
+
+def vocab_size(job: JobConfig) -> int:
+    """The model's vocabulary: data.tokenizer's size with data.path, else the corpus'."""
+    if job.data.path is None:
+        return corpus.VOCAB_SIZE
+    from tpkit.data import Tokenizer
+    return Tokenizer(job.data.tokenizer).vocab_size
+
+
 def gpt_config(job: JobConfig, impl: str | None = None):
     from tpkit.models import GPTConfig
     m, e = job.model, job.experts
-    return GPTConfig(vocab_size=corpus.VOCAB_SIZE, hidden_size=m.hidden, num_layers=m.layers,
+    return GPTConfig(vocab_size=vocab_size(job), hidden_size=m.hidden, num_layers=m.layers,
                      num_heads=m.heads, num_gqa_groups=m.gqa_groups, ffn_hidden_size=m.ffn,
                      dropout=m.dropout, recompute=job.training.recompute,
                      backend=impl or m.impl, moe_experts=e.num, moe_topk=e.topk,
@@ -232,7 +275,8 @@ class Trainer:
         self.optimizer = self.fabric.setup_optimizers(torch.optim.AdamW(
             self.model.parameters(), lr=job.optimizer.lr, betas=(0.9, 0.95), weight_decay=0.0))
         self.schedule = WarmupCosine(job.optimizer.lr, job.optimizer.warmup, job.training.steps)
-        self.data = CorpusData(job, state)
+        self.data = CorpusData(job, state) if job.data.path is None else \
+            DatasetData(job, state)
 
         c = job.checkpoint
         self.saved = {"model": self.model, "optimizer": self.optimizer}
