@@ -568,6 +568,9 @@ BAD = [
     Row("train-data-path-missing", "--data-path=", "check the path",
         lambda tmp, tok: __import__("tpkit.train.config").train.config.parse(
             ["--data-path", str(tmp / "nope"), "--tokenizer", tok], env={})),
+    Row("train-eval-without-data", "--eval-every=5 (data.eval_every) needs data.path",
+        "--data-path", lambda tmp, tok: __import__("tpkit.train.config").train.config.parse(
+            ["--eval-every", "5"], env={})),
     Row("data-path-blend", "'0.5 a b'", "'W1 PREFIX1 W2 PREFIX2'",
         lambda tmp, tok: __import__("tpkit.data").data.parse_data_path("0.5 a b")),
     Row("resume-other-data", "num_samples=99", "resume with the same --data-path",

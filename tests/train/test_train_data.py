@@ -1,8 +1,8 @@
-"""tpkit-train on your own data (issue 36): jsonl -> tpkit-data -> tpkit.train.main with
---data-path/--tokenizer --pack, the same loss curve at tp=2 x cp=2 as at (1,1,1), and a
-run saved at dp=2 and resumed at dp=4 continuing the uninterrupted curve (the data order
-is step-indexed and layout-free: tpkit.data.Loader.at). Pool (tests/dist.py), as
-test_train.py."""
+"""tpkit-train on your own data (issue 36): jsonl -> tpkit-data -> tpkit.train's Trainer
+with --data-path/--tokenizer --pack --eval-every, the same loss and validation-loss curves
+at tp=2 x cp=2 as at (1,1,1), and a run saved at dp=2 and resumed at dp=4 continuing the
+uninterrupted curves (the data order is step-indexed and layout-free:
+tpkit.data.Loader.at). Pool (tests/dist.py), as test_train.py."""
 import json
 import os
 
@@ -13,14 +13,18 @@ from test_datasets import _texts, make_tokenizer
 
 SMALL = ["--steps", "8", "--hidden", "32", "--layers", "2", "--heads", "4",
          "--gqa-groups", "2", "--ffn", "64", "--seq-len", "32", "--global-batch", "4",
-         "--warmup", "2", "--log-every", "100", "--pack", "--split", "90,10"]
+         "--warmup", "2", "--log-every", "100", "--pack", "--split", "80,20",
+         "--eval-every", "4", "--eval-batches", "2"]
 REL = 1e-5
 
 
 def _train(layout, extra=()):
-    from tpkit.train import main
+    """(losses, validation losses) of tpkit-train's Trainer on this pool's ranks."""
+    from tpkit.train import Trainer, parse
     tp, cp = layout
-    return main(SMALL + ["--tp", str(tp), "--cp", str(cp)] + list(extra))
+    job, _ = parse(SMALL + ["--tp", str(tp), "--cp", str(cp)] + list(extra))
+    trainer = Trainer(job)
+    return trainer.fit(), trainer.val_losses
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +42,10 @@ def data(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(data):
-    (losses,) = run(_train, 1, (1, 1), data)
+    ((losses, val),) = run(_train, 1, (1, 1), data)
     assert len(losses) == 8 and losses[-1] < losses[0], losses
-    return losses
+    assert [s for s, _ in val] == [3, 7] and val[1][1] < val[0][1], val   # it learns
+    return losses, val
 
 
 def _same(a, b):
@@ -49,15 +54,19 @@ def _same(a, b):
         assert abs(x - y) <= REL * abs(y), f"step {i}: {x} vs {y}"
 
 
-def test_own_data_packed_same_curve_at_tp2_cp2(reference, data):
-    for losses in run(_train, 4, (2, 2), data):
-        _same(losses, reference)
+def test_own_data_packed_same_curves_at_tp2_cp2(reference, data):
+    """Training losses and val_loss (every 4 steps, 2 held-out global batches)."""
+    for losses, val in run(_train, 4, (2, 2), data):
+        _same(losses, reference[0])
+        assert [s for s, _ in val] == [3, 7]
+        _same([v for _, v in val], [v for _, v in reference[1]])
 
 
 def test_own_data_saved_at_dp2_resumed_at_dp4(reference, data, tmp_path):
     ckpt = str(tmp_path / "ckpt")
-    (first, _) = run(_train, 2, (1, 1), data + ["--save", ckpt, "--save-every", "4"])
-    _same(first, reference)
+    (first, _), _ = run(_train, 2, (1, 1), data + ["--save", ckpt, "--save-every", "4"])
+    _same(first, reference[0])
     resumed = run(_train, 4, (1, 1), data + ["--resume", os.path.join(ckpt, "step000004")])
-    for losses in resumed:
-        _same(losses, reference[4:])   # step000004: 4 steps done
+    for losses, val in resumed:
+        _same(losses, reference[0][4:])   # step000004: 4 steps done
+        _same([v for _, v in val], [reference[1][1][1]])

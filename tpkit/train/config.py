@@ -121,11 +121,19 @@ class Data:
                       choices=("auto", "indexed", "tokens", "text", "sft"))
     split: str = opt("98,2", "Megatron's train,validation weights over data.path's documents",
                      short="--split")
+    eval_every: int = opt(0, "the validation loss (val_loss) on data.path's held-out split "
+                             "every N steps and at the last (0: never)", short="--eval-every")
+    eval_batches: int = opt(4, "global batches of the held-out split per evaluation",
+                            short="--eval-batches")
 
     def check(self, job: "JobConfig") -> None:
+        if self.eval_every < 0 or self.eval_batches < 1:
+            name = "eval_every" if self.eval_every < 0 else "eval_batches"
+            raise job.bad(f"data.{name}", "must be >= 0" if name == "eval_every"
+                          else "must be >= 1")
         if self.path is None:
-            for name in ("tokenizer",):
-                if getattr(self, name) is not None:
+            for name in ("tokenizer", "eval_every"):
+                if not job.is_default(f"data.{name}"):
                     raise job.bad(f"data.{name}", "needs data.path (--data-path)")
             return
         if self.tokenizer is None:
@@ -413,6 +421,9 @@ class JobConfig:
         except ValueError as e:
             raise ValueError(f"{self.show('training.seq_len')}: {e}") from None
         pp, m = state.pp_size, self.microbatches(state.pp_size)
+        if pp > 1 and self.data.eval_every:
+            raise self.bad("data.eval_every", f"with pipeline stages (pp={pp}) is not "
+                                              "supported yet; drop one of them")
         if pp == 1:
             given = [self.show(f"pipeline.{n}") for n in ("virtual_stages", "schedule")
                      if not self.is_default(f"pipeline.{n}")]
