@@ -515,6 +515,11 @@ API = [
             _touch(tmp / "x.pt") / "ck", {"model": torch.nn.Linear(2, 2)})),
     Row("load-empty-dir", "{tmp}/.metadata is missing", "load another checkpoint",
         call=_load(lambda tmp: tmp)),
+    Row("save-mode", "mode=0o444", "pass e.g. 0o600",
+        call=lambda tmp: __import__("tpkit.checkpoint").checkpoint.save(
+            tmp / "ck", {"model": torch.nn.Linear(2, 2)}, mode=0o444)),
+    Row("recovery-mode", "mode='600'", "pass e.g. 0o600",
+        call=lambda tmp: _recovery(str(tmp), signals=(), mode="600")),
     Row("observe-profile-steps", "--profile-steps='4:2'", "need 0 <= A < B",
         call=lambda tmp: _observe("parse_profile_steps")("4:2")),
     Row("observe-every", "every=0", "must be a positive number of steps",

@@ -19,8 +19,11 @@ checkpoint written at one layout loads at any other (tp, cp, dp change freely):
   layout, ep=etp=1 included (plain tensors there);
 - replicated tensors (norms, the step counter) are plain tensors, written once;
 - every other entry (plain values, ``state_dict()`` of other objects) is stored whole, one
-  pickled object as written by one rank (``_Whole``), so it reads back exactly: nested
-  dicts, their key types, tuples, tensors;
+  ``torch.save`` blob as written by one rank (``_Whole``), so it reads back exactly: nested
+  dicts, their key types, tuples, tensors. Only what ``torch.load(weights_only=True)``
+  reads (tensors, numbers, strings, containers of them) may be saved: checked before the
+  write, and read back that way, so loading a checkpoint never runs code from it (the
+  ``.metadata`` too, see ``_dcp_verify``);
 - optimizer state is keyed by parameter name (not by index) and every state tensor shaped
   like its parameter (Adam's exp_avg/exp_avg_sq) gets the parameter's sharding;
 - FSDP2 parameters (DTensors over the dp(x cp) mesh) are gathered to the TP-local tensor
@@ -30,27 +33,31 @@ checkpoint written at one layout loads at any other (tp, cp, dp change freely):
   and TE rebuilds it within ``amax_history_len`` steps. fp8 runs therefore resume with
   fresh scaling factors (the first steps after a resume can differ slightly).
 
-Saves are atomic: ranks write into ``<path>.tmp-<id>``; after a barrier rank 0 swaps it
-into place, so a crash mid-save leaves the previous checkpoint at ``path`` untouched.
+Saves are atomic: ranks write into ``<path>.tmp-<job>-<id>``; after a barrier rank 0 swaps
+it into place (``_dcp_verify.replace_dir``: an atomic exchange, the parent directory
+fsynced), so a crash mid-save leaves the previous checkpoint at ``path`` untouched. A
+``path`` that is a symbolic link is refused on every rank before anyone writes.
 ``async_save`` keeps the guarantee: rank 0 renames only after the background write
 finished on every rank.
 """
 from __future__ import annotations
 
-import copy
+import io
 import os
+import re
 import shutil
-import uuid
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from ._dcp_verify import agree, checkpoint_dir, dir_problem, verify_files
+from ._dcp_verify import (agree, check_mode, checkpoint_dir, dir_problem, inside, link_problem,
+                          load_metadata, replace_dir, set_mode, staging_path, verify_files)
 from .collectives import all_gather, group_size
 from .param_tags import is_expert, tp_spec
 from .topology import resolve_state
@@ -60,11 +67,70 @@ SEG_DIM = "seg_dim"
 
 
 class _Whole:
-    """An entry stored as one pickled object (DCP would flatten a dict into one entry per
-    leaf, turning its keys into strings). The class's path is part of the format."""
+    """An entry stored as one ``torch.save`` blob of its value (DCP would flatten a dict
+    into one entry per leaf, turning its keys into strings): ``data``, made and checked
+    to load under ``weights_only=True`` by ``_plain_bytes`` before the write."""
 
     def __init__(self, value):
-        self.value = value
+        self.value, self.data = value, None
+
+
+def _plain_bytes(key: str, value) -> bytes:
+    """``torch.save(value)``, or ValueError when ``torch.load(weights_only=True)`` could
+    not read it back (an object whose loading runs code), naming the entry and type."""
+    try:
+        buf = io.BytesIO()
+        torch.save(value, buf)
+        data = buf.getvalue()
+        torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as e:  # noqa: BLE001 (UnpicklingError and what weights_only raises)
+        raise ValueError(f"checkpoint entry {key!r} {_unsafe_global(e)}, which "
+                         "torch.load(weights_only=True) cannot read back; store tensors, "
+                         "numbers, strings and lists/tuples/dicts of them (e.g. the object's "
+                         "state_dict()) so that loading the checkpoint runs no code") from None
+    return data
+
+
+def _unsafe_global(e: Exception) -> str:
+    m = re.search(r"GLOBAL ([\w.]+)", str(e))
+    return (f"refers to {m.group(1)}" if m else
+            f"holds an object pickle cannot load safely ({type(e).__name__})")
+
+
+class _SavePlanner(DefaultSavePlanner):
+    """DCP's planner, writing a ``_Whole`` entry as its ``torch.save`` blob (``data``)."""
+
+    def transform_object(self, write_item, object):
+        if isinstance(object, _Whole):
+            return io.BytesIO(object.data)
+        return super().transform_object(write_item, object)
+
+
+class _SafeReader(dcp.FileSystemReader):
+    """DCP's file reader, reading ``.metadata`` without running code from it and with
+    every shard path checked inside the directory (``_dcp_verify.load_metadata``)."""
+
+    def read_metadata(self, *args, **kwargs):
+        from torch.distributed.checkpoint.metadata import StorageMeta
+        md = load_metadata(os.fspath(self.path))
+        if getattr(md, "storage_meta", None) is None:
+            md.storage_meta = StorageMeta()
+        md.storage_meta.load_id = self.load_id
+        return md
+
+
+class _SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's planner with plain entries loaded by ``torch.load(weights_only=True)``
+    (DCP's own uses ``weights_only=False``). tpkit reads them itself (``_read_plain``);
+    this covers any that reach DCP."""
+
+    def load_bytes(self, read_item, value) -> None:
+        from torch.distributed.checkpoint._traverse import set_element
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
 
 
 def unwrap_module(module: nn.Module) -> nn.Module:
@@ -322,58 +388,79 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _staging_name(path: str) -> str:
-    """``<path>.tmp-<id>``, chosen by rank 0 and the same on every rank. Collective."""
-    name = [f"{path}.tmp-{uuid.uuid4().hex[:8]}" if _rank() == 0 else None]
+def _staging_name(path: str, mode: int | None) -> str:
+    """``<path>.tmp-<job>-<id>`` (``_dcp_verify.staging_path``), chosen by rank 0 and the
+    same on every rank; with ``mode``, rank 0 creates it first, private (0o700), so no
+    one else reads the files while they are written. Collective."""
+    name = [None]
+    if _rank() == 0:
+        name = [staging_path(path)]
+        if mode is not None:
+            os.mkdir(name[0], 0o700)
     if dist.is_initialized():
         dist.broadcast_object_list(name, src=0)
     return name[0]
 
 
-def _prepare(path, state_dict: dict, filter: dict | None):
-    """What ``save`` and ``async_save`` both do before writing: check the filter and the
-    target directory (on every rank, together), pick the staging name, build DCP's views.
-    Returns (absolute path, staging path, views). Collective."""
+def _prepare(path, state_dict: dict, filter: dict | None, mode: int | None):
+    """What ``save`` and ``async_save`` both do before writing: check the filter, the
+    target (a writable directory, ``path`` no symbolic link) and the plain entries (they
+    must load under ``weights_only=True``) on every rank, together; pick the staging name;
+    build DCP's views. Returns (absolute path, staging path, views). Collective."""
     _check_filter(filter, state_dict)
+    check_mode(mode)
     path = os.path.abspath(os.fspath(path))
     problem = dir_problem(os.path.dirname(path))   # before any rank writes a byte
-    agree(None if problem is None else ValueError(
-        f"cannot save checkpoint {path}: {problem}; pass a path in a writable directory"))
-    tmp = _staging_name(path)
-    views, _ = _build(state_dict, for_load=False, filter=filter)
+    if problem is not None:
+        problem += "; pass a path in a writable directory"
+    problem = problem or link_problem(path)
+    agree(None if problem is None else ValueError(f"cannot save checkpoint {path}: {problem}"))
+    views, _ = _build(state_dict, for_load=False, filter=filter)   # collective with FSDP2
+    error = None
+    try:
+        for key, view in views.items():
+            if isinstance(view, _Whole):
+                view.data = _plain_bytes(key, view.value)
+    except ValueError as e:
+        error = e
+    agree(error)
+    tmp = _staging_name(path, mode)
     return path, tmp, views
 
 
-def _commit(tmp: str, path: str) -> None:
-    """Rank 0: swap the finished ``tmp`` into place (two renames; a crash between them
-    leaves the old checkpoint at ``<path>.old-<id>``, never a partial one at ``path``)."""
-    old = None
-    if os.path.lexists(path):
-        old = f"{path}.old-{uuid.uuid4().hex[:8]}"
-        os.rename(path, old)
-    os.rename(tmp, path)
-    if old is not None:
-        shutil.rmtree(old) if os.path.isdir(old) else os.remove(old)
+def _commit(tmp: str, path: str, mode: int | None) -> ValueError | None:
+    """Rank 0: swap the finished ``tmp`` into place (``replace_dir``: ``path`` holds the
+    old or the new checkpoint at every moment); with ``mode``, every file gets it first.
+    The error (the staging directory removed) instead of raising, for ``agree``."""
+    try:
+        if mode is not None:
+            set_mode(tmp, mode)
+        replace_dir(tmp, path)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        return ValueError(f"cannot save checkpoint {path}: {e.strerror or e}; the previous "
+                          "one (if any) is unchanged")
+    return None
 
 
 def save(path: str | os.PathLike, state_dict: dict[str, Any], *,
-         filter: dict | None = None) -> None:
+         filter: dict | None = None, mode: int | None = None) -> None:
     """Write ``state_dict`` (modules, optimizers, objects with ``state_dict()``, plain
     values) as a sharded checkpoint directory at ``path``, atomically. Collective.
     ``filter``: as Fabric's ``save(filter=...)`` (see ``_build``); load a filtered
-    checkpoint with ``strict=False``."""
-    path, tmp, views = _prepare(path, state_dict, filter)
+    checkpoint with ``strict=False``. ``mode``: the files' mode, e.g. ``0o600`` or
+    ``0o640`` (directories get the matching execute bits; default: the umask's); the
+    staging directory is private (0o700) while it is written."""
+    path, tmp, views = _prepare(path, state_dict, filter, mode)
     try:
-        dcp.save(views, storage_writer=dcp.FileSystemWriter(tmp))
+        dcp.save(views, storage_writer=dcp.FileSystemWriter(tmp), planner=_SavePlanner())
     except BaseException:
         # DCP gathers write failures to every rank, so all ranks land here together.
         if _rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     _barrier()
-    if _rank() == 0:
-        _commit(tmp, path)
-    _barrier()
+    agree(_commit(tmp, path, mode) if _rank() == 0 else None)   # every rank learns it
 
 
 class PendingSave:
@@ -382,8 +469,8 @@ class PendingSave:
     the metadata file, written after every rank reported its files), so ``path`` only
     ever holds a complete checkpoint. Not collective: each rank waits for its own part."""
 
-    def __init__(self, future, tmp: str, path: str):
-        self.future, self.tmp, self.path = future, tmp, path
+    def __init__(self, future, tmp: str, path: str, mode: int | None = None):
+        self.future, self.tmp, self.path, self.mode = future, tmp, path, mode
         self.committed = False
 
     def done(self) -> bool:
@@ -405,9 +492,10 @@ class PendingSave:
                 shutil.rmtree(self.tmp, ignore_errors=True)
             self.committed = True
             raise
-        if _rank() == 0:
-            _commit(self.tmp, self.path)
         self.committed = True
+        error = _commit(self.tmp, self.path, self.mode) if _rank() == 0 else None
+        if error is not None:
+            raise error
 
 
 def _cpu_copy(obj, buffers: dict | None = None, key: tuple = ()):
@@ -418,8 +506,8 @@ def _cpu_copy(obj, buffers: dict | None = None, key: tuple = ()):
     dtype): no fresh allocation (and page faults) per save."""
     if isinstance(obj, dict):
         return {k: _cpu_copy(v, buffers, (*key, k)) for k, v in obj.items()}
-    if isinstance(obj, _Whole):   # pickled by the write: a copy of this step's value
-        return _Whole(copy.deepcopy(obj.value))
+    if isinstance(obj, _Whole):   # its bytes (_prepare) are this step's value already
+        return obj
     if isinstance(obj, DTensor):  # same spec, CPU local shard (from_local costs ~10x more)
         return DTensor(_cpu_copy(obj.to_local(), buffers, key), obj._spec,
                        requires_grad=False)
@@ -452,7 +540,7 @@ class _Staged(dcp.staging.AsyncStager):
 
 def async_save(path: str | os.PathLike, state_dict: dict[str, Any], *,
                process_group=None, buffers: dict | None = None,
-               filter: dict | None = None) -> PendingSave:
+               filter: dict | None = None, mode: int | None = None) -> PendingSave:
     """Like :func:`save`, but DCP writes in a background thread (``dcp.async_save``) after
     copying the tensors to CPU here, so training may change them at once. Collective (the
     copy and the name); the write's own collectives run on ``process_group``, which must be
@@ -461,20 +549,21 @@ def async_save(path: str | os.PathLike, state_dict: dict[str, Any], *,
     next save and before exiting: the checkpoint reaches ``path`` only then. ``buffers``:
     a dict kept by the caller and passed to every save (each after the previous one's
     ``wait()``), so that the copies reuse the CPU memory (pinned, from GPUs) of the last.
-    ``filter``, the path check and the format are :func:`save`'s."""
+    ``filter``, ``mode``, the checks and the format are :func:`save`'s."""
     if dist.is_initialized() and process_group is None:
         raise ValueError("async_save needs process_group=: a gloo group of its own (e.g. "
                          "torch.distributed.new_group(backend='gloo')), since the background "
                          "write's collectives must not interleave with training's")
-    path, tmp, views = _prepare(path, state_dict, filter)
+    path, tmp, views = _prepare(path, state_dict, filter, mode)
     try:
         future = dcp.async_save(_cpu_copy(views, buffers), storage_writer=dcp.FileSystemWriter(tmp),
-                                process_group=process_group, async_stager=_Staged())
+                                process_group=process_group, async_stager=_Staged(),
+                                planner=_SavePlanner())
     except BaseException:
         if _rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return PendingSave(future, tmp, path)
+    return PendingSave(future, tmp, path, mode)
 
 
 # --- load ------------------------------------------------------------------------------
@@ -567,8 +656,57 @@ def _entries(path: str, md, state_dict: dict, strict: bool) -> tuple[set, dict]:
                    if k in saved and isinstance(v, (nn.Module, torch.optim.Optimizer))}
 
 
+def _read_plain(path: str, md, keys, weights_only: bool) -> dict[str, Any]:
+    """The plain (non-tensor) entries ``keys`` of the checkpoint, each read from its shard
+    and loaded with ``torch.load(weights_only=weights_only)``: with True (the default
+    everywhere), an entry whose loading would run code (a crafted or foreign pickle) is a
+    ValueError naming it, and nothing of it runs. Not collective."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    out = {}
+    for key in keys:
+        info = md.storage_data.get(MetadataIndex(key))
+        if info is None or info.transform_descriptors:
+            why = ("no shard holds it" if info is None else
+                   f"it is stored with DCP transforms {list(info.transform_descriptors)}")
+            raise ValueError(f"checkpoint {path}: cannot read entry {key!r} ({why}); tpkit "
+                             "reads the checkpoints tpkit.checkpoint.save writes")
+        with open(inside(path, info.relative_path), "rb") as f:   # load_metadata checked it
+            f.seek(info.offset)
+            data = f.read(info.length)
+        try:
+            out[key] = torch.load(io.BytesIO(data), weights_only=weights_only)
+        except Exception as e:  # noqa: BLE001 (what a damaged or crafted blob raises)
+            if not weights_only:
+                first = (str(e).strip().splitlines() or [""])[0]
+                raise ValueError(f"checkpoint {path}: entry {key!r} cannot be read "
+                                 f"({type(e).__name__}: {first})") from None
+            raise ValueError(f"checkpoint {path}: entry {key!r} {_unsafe_global(e)}, "
+                             "which loads only by running code from the file; not read "
+                             "(tpkit saves only what weights_only=True reads; pass "
+                             "weights_only=False only for a checkpoint you trust)") from None
+    return out
+
+
+def _dcp_load(flat: dict, path: str, md, weights_only: bool) -> None:
+    """``dcp.load(flat)`` in place: the tensors through DCP (``_SafeReader``), the plain
+    entries through ``_read_plain`` (a refusal on any rank raised on every rank).
+    Collective."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+    meta = md.state_dict_metadata
+    plain = [k for k in flat if isinstance(meta.get(k), BytesStorageMetadata)]
+    tensors = {k: v for k, v in flat.items() if k not in plain}
+    dcp.load(tensors, storage_reader=_SafeReader(path), planner=_SafeLoadPlanner())
+    flat.update(tensors)
+    error = None
+    try:
+        flat.update(_read_plain(path, md, plain, weights_only))
+    except ValueError as e:
+        error = e
+    agree(error)   # no rank goes on into the next collective while another stopped
+
+
 def load(path: str | os.PathLike, state_dict: dict[str, Any], *,
-         strict: bool = True) -> dict[str, Any]:
+         strict: bool = True, weights_only: bool = True) -> dict[str, Any]:
     """Load the checkpoint at ``path`` into ``state_dict`` in place, resharding to the
     current layout: modules and optimizers load into their tensors, objects with
     ``load_state_dict`` get their saved state, plain values are replaced in the dict.
@@ -576,7 +714,9 @@ def load(path: str | os.PathLike, state_dict: dict[str, Any], *,
     optimizers) must be in the checkpoint, else MissingKeyError (a KeyError, as
     Fabric's strategies raise, and a ValueError). The files and shapes are checked
     first (``verify``), on every rank, before any tensor is touched: a problem found by
-    any rank is raised on all of them. Returns ``state_dict``. Collective."""
+    any rank is raised on all of them. Returns ``state_dict``. Collective.
+    ``weights_only``: plain entries are read with ``torch.load(weights_only=True)``, so
+    nothing in the files runs; False only for a checkpoint you trust."""
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflatten_state_dict
     fresh = [o for o in state_dict.values() if isinstance(o, torch.optim.Optimizer)
              and not o.state]  # load creates their state first; undone if it fails
@@ -599,7 +739,7 @@ def load(path: str | os.PathLike, state_dict: dict[str, Any], *,
         raise
     if live:
         flat = {k: v for k, v in flat.items() if k not in missing}
-        dcp.load(flat, storage_reader=dcp.FileSystemReader(path))
+        _dcp_load(flat, path, md, weights_only)
         loaded = unflatten_state_dict(flat, {k: v for k, v in mapping.items() if k in flat})
         for slot in slots:
             slot.write_back()
@@ -608,7 +748,7 @@ def load(path: str | os.PathLike, state_dict: dict[str, Any], *,
             if isinstance(obj, torch.optim.Optimizer) and key in loaded:
                 _restore_optimizer_scalars(obj, loaded[key], names)
     rest = [k for k in state_dict if k in saved and k not in live]
-    for key, value in read(path, keys=rest).items():
+    for key, value in read(path, keys=rest, weights_only=weights_only).items():
         obj = state_dict[key]
         if _stateful(obj):
             obj.load_state_dict(value)
@@ -643,12 +783,14 @@ def _restore_optimizer_scalars(opt, loaded: dict, names: dict) -> None:
                 opt.state[p][k] = v
 
 
-def read(path: str | os.PathLike, keys=None, *, exclude=()) -> dict[str, Any]:
+def read(path: str | os.PathLike, keys=None, *, exclude=(),
+         weights_only: bool = True) -> dict[str, Any]:
     """The checkpoint's top-level entries (those in ``keys``, default all, minus
     ``exclude``) as nested Python objects, every tensor whole (its global shape, on CPU, on
     every rank): a module as its full state dict, an optimizer as a full state dict keyed
     by parameter name (``torch.optim.Optimizer.load_state_dict`` of the unsharded model
-    takes it), plain values as saved. Collective when it reads tensors."""
+    takes it), plain values as saved. Collective when it reads tensors. ``weights_only``:
+    as :func:`load`'s."""
     from torch.distributed.checkpoint._traverse import set_element
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
     path = os.path.abspath(os.fspath(path))
@@ -665,11 +807,13 @@ def read(path: str | os.PathLike, keys=None, *, exclude=()) -> dict[str, Any]:
                      else torch.empty(tuple(meta.size), dtype=meta.properties.dtype))
     if not flat:
         return {}
-    dcp.load(flat, storage_reader=dcp.FileSystemReader(path))
+    _dcp_load(flat, path, md, weights_only)
     out: dict[str, Any] = {}
     for key, value in flat.items():
         set_element(out, paths[key], value)
-    return {k: v.value if isinstance(v, _Whole) else _merge_segments(v) for k, v in out.items()}
+    whole = {p[0] for k, p in paths.items() if len(p) == 1 and k in flat
+             and isinstance(md.state_dict_metadata[k], BytesStorageMetadata)}
+    return {k: v if k in whole else _merge_segments(v) for k, v in out.items()}
 
 
 def _merge_segments(obj):
@@ -689,7 +833,8 @@ def _merge_segments(obj):
     return obj
 
 
-def read_extras(path: str | os.PathLike, exclude) -> dict[str, Any]:
+def read_extras(path: str | os.PathLike, exclude, *,
+                weights_only: bool = True) -> dict[str, Any]:
     """The checkpoint's top-level entries not named in ``exclude`` (Fabric's remainder:
     step counters, user metadata, an optimizer not loaded), as ``read`` returns them."""
-    return read(path, exclude=exclude)
+    return read(path, exclude=exclude, weights_only=weights_only)

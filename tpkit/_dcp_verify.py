@@ -11,40 +11,126 @@ before it touches a tensor.
 
 What it cannot see: bytes damaged in place (a shard of the right length whose content was
 overwritten), since DCP stores no checksums.
+
+Reading never runs code from the files (the checkpoint may come from someone else):
+``.metadata`` is unpickled by ``load_metadata``, which resolves only the classes DCP's
+metadata holds (``torch.distributed.checkpoint.metadata``'s dataclasses, ``_StorageInfo``,
+``torch.Size``, dtypes, layouts, paths) and refuses any other global, so a crafted file
+cannot call a function; every shard path it names must resolve (symbolic links followed)
+inside the checkpoint directory (``inside``). ``replace_dir`` is the one way tpkit puts a
+finished directory at its final path (DCP saves and ``save_hf``): an atomic exchange,
+never ``rmtree`` through a symbolic link, the parent directory fsynced.
 """
 from __future__ import annotations
 
+import ctypes
+import errno
+import hashlib
+import importlib
 import os
 import pickle
 import re
+import shutil
+import socket
+import uuid
 
 METADATA = ".metadata"
 
-__all__ = ["verify_files", "checkpoint_dir", "previous_checkpoint", "agree", "dir_problem"]
+__all__ = ["verify_files", "checkpoint_dir", "previous_checkpoint", "agree", "dir_problem",
+           "load_metadata", "inside", "replace_dir", "fsync_dir", "link_problem", "job_token",
+           "staging_path", "STAGING", "set_mode", "check_mode"]
+
+# ``<final name>.tmp-<job token>-<random>``: a directory being written (DCP saves, save_hf)
+STAGING = re.compile(r"\.tmp-([0-9a-f]{8})-[0-9a-f]{8}$")
+
+_DCP_MD = "torch.distributed.checkpoint.metadata"
+# Every global a .metadata written by DCP refers to (torch 2.4 - 2.13); dtypes and layouts
+# are checked by value in _MetadataUnpickler.find_class.
+_METADATA_GLOBALS = {
+    *((_DCP_MD, n) for n in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
+                             "ChunkStorageMetadata", "TensorProperties", "MetadataIndex",
+                             "StorageMeta", "_MEM_FORMAT_ENCODING")),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"), ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("collections", "OrderedDict"),
+}
 
 
-def _name_key(name: str):
-    """``step000040`` -> ("step#", (40,)): siblings of one series share the first part."""
-    return re.sub(r"\d+", "#", name), tuple(int(n) for n in re.findall(r"\d+", name))
+class _MetadataUnpickler(pickle.Unpickler):
+    """pickle's Unpickler that resolves only the globals of DCP's metadata: anything else
+    (``os.system``, ``builtins.eval``, a class with a ``__reduce__``) is an
+    UnpicklingError before it is looked up, so nothing from the file can be called."""
+
+    def find_class(self, module, name):
+        if (module, name) in _METADATA_GLOBALS:
+            return getattr(importlib.import_module(module), name)
+        if module == "torch":
+            import torch
+            value = getattr(torch, name, None) if isinstance(name, str) else None
+            if isinstance(value, (torch.dtype, torch.layout)):
+                return value
+        raise pickle.UnpicklingError(f"it refers to {module}.{name}, which DCP metadata never "
+                                     "holds (a crafted file: unpickling it could run code)")
 
 
-def _read_metadata(path: str):
-    """The DCP ``Metadata`` of ``path``; ValueError (without the suggestion) if missing or
-    unreadable."""
+def inside(root: str, rel, *, links: bool = True) -> str | None:
+    """``root/rel`` if it lies inside ``root``, else None: an absolute ``rel`` or a ``..``
+    escapes. ``links=True`` (DCP shards): the real path, symbolic links followed, must be
+    inside the real ``root``; False (Hugging Face directories, whose files are links into
+    the hub cache's blobs): the path as written."""
+    if not isinstance(rel, str) or not rel or "\0" in rel or os.path.isabs(rel):
+        return None
+    if not links:
+        norm = os.path.normpath(rel)
+        return None if norm == ".." or norm.startswith(".." + os.sep) or norm == "." \
+            else os.path.join(root, norm)
+    base = os.path.realpath(root)
+    full = os.path.realpath(os.path.join(base, rel))
+    return full if full.startswith(base + os.sep) else None
+
+
+def load_metadata(path: str):
+    """The DCP ``Metadata`` in ``path/.metadata``, unpickled without running code from it
+    and checked: its types, and every shard file it names inside ``path``. ValueError
+    (without a suggestion) if missing, unreadable or crafted."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, Metadata,
+                                                       TensorStorageMetadata)
     meta_file = os.path.join(path, METADATA)
     if not os.path.isfile(meta_file):
         raise ValueError(f"{meta_file} is missing: the save did not finish, or {path} is not "
                          "a checkpoint directory")
     try:
         with open(meta_file, "rb") as f:
-            md = pickle.load(f)
+            md = _MetadataUnpickler(f).load()
         storage = md.storage_data
         assert isinstance(storage, dict) and isinstance(md.state_dict_metadata, dict)
+        assert isinstance(md, Metadata)
+        assert all(isinstance(v, (TensorStorageMetadata, BytesStorageMetadata))
+                   for v in md.state_dict_metadata.values())
+        assert all(isinstance(v, _StorageInfo) and isinstance(v.offset, int)
+                   and isinstance(v.length, int) and v.offset >= 0 and v.length >= 0
+                   for v in storage.values())
+    except pickle.UnpicklingError as e:
+        if not str(e).startswith("it refers to"):
+            raise ValueError(f"{meta_file} cannot be read (UnpicklingError: {e}): the file "
+                             "is damaged or truncated") from None
+        raise ValueError(f"{meta_file} was not written by torch.distributed.checkpoint: "
+                         f"{e}; not read") from None
     except Exception as e:  # noqa: BLE001 (truncated pickle, garbage, another format)
         why = f"{type(e).__name__}: {e}".strip().rstrip(":")
         raise ValueError(f"{meta_file} cannot be read ({why}): the file is damaged or "
                          "truncated") from None
+    for info in md.storage_data.values():
+        if inside(path, info.relative_path) is None:
+            raise ValueError(f"{meta_file} names shard {info.relative_path!r}, which is "
+                             f"outside {path} (a crafted .metadata); not read")
     return md
+
+
+def _name_key(name: str):
+    """``step000040`` -> ("step#", (40,)): siblings of one series share the first part."""
+    return re.sub(r"\d+", "#", name), tuple(int(n) for n in re.findall(r"\d+", name))
 
 
 def _check_shards(path: str, md) -> None:
@@ -53,7 +139,7 @@ def _check_shards(path: str, md) -> None:
         end = info.offset + info.length
         extent[info.relative_path] = max(extent.get(info.relative_path, 0), end)
     for rel, need in sorted(extent.items()):
-        file = os.path.join(path, rel)
+        file = os.path.join(path, rel)   # inside path: load_metadata checked it
         if not os.path.isfile(file):
             raise ValueError(f"shard {file} is missing (the checkpoint's .metadata names it)")
         size = os.path.getsize(file)
@@ -64,7 +150,7 @@ def _check_shards(path: str, md) -> None:
 
 
 def _check(path: str):
-    md = _read_metadata(path)
+    md = load_metadata(path)
     _check_shards(path, md)
     return md
 
@@ -159,3 +245,127 @@ def agree(error: ValueError | None) -> None:
     first = next((e for e in errors if e is not None), None)
     if first is not None:
         raise ValueError(str(first)) from None
+
+
+# --- writing: staging names, the atomic swap, modes --------------------------------------
+def job_token() -> str:
+    """8 hex digits naming this job: the elastic run id every restart of a tpkit-launch /
+    torchrun job shares (``TORCHELASTIC_RUN_ID``), else this process (host, boot, pid).
+    Staging directories carry it, so that ``tpkit.recovery.prune`` removes only its own
+    job's leftovers, never another job's save in progress."""
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    if run and run != "none":
+        ident = f"run:{run}"
+    else:
+        try:
+            with open("/proc/sys/kernel/random/boot_id") as f:
+                boot = f.read().strip()
+        except OSError:
+            boot = ""
+        ident = f"process:{socket.gethostname()}:{boot}:{os.getpid()}"
+    return hashlib.sha256(ident.encode()).hexdigest()[:8]
+
+
+def staging_path(path: str) -> str:
+    """Where a directory for ``path`` is written before ``replace_dir`` puts it there."""
+    return f"{path}.tmp-{job_token()}-{uuid.uuid4().hex[:8]}"
+
+
+def link_problem(path: str) -> str | None:
+    """Why ``path`` cannot be replaced by a save: it is a symbolic link (a save would swap
+    the link, not what it points to, and removing the old one must never follow it)."""
+    if os.path.islink(path):
+        return (f"{path} is a symbolic link (to {os.readlink(path)}); save to the directory "
+                "it points to, or remove the link")
+    return None
+
+
+def fsync_dir(path: str) -> None:
+    """Flush ``path``'s directory entries (a rename inside it) to disk, where the file
+    system allows it."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Swap the entries ``a`` and ``b`` in one step (Linux renameat2 RENAME_EXCHANGE);
+    False where the kernel, libc or file system cannot."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    at_fdcwd, rename_exchange = -100, 2
+    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), b)
+
+
+def _remove(path: str) -> None:
+    """Remove ``path``; a symbolic link is unlinked, never followed."""
+    if os.path.islink(path) or not os.path.isdir(path):
+        os.remove(path)
+    else:
+        shutil.rmtree(path)
+
+
+def replace_dir(tmp: str, path: str) -> None:
+    """Put the finished directory ``tmp`` at ``path``: an atomic exchange where the file
+    system offers one (so ``path`` always holds the old or the new directory, whenever the
+    process dies), else two renames (the old one kept at ``<path>.old-<id>`` in between);
+    then the parent directory is fsynced and the old directory removed. OSError (nothing
+    changed at ``path``) when ``path`` became a symbolic link."""
+    problem = link_problem(path)
+    if problem is not None:
+        raise OSError(errno.ELOOP, problem)
+    old = None
+    if os.path.lexists(path) and _exchange(tmp, path):
+        old = tmp                       # holds the previous directory now
+    else:
+        if os.path.lexists(path):
+            old = f"{path}.old-{uuid.uuid4().hex[:8]}"
+            os.rename(path, old)
+        os.rename(tmp, path)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+    if old is not None:
+        _remove(old)
+
+
+def check_mode(mode) -> int | None:
+    """``mode`` for saved files (None: the umask's), or ValueError."""
+    if mode is None:
+        return None
+    if isinstance(mode, bool) or not isinstance(mode, int) or not 0 <= mode <= 0o777 \
+            or mode & 0o600 != 0o600:
+        shown = oct(mode) if isinstance(mode, int) and not isinstance(mode, bool) else repr(mode)
+        raise ValueError(f"mode={shown} is not a file mode for checkpoints; pass e.g. 0o600 "
+                         "(owner only) or 0o640 (owner, and the group reads), with the "
+                         "owner's read and write bits set")
+    return mode
+
+
+def set_mode(root: str, mode: int) -> None:
+    """Give every file under ``root`` ``mode`` and every directory the same with an execute
+    bit wherever it reads (0o640 -> 0o750), ``root`` included; links are left alone."""
+    dir_mode = mode | ((mode & 0o444) >> 2)
+    for top, dirs, files in os.walk(root):
+        for name in files:
+            p = os.path.join(top, name)
+            if not os.path.islink(p):
+                os.chmod(p, mode)
+        for name in dirs:
+            p = os.path.join(top, name)
+            if not os.path.islink(p):
+                os.chmod(p, dir_mode)
+    os.chmod(root, dir_mode)

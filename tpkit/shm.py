@@ -22,7 +22,10 @@ creates it and unlinks it as soon as every rank has mapped it (the memory then l
 until the last rank unmaps it or exits, whatever way it exits). A rank 0 killed inside
 that window (SIGKILL between the creation and the unlink) leaves the file behind; the
 next set-up on the host removes the files whose creating process is gone
-(``sweep_stale``). Waiting spins (yielding the CPU) for a short while, then sleeps; it
+(``sweep_stale``). A file's name carries its creator's pid, pid namespace and boot id, so
+liveness is judged only for files of this boot and pid namespace: containers sharing
+/dev/shm never delete each other's live segments (a leftover of another namespace
+stays until that namespace's next set-up). Waiting spins (yielding the CPU) for a short while, then sleeps; it
 raises after the group's own timeout, naming the ranks that never arrived.
 """
 from __future__ import annotations
@@ -56,7 +59,8 @@ _SPIN_YIELDS = 2000           # ~ms of sched_yield spinning before sleeping
 _SLEEP_S = 5e-5
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _DIR = "/dev/shm"
-_NAME = re.compile(r"tpkit-(\d+)-[0-9a-f]{12}")   # tpkit-<creator pid>-<random hex>
+# tpkit-<creator pid>-<its pid namespace>-<boot id>-<random hex>
+_NAME = re.compile(r"tpkit-(\d+)-(\d+)-([0-9a-f]{8})-[0-9a-f]{12}")
 
 # group_name -> (group, transport), one registry per kind; release() clears. The group
 # object is kept and compared so a later group that reuses a destroyed group's name never
@@ -388,13 +392,26 @@ def _local_reason(enabled, var: str) -> str | None:
     return None
 
 
-def _host_key() -> str:
+def _boot_id() -> str:
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
+            return f.read().strip()
     except OSError:
-        boot = ""
-    return f"{socket.gethostname()}/{boot}"
+        return ""
+
+
+def _host_key() -> str:
+    return f"{socket.gethostname()}/{_boot_id()}"
+
+
+def _where() -> tuple[str, str]:
+    """(pid namespace inode, first 8 hex digits of the boot id): whose pids a name holds."""
+    try:
+        ns = str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        ns = "0"
+    boot = _boot_id().replace("-", "")[:8].lower()
+    return ns, boot if re.fullmatch(r"[0-9a-f]{8}", boot) else "0" * 8
 
 
 def _alive(pid: int) -> bool:
@@ -410,15 +427,17 @@ def _alive(pid: int) -> bool:
 def sweep_stale(directory: str = _DIR) -> list[str]:
     """Remove the segment files in ``directory`` whose creating process is gone (left by a
     rank 0 killed during set-up); returns their names. A file of a live process (another
-    job setting up) is never touched; files of other users are skipped."""
+    job setting up) is never touched, nor one of another pid namespace or boot (whose pid
+    says nothing here); files of other users are skipped."""
     removed = []
+    here = _where()
     try:
         names = os.listdir(directory)
     except OSError:
         return removed
     for name in names:
         m = _NAME.fullmatch(name)
-        if m is None or _alive(int(m.group(1))):
+        if m is None or (m.group(2), m.group(3)) != here or _alive(int(m.group(1))):
             continue
         try:
             os.unlink(os.path.join(directory, name))
@@ -430,7 +449,8 @@ def sweep_stale(directory: str = _DIR) -> list[str]:
 
 def _create(nbytes: int, header: int, token: bytes) -> tuple[str, mmap.mmap]:
     sweep_stale()
-    path = f"{_DIR}/tpkit-{os.getpid()}-{secrets.token_hex(6)}"
+    ns, boot = _where()
+    path = f"{_DIR}/tpkit-{os.getpid()}-{ns}-{boot}-{secrets.token_hex(6)}"
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.posix_fallocate(fd, 0, nbytes)   # fail now, not with SIGBUS on first touch

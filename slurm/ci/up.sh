@@ -2,16 +2,35 @@
 # Start a throw-away single-node Slurm (munge + slurmctld + slurmd) without systemd, for
 # CI and tests. Installs the Debian packages if they are missing. Needs root.
 #
-#   slurm/ci/up.sh [STATE_DIR]     # default /tmp/tpkit-slurm
+#   slurm/ci/up.sh [STATE_DIR]     # default: a new private directory (mktemp -d)
 #   export SLURM_CONF=STATE_DIR/slurm.conf   # what the last line of output says
-#   slurm/ci/down.sh [STATE_DIR]   # stops what up.sh started
+#   slurm/ci/down.sh STATE_DIR     # stops what up.sh started
 #
 # The config lives in STATE_DIR (not /etc/slurm) and uses free ports, so it never clobbers
 # a system Slurm; clients find it through SLURM_CONF, which sbatch passes on to jobs.
+# STATE_DIR holds the config root's daemons read and the pid files down.sh kills: it must
+# be private. A given STATE_DIR that exists must be a directory (not a link) owned by the
+# caller with mode 0700 (what mktemp -d makes); one that does not exist is created so.
 set -euo pipefail
-state=$(realpath -m "${1:-/tmp/tpkit-slurm}")
 log() { echo "[slurm/ci/up.sh] $*" >&2; }
 [ "$(id -u)" = 0 ] || { log "needs root (it starts munged, slurmctld and slurmd)"; exit 1; }
+if [ $# -ge 1 ]; then
+    if [ -e "$1" ] || [ -L "$1" ]; then
+        if [ -L "$1" ] || [ ! -d "$1" ] || [ "$(stat -c %u "$1")" != "$(id -u)" ] \
+                || [ "$(stat -c %a "$1")" != 700 ]; then
+            log "refusing STATE_DIR $1: it must be a directory owned by $(id -un) with mode" \
+                "0700, not a link (e.g. made by mktemp -d), or not exist yet"
+            exit 1
+        fi
+    else
+        mkdir -p "$(dirname "$1")"
+        mkdir -m 0700 "$1"     # fails if someone created it meanwhile
+    fi
+    state=$(realpath "$1")
+else
+    state=$(mktemp -d "${TMPDIR:-/tmp}/tpkit-slurm.XXXXXX")
+fi
+log "state directory: $state (stop with slurm/ci/down.sh $state)"
 
 missing=0
 for bin in slurmctld slurmd sbatch scontrol munged munge; do

@@ -328,7 +328,8 @@ def _resume_and_keep(save_dir):
     kept = sorted(os.listdir(save_dir))
     dist.barrier()                                 # every rank listed before the changes
     if dist.get_rank() == 0:   # an unfinished save, a directory that is no checkpoint,
-        os.makedirs(os.path.join(save_dir, "step000006.tmp-0123abcd"))  # and a newer one
+        from tpkit._dcp_verify import staging_path   # (this job's: prune removes it)
+        os.makedirs(staging_path(os.path.join(save_dir, "step000006")))  # and a newer one
         os.makedirs(os.path.join(save_dir, "step000099"))   # with a shard cut short since
         damaged = os.path.join(save_dir, "step000050")
         shutil.copytree(os.path.join(save_dir, "step000005"), damaged)

@@ -22,6 +22,9 @@ import sys
 
 def main() -> None:
     faulthandler.enable(all_threads=True)  # what ErrorHandler.initialize() does
+    # Only this process's own watchdog may set it: one inherited from the environment
+    # would turn every error into a 60 s sleep with nothing recorded.
+    os.environ.pop("TPKIT_HANG_REPORTED", None)
     argv = sys.argv[1:]
     try:
         if argv[:1] == ["-m"]:

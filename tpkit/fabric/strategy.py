@@ -397,7 +397,9 @@ class TPKitStrategy(ParallelStrategy):
         any layout): ``state`` (a dict) loads in place and the entries not in it come back;
         without ``state`` the whole checkpoint comes back, tensors full-size on every rank.
         A single file (``torch.save``, e.g. one process's ``model.state_dict()`` or a full
-        checkpoint dict): full state dicts load into the shards at this layout."""
+        checkpoint dict): full state dicts load into the shards at this layout.
+        ``weights_only`` (None: True, torch.load's default) holds for both: a directory's
+        plain entries are read with it (its ``.metadata`` never runs code)."""
         path, s = self.broadcast(str(path)), self.parallel_state
         if isinstance(state, (nn.Module, torch.optim.Optimizer)):   # fabric.load_raw
             if not os.path.isfile(path):
@@ -422,10 +424,11 @@ class TPKitStrategy(ParallelStrategy):
                 return self._torch_load(path, weights_only, mmap=False)   # the user's to keep
             return checkpoint.load_full(self._torch_load(path, weights_only), state, s,
                                         strict=strict)
+        safe = weights_only is not False   # a directory's plain entries: as torch.load's
         if not state:
-            return checkpoint.read(path)
-        checkpoint.load(path, state, strict=strict)
-        return checkpoint.read_extras(path, exclude=state.keys())
+            return checkpoint.read(path, weights_only=safe)
+        checkpoint.load(path, state, strict=strict, weights_only=safe)
+        return checkpoint.read_extras(path, exclude=state.keys(), weights_only=safe)
 
     @staticmethod
     def _torch_load(path: str, weights_only: bool | None, mmap: bool = True):

@@ -7,7 +7,12 @@ more than one tensor's pages are ever mapped: peak memory is the rank's own shar
 one tensor. Fused segments (q/k/v, gate/up) are filled segment by segment from their
 Hugging Face tensors. Export gathers one parameter at a time over TP
 (tpkit.checkpoint.gather_param, FSDP2 shards first) and rank 0 streams it into the
-safetensors file it belongs to, so it too holds one tensor beyond its shard.
+safetensors file it belongs to, so it too holds one tensor beyond its shard. An export
+is written into a staging directory next to ``path`` (the files of an earlier export that
+are not weights or config.json, e.g. tokenizer files, copied in first), fsynced, and
+swapped into place (``_dcp_verify.replace_dir``): a process killed at any moment leaves
+the previous export intact. Every file an index names must lie inside its directory (as
+written: the hub cache's files are links to blobs elsewhere).
 The parameter <-> tensor-name table is the model's (``Llama.hf_names``); the partition
 dim of each parameter comes from its tags (tpkit.param_tags.tp_spec), so TE's modules
 are read and written the same way.
@@ -18,11 +23,13 @@ import dataclasses
 import glob
 import json
 import os
+import shutil
 import struct
 
 import torch
 import torch.distributed as dist
 
+from .._dcp_verify import agree, inside, link_problem, replace_dir, staging_path
 from ..checkpoint import gather_param
 from ..collectives import any_rank
 from ..param_tags import tp_spec
@@ -159,6 +166,10 @@ class CheckpointIndex:
         if os.path.isfile(index):
             with open(index) as f:
                 weight_map = json.load(f)["weight_map"]
+            for name, v in weight_map.items():
+                if inside(path, v, links=False) is None:
+                    raise ValueError(f"{index}: weight_map[{name!r}] = {v!r} is outside "
+                                     f"{path} (a crafted index); not read")
             files = sorted({os.path.join(path, v) for v in weight_map.values()})
         else:
             weight_map, files = None, sorted(glob.glob(os.path.join(path, "*.safetensors")))
@@ -310,15 +321,21 @@ def save_llama(model, path: str, *, dtype, max_shard_size: int) -> None:
     state = model.state
     if max_shard_size <= 0:
         raise ValueError(f"max_shard_size={max_shard_size} must be a positive byte count")
-    failed = False
+    path = os.path.abspath(os.fspath(path))
+    failed, tmp = False, None
     if state.rank == 0:
         try:
-            os.makedirs(path, exist_ok=True)
-            for old in glob.glob(os.path.join(path, "model*.safetensors*")):
-                os.remove(old)   # stale shards of an earlier export
+            if link_problem(path):
+                raise OSError(link_problem(path))
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            tmp = staging_path(path)
+            os.mkdir(tmp)
+            _keep_extras(path, tmp)
         except OSError as e:
             failed = True
             error = e
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
     # every rank learns it before any gather starts, on the default group's device (an
     # nccl-only default group rejects a CPU tensor)
     if any_rank(failed, None) if dist.is_initialized() else failed:
@@ -348,7 +365,7 @@ def save_llama(model, path: str, *, dtype, max_shard_size: int) -> None:
     try:
         if state.rank == 0:
             for file, shard in zip(files, shards):
-                fh = writers[file] = open(os.path.join(path, file), "wb")
+                fh = writers[file] = open(os.path.join(tmp, file), "wb")
                 fh.write(_header([(hf, _DTYPES[out_dtype], shapes[hf], sizes[hf])
                                   for hf in shard]))
         for pname, hfs in names.items():
@@ -361,19 +378,56 @@ def save_llama(model, path: str, *, dtype, max_shard_size: int) -> None:
                     assert list(t.shape) == shapes[hf], (hf, t.shape)
                     writers[file_of[hf]].write(t.reshape(-1).view(torch.uint8).numpy().data)
             del full
+        for fh in writers.values():
+            fh.flush()
+            os.fsync(fh.fileno())
+    except BaseException:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     finally:
         for fh in writers.values():
             fh.close()
+    error = None
     if state.rank == 0:
-        if len(files) > 1:
-            with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
-                json.dump({"metadata": {"total_size": sum(sizes.values())},
-                           "weight_map": file_of}, f, indent=2)
-        with open(os.path.join(path, "config.json"), "w") as f:
-            json.dump(config_to_hf(model.cfg, model.hf_config, out_dtype), f, indent=2,
-                      sort_keys=True)
-    if dist.is_initialized():
-        dist.barrier()
+        try:
+            if len(files) > 1:
+                _write_json(os.path.join(tmp, "model.safetensors.index.json"),
+                            {"metadata": {"total_size": sum(sizes.values())},
+                             "weight_map": file_of})
+            _write_json(os.path.join(tmp, "config.json"),
+                        config_to_hf(model.cfg, model.hf_config, out_dtype), sort_keys=True)
+            replace_dir(tmp, path)
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            error = ValueError(f"save_hf({path!r}): cannot put the export in place ({e}); "
+                               "the previous one (if any) is unchanged")
+    agree(error)   # every rank learns rank 0's outcome (and waits for it)
+
+
+def _write_json(file: str, obj, sort_keys: bool = False) -> None:
+    with open(file, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=sort_keys)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _keep_extras(path: str, tmp: str) -> None:
+    """Copy what an earlier export at ``path`` holds besides its weights, their index and
+    config.json (tokenizer files, generation_config.json, a README) into ``tmp``; symbolic
+    links are copied as links."""
+    if not os.path.isdir(path):
+        if os.path.lexists(path):
+            raise OSError(f"{path} is a file, not a directory")
+        return
+    for name in os.listdir(path):
+        if name == "config.json" or (name.startswith("model") and ".safetensors" in name):
+            continue
+        src, dst = os.path.join(path, name), os.path.join(tmp, name)
+        if os.path.isdir(src) and not os.path.islink(src):
+            shutil.copytree(src, dst, symlinks=True)
+        else:
+            shutil.copy2(src, dst, follow_symlinks=False)
 
 
 # --- the adapter's entry points (the models never import this module) ---------------------

@@ -3,8 +3,8 @@ and keeping the last K.
 
 A save directory holds one checkpoint per save, ``DIR/stepNNNNNN`` (the number: steps
 done), each written by ``tpkit.checkpoint.save`` / ``async_save`` under a staging name
-(``stepNNNNNN.tmp-<id>``) and renamed into place by rank 0 once every rank wrote its
-part. Everything here is local to the calling process (no collectives): rank 0 decides
+(``stepNNNNNN.tmp-<job>-<id>``, ``<job>``: ``_dcp_verify.job_token``, the same for every
+restart of one job) and renamed into place by rank 0 once every rank wrote its part. Everything here is local to the calling process (no collectives): rank 0 decides
 and broadcasts (:mod:`tpkit.recovery.manager`).
 """
 from __future__ import annotations
@@ -13,10 +13,9 @@ import os
 import re
 import shutil
 
-from .._dcp_verify import verify_files
+from .._dcp_verify import STAGING, job_token, verify_files
 
 STEP_DIR = re.compile(r"^step(\d+)$")
-STAGING = re.compile(r"\.tmp-[0-9a-f]{8}$")    # an unfinished save (tpkit/_dcp.py)
 
 
 def checkpoint_path(save_dir: str | os.PathLike, steps_done: int) -> str:
@@ -93,14 +92,19 @@ def unfinished_saves(save_dir: str | os.PathLike) -> list[str]:
 def prune(save_dir: str | os.PathLike, keep: int, *, protect=()) -> list[str]:
     """Delete all but the newest ``keep`` complete checkpoints in ``save_dir``, never one
     in ``protect`` (e.g. the one this run resumed from), and the staging directories of
-    unfinished saves. Call it on one rank, with no save of this job in flight. Returns
-    the deleted paths."""
+    this job's unfinished saves (those named with ``job_token()``: another job's save in
+    progress in the same directory is left alone). A ``stepN`` that is a symbolic link
+    is never deleted, nor anything it points to. Call it on one rank, with no save of
+    this job in flight. Returns the deleted paths."""
     if keep < 1:
         raise ValueError(f"keep={keep} would delete every checkpoint; pass keep >= 1")
     protect = {os.path.abspath(p) for p in protect}
     found = list_checkpoints(save_dir)
+    mine = job_token()
     doomed = [p for _, p in found[:max(0, len(found) - keep)]
-              if os.path.abspath(p) not in protect] + unfinished_saves(save_dir)
+              if os.path.abspath(p) not in protect and not os.path.islink(p)]
+    doomed += [p for p in unfinished_saves(save_dir) if not os.path.islink(p)
+               and STAGING.search(p).group(1) == mine]
     for path in doomed:
         shutil.rmtree(path, ignore_errors=True)
     return doomed

@@ -22,6 +22,7 @@ import time
 import torch.distributed as dist
 
 from .. import checkpoint
+from .._dcp_verify import check_mode
 from . import checkpoints as dirs
 from .hang import HangWatchdog
 from .signals import DEFAULT_SIGNALS, SignalStop, exit_code
@@ -57,12 +58,14 @@ class Recovery:
     """See the module docstring. Every argument is checked here, before any collective:
     ``save_every`` (0: only ``last``), ``keep`` (None: keep all), ``hang_timeout``
     (seconds, None: no watchdog), ``async_save``, ``signals`` (() : none handled),
-    ``straggler_every`` (steps, None: no report; ``step_end`` then needs ``seconds``)."""
+    ``straggler_every`` (steps, None: no report; ``step_end`` then needs ``seconds``),
+    ``mode`` (the checkpoint files' mode, e.g. 0o600; None: the umask's)."""
 
     def __init__(self, save_dir: str | os.PathLike | None, *, save_every: int = 0,
                  keep: int | None = None, hang_timeout: float | None = None,
                  async_save: bool = False, signals=DEFAULT_SIGNALS,
-                 straggler_every: int | None = None, straggler_threshold: float = 1.2):
+                 straggler_every: int | None = None, straggler_threshold: float = 1.2,
+                 mode: int | None = None):
         if save_every < 0:
             raise ValueError(f"save_every={save_every} must be >= 0 (0: save at the end only)")
         if keep is not None and keep < 1:
@@ -70,6 +73,7 @@ class Recovery:
         if save_dir is None and (save_every or keep or async_save or signals):
             raise ValueError("saving, keep, async_save and save-on-signal need a save "
                              "directory; pass save_dir (or signals=() with nothing to save)")
+        self.mode = check_mode(mode)
         self.save_dir = os.path.abspath(os.fspath(save_dir)) if save_dir is not None else None
         self.save_every, self.keep, self.async_save = save_every, keep, async_save
         self.watchdog = HangWatchdog(hang_timeout) if hang_timeout is not None else None
@@ -151,9 +155,9 @@ class Recovery:
         self._beat(step)
         if self.async_save and not wait:
             self._pending = checkpoint.async_save(path, sd, process_group=self._group,
-                                                  buffers=self._buffers)
+                                                  buffers=self._buffers, mode=self.mode)
         else:
-            checkpoint.save(path, sd)
+            checkpoint.save(path, sd, mode=self.mode)
             self._committed(path)
         self._saved_step = step
         self._beat(step)
