@@ -76,6 +76,7 @@ def shard_sequence(tensor: torch.Tensor, seq_dim: int, state=None) -> torch.Tens
     cp = state.cp_size
     if cp == 1:
         return tensor
+    note_sharded_length(tensor.shape[seq_dim], state)
     chunks = tensor.chunk(2 * cp, dim=seq_dim)
     first, second = cp_chunk_ids(state.cp_rank, cp)
     return torch.cat([chunks[first], chunks[second]], dim=seq_dim)
@@ -87,7 +88,21 @@ def shard_position_ids(seq_len: int, state=None, *, device=None) -> torch.Tensor
     unsharded sequence."""
     state = resolve_state(state)
     check_sequence_length(seq_len, state)
+    if state.cp_size > 1:
+        note_sharded_length(seq_len, state)
     return cp_positions(state.cp_rank, state.cp_size, seq_len // state.cp_size, device)
+
+
+def note_sharded_length(seq_len: int, state) -> None:
+    """Remember on ``state`` the full length of the last sequence sharded over CP here:
+    DotProductAttention refuses that length as its local one (a full sequence reaching a
+    CP attention would attend to all of it on every rank, silently wrong)."""
+    state.last_sharded_len = int(seq_len)
+
+
+def last_sharded_length(state) -> int | None:
+    """The full length ``note_sharded_length`` last recorded on ``state`` (None: none)."""
+    return getattr(state, "last_sharded_len", None)
 
 
 def _reorder_gathered(parts: list[torch.Tensor], seq_dim: int) -> torch.Tensor:
