@@ -10,8 +10,9 @@ feed them (docs/data.md, docs/context-parallel.md).
 - ``preprocess``: the ``tpkit-data`` command (``python -m tpkit.data``).
 """
 from .sharding import (PackedBatch, check_sequence_length, cp_chunk_ids, cp_positions,
-                       pack_sequences, packed_cp_indices, sequence_multiple, shard_packed,
-                       shard_position_ids, shard_sequence, unshard_packed, unshard_sequence)
+                       last_sharded_length, note_sharded_length, pack_sequences,
+                       packed_cp_indices, sequence_multiple, shard_packed, shard_position_ids,
+                       shard_sequence, unshard_packed, unshard_sequence)
 from .indexed import IndexedDataset, IndexedDatasetWriter, TokenFile, index_paths
 from .text import Tokenizer, TokenizedDocuments, check_vocabulary, read_records, \
     sft_documents, text_documents
@@ -21,9 +22,10 @@ from .order import Loader, dp_rows, epoch_order
 from .build import Data, build_data, check_data, open_documents, parse_data_path
 
 __all__ = [
-    "PackedBatch", "check_sequence_length", "cp_chunk_ids", "cp_positions", "pack_sequences",
-    "packed_cp_indices", "sequence_multiple", "shard_packed", "shard_position_ids",
-    "shard_sequence", "unshard_packed", "unshard_sequence",
+    "PackedBatch", "check_sequence_length", "cp_chunk_ids", "cp_positions",
+    "last_sharded_length", "note_sharded_length", "pack_sequences", "packed_cp_indices",
+    "sequence_multiple", "shard_packed", "shard_position_ids", "shard_sequence",
+    "unshard_packed", "unshard_sequence",
     "IndexedDataset", "IndexedDatasetWriter", "TokenFile", "index_paths",
     "Tokenizer", "TokenizedDocuments", "check_vocabulary", "read_records", "sft_documents",
     "text_documents",
