@@ -394,7 +394,7 @@ def _check_attention_forward(who: str, encoder_output=None, window_size=None,
 
 
 def _check_attention_init(who: str, hidden_size, num_attention_heads, kv_channels,
-                          window_size, attention_type, qkv_format, fuse_wgrad_accumulation,
+                          window_size, attention_type, fuse_wgrad_accumulation,
                           state, set_parallel_mode) -> None:
     if kv_channels is not None and kv_channels * num_attention_heads != hidden_size:
         _not_yet(f"{who}(kv_channels={kv_channels}) with kv_channels * num_attention_heads "
@@ -403,9 +403,6 @@ def _check_attention_init(who: str, hidden_size, num_attention_heads, kv_channel
             attention_type=(attention_type, "self", "self-attention only"),
             fuse_wgrad_accumulation=(fuse_wgrad_accumulation, False,
                                      "pass fuse_wgrad_accumulation=False"))
-    if qkv_format != "sbhd":
-        _not_yet(f"{who}(qkv_format/attn_input_format={qkv_format!r})",
-                 "pass [s, b, h] hidden states (transpose a [b, s, h] batch)")
     if state.tp_size > 1 and not set_parallel_mode:
         _not_yet(f"{who}(set_parallel_mode=False) with a TP group of size {state.tp_size}",
                  "pass set_parallel_mode=True (QKV/FC1 column-, PROJ/FC2 row-parallel)")
@@ -431,7 +428,7 @@ class MultiheadAttention(_HandOff, nn.Module):
         super().__init__()
         state = _state(tp_group, tp_size, "MultiheadAttention")
         _check_attention_init("MultiheadAttention", hidden_size, num_attention_heads,
-                              kv_channels, window_size, attention_type, qkv_format,
+                              kv_channels, window_size, attention_type,
                               fuse_wgrad_accumulation, state, set_parallel_mode)
         _refuse("MultiheadAttention", return_bias=(
             return_bias, False, "pass return_bias=False (the projection adds its bias)"))
@@ -447,7 +444,7 @@ class MultiheadAttention(_HandOff, nn.Module):
             sequence_parallel=bool(sequence_parallel),
             init_method=init_method or _default_init,
             output_layer_init_method=output_layer_init_method or init_method or _default_init,
-            state=state, device=device, dtype=params_dtype)
+            attn_input_format=qkv_format, state=state, device=device, dtype=params_dtype)
         self.attn_mask_type = attn_mask_type
         self.return_layernorm_output = bool(return_layernorm_output)
         self._te_state = _StateRef(state)
@@ -503,7 +500,7 @@ class TransformerLayer(_HandOff, tnn.TransformerLayer):
                  attn_input_format: str = "sbhd", backend: str = "torch"):
         state = _state(tp_group, tp_size, "TransformerLayer")
         _check_attention_init("TransformerLayer", hidden_size, num_attention_heads,
-                              kv_channels, window_size, "self", attn_input_format,
+                              kv_channels, window_size, "self",
                               fuse_wgrad_accumulation, state, set_parallel_mode)
         keep = "the pre-norm encoder block"
         _refuse("TransformerLayer",
@@ -525,6 +522,7 @@ class TransformerLayer(_HandOff, tnn.TransformerLayer):
                          init_method=init_method or _default_init,
                          output_layer_init_method=output_layer_init_method
                          or init_method or _default_init,
+                         attn_input_format=attn_input_format,
                          state=state, device=device, dtype=params_dtype)
         self.self_attn_mask_type = self_attn_mask_type
 

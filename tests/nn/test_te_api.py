@@ -122,6 +122,17 @@ def _te_only_options():
     mha = te.MultiheadAttention(H, HEADS, tp_group=st.tp_group, set_parallel_mode=True,
                                 input_layernorm=True, attention_dropout=0.0)
     assert torch.equal(mha(x), mha.attention(mha.layernorm(x)))
+    # attn_input_format="bshd" (TE's batch-first input, SP on dim 1) = the sbhd layer on
+    # the transposed batch, with the same weights
+    rank = st.tp_rank
+    kw = dict(tp_group=st.tp_group, set_parallel_mode=True, sequence_parallel=True,
+              hidden_dropout=0.0, attention_dropout=0.0)
+    sbhd = te.TransformerLayer(H, F, HEADS, **kw)
+    bshd = te.TransformerLayer(H, F, HEADS, attn_input_format="bshd", **kw)
+    bshd.load_state_dict(sbhd.state_dict())
+    mine = x.chunk(2, dim=0)[rank]                        # [s/tp, b, h]
+    torch.testing.assert_close(bshd(mine.transpose(0, 1).contiguous()),
+                               sbhd(mine).transpose(0, 1), rtol=1e-6, atol=1e-6)
     return True
 
 
