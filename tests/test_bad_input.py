@@ -417,6 +417,11 @@ def _observe(name):
     return getattr(tpkit.observe, name)
 
 
+def _te_api(name):
+    import tpkit.te_api
+    return getattr(tpkit.te_api, name)
+
+
 def _touch(path):
     path.write_text("")
     return path
@@ -564,6 +569,25 @@ API = [
             num_attention_heads=2))),
     Row("te-graphs-tpkit-tracker", "make_graphed_callables with tpkit's RNG tracker",
         "Run without CUDA graphs", call=_te(_te_graphs)),
+    # issue 44: TE's documented items tpkit.te_api does not do yet, and TE's modes
+    Row("te-api-inference-params", "InferenceParams(max_batch_size=2",
+        "run the whole prefix", call=lambda tmp: _te_api("InferenceParams")(2, 16)),
+    Row("te-api-cpu-offload", "get_cpu_offload_context(enabled=True", "use enabled=False",
+        call=lambda tmp: _te_api("get_cpu_offload_context")(True)),
+    Row("te-api-fp8-model-init", "fp8_model_init(enabled=True)", "tpkit.te.te_model_init()",
+        call=lambda tmp: _te_api("fp8_model_init")(True)),
+    Row("te-api-calibrating", "fp8_autocast(calibrating=True)", "use calibrating=False",
+        call=lambda tmp: _te_api("fp8_autocast")(calibrating=True)),
+    Row("te-api-onnx", "onnx_export(enabled=True)", "torch.onnx.export outside onnx_export",
+        call=lambda tmp: _te_api("onnx_export")(True)),
+    Row("te-api-parallel-mode", "parallel_mode='rows'", "None, 'column' or 'row'",
+        call=lambda tmp: _te_api("Linear")(8, 8, parallel_mode="rows")),
+    Row("precision-weights-dtype", "weights_dtype=torch.bfloat16", "model.to(dtype)",
+        call=lambda tmp: _fabric("TPKitPrecision")("fp8", weights_dtype=torch.bfloat16)),
+    Row("precision-device", "device='cuda'", "drop the argument",
+        call=lambda tmp: _fabric("TPKitPrecision")("bf16-mixed", "cuda")),
+    Row("precision-scaler", "only applies to precision='16-mixed'", "drop the scaler",
+        call=lambda tmp: _fabric("TPKitPrecision")("bf16-mixed", scaler=object())),
 ]
 
 

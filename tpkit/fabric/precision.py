@@ -43,13 +43,30 @@ class TPKitPrecision(Precision):
     """See the module docstring. ``replace_layers=True`` (fp8 with the torch backend only)
     routes every exact ``nn.Linear`` through tpkit's emulated fp8 (tpkit.fabric.replace:
     same parameters, ``F.linear`` outside fp8), warning with the names it left unchanged
-    (nn.Linear subclasses, and nn.LayerNorm: emulated fp8 converts GEMMs only)."""
+    (nn.Linear subclasses, and nn.LayerNorm: emulated fp8 converts GEMMs only).
 
-    def __init__(self, precision: str = "bf16-mixed", *, recipe: Any = None,
+    Lightning's ``MixedPrecision(precision, device, scaler)`` arguments: ``scaler``
+    replaces the GradScaler of "16-mixed" (the only precision with one); ``device`` is
+    refused (the layout's device is used). ``TransformerEnginePrecision``'s
+    ``weights_dtype`` is refused: not yet (docs/te_api.md)."""
+
+    def __init__(self, precision: str = "bf16-mixed", device: str | None = None,
+                 scaler: Any = None, *, recipe: Any = None,
                  fallback_compute_dtype: torch.dtype | None = None,
-                 replace_layers: bool = False) -> None:
+                 replace_layers: bool = False, weights_dtype: torch.dtype | None = None) -> None:
         if precision not in PRECISIONS:
             raise ValueError(f"precision={precision!r} is not supported; use one of {PRECISIONS}")
+        if device is not None:
+            raise ValueError(f"device={device!r} is not taken by TPKitPrecision: autocast "
+                             "runs on the device of the layout's model (TPKitStrategy); "
+                             "drop the argument")
+        if scaler is not None and precision != "16-mixed":
+            raise ValueError(f"scaler={scaler!r} only applies to precision='16-mixed', got "
+                             f"precision={precision!r}; drop the scaler")
+        if weights_dtype is not None:
+            raise ValueError(f"weights_dtype={weights_dtype!r} is not yet supported by "
+                             "TPKitPrecision (parameters keep their dtype; issue 44 item 6); "
+                             "cast the model with model.to(dtype) before fabric.setup")
         if precision != "fp8" and (recipe is not None or replace_layers):
             raise ValueError(f"recipe/replace_layers only apply to precision='fp8', got "
                              f"precision={precision!r}; drop them or use 'fp8'")
@@ -74,8 +91,8 @@ class TPKitPrecision(Precision):
         self._te: bool | None = None
         self.scaler = None
         if precision == "16-mixed":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-            self.scaler = torch.amp.GradScaler(device)
+            self.scaler = scaler if scaler is not None else torch.amp.GradScaler(
+                "cuda" if torch.cuda.is_available() else "cpu")
 
     # --- wiring (called by TPKitStrategy.setup_module) ---------------------------------
     def attach(self, state, device: torch.device) -> None:
