@@ -135,3 +135,25 @@ def test_memory_estimate_line_after_step_one(job):
     est = estimate_memory(MemoryJob.from_job(parse(ARGS)[0], dp=1, pp=1), layout, rank=0)
     assert lines[0] == format_measured(est, None), lines[0]   # CPU: no allocator peak
     assert "MiB per rank" in lines[0]
+
+
+@pytest.mark.gpu
+def test_gpu_run_logs_mfu_and_the_measured_peak(tmp_path):
+    """On one GPU (``-m gpu``; not run on CPU machines): a bf16 run logs MFU as TFLOP/s
+    over the device's dense bf16 peak, and the step-1 line has the allocator's peak."""
+    import torch
+    if not torch.cuda.is_available():
+        pytest.skip("needs an NVIDIA GPU")
+    from tpkit.observe import peak_tflops
+    log_dir = str(tmp_path / "run")
+    out, _ = launched("--nproc-per-node", "1", "-m", "tpkit.train", *ARGS,
+                      "--precision", "bf16-mixed", "--log-dir", log_dir)
+    (line,) = [ln for ln in out.splitlines() if ln.startswith("memory:")]
+    assert ", measured " in line and "of the estimate)" in line, line
+    with open(os.path.join(log_dir, "metrics.csv")) as f:
+        table = list(csv.DictReader(f))
+    peak = peak_tflops(torch.cuda.get_device_name(0), "bf16")
+    assert peak, torch.cuda.get_device_name(0)
+    for r in table:
+        assert math.isclose(float(r["mfu"]), float(r["tflops_per_device"]) / peak,
+                            rel_tol=1e-6), r
