@@ -7,6 +7,6 @@ import os
 TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)
 SCRIPTS = os.path.join(TESTS, "launch_scripts")
-SUBDIRS = ("cli", "fabric", "fp8", "integrations", "models", "nn", "observe", "recovery",
-           "train")
+SUBDIRS = ("cli", "data", "fabric", "fp8", "integrations", "models", "nn", "observe",
+           "plans", "recovery", "train")
 PYTHONPATH = os.pathsep.join([ROOT, TESTS] + [os.path.join(TESTS, d) for d in SUBDIRS])

@@ -92,6 +92,9 @@ LAUNCH = [
     Row("tp-not-int", "invalid int value: 'two'", "see tpkit-launch --help",
         ["--tp", "two", SCRIPT]),
     Row("backend-choice", "invalid choice: 'mpi'", "choose from", ["--backend", "mpi", SCRIPT]),
+    # issue 35: no abbreviations (--nproc-per would have been read as --nproc-per-node)
+    Row("abbreviated-flag", "unrecognized arguments: --nproc-per", "see tpkit-launch --help",
+        ["--nproc-per", "2", SCRIPT]),
     Row("nccl-without-gpu", "--backend nccl", "use --backend gloo",
         ["--backend", "nccl", SCRIPT]),
     Row("unknown-flag", "--bogus", "see tpkit-launch --help", ["--bogus", "1", SCRIPT]),
@@ -409,6 +412,11 @@ def _nn(name):
     return getattr(tpkit.nn, name)
 
 
+def _plans():
+    import tpkit.plans
+    return tpkit.plans
+
+
 def _fabric(name):
     import tpkit.fabric
     return getattr(tpkit.fabric, name)
@@ -470,6 +478,27 @@ API = [
         call=_at(4, lambda s: _nn("ColumnParallelLinear")(16, 6, state=s))),
     Row("row-vs-tp", "in_features=6", "use in_features=4 or 8",
         call=_at(4, lambda s: _nn("RowParallelLinear")(6, 16, state=s))),
+    # issue 35: bring your own model (tpkit.parallelize), batch-first layers, timeouts
+    Row("parallelize-no-plan", "no ready plan for Linear", "ready plans exist for",
+        call=_at(2, lambda s: _plans().parallelize(torch.nn.Linear(4, 4), state=s))),
+    Row("parallelize-unmatched-pattern", "patterns ['nope']", "fix them",
+        call=_at(2, lambda s: _plans().parallelize(
+            torch.nn.Sequential(torch.nn.Linear(4, 4)),
+            {"0": _plans().Column(), "nope": _plans().Row()}, s))),
+    Row("parallelize-uncovered", "['1 (Linear)']", "add a style for each",
+        call=_at(2, lambda s: _plans().parallelize(
+            torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)),
+            {"0": _plans().Column()}, s))),
+    Row("parallelize-cp-no-shard-inputs", "has no shard_inputs", "give the plan a shard_inputs",
+        call=_at(1, lambda s: _plans().parallelize(
+            torch.nn.Sequential(torch.nn.Linear(4, 4)), {"0": _plans().Replicate()}, s),
+            cp=2)),
+    Row("attn-input-format", "attn_input_format='bhsd'", "use 'sbhd'",
+        call=_at(1, lambda s: _nn("TransformerLayer")(8, 16, 2, attn_input_format="bhsd",
+                                                     state=s))),
+    Row("pg-timeout-env", "TPKIT_PG_TIMEOUT='soon'", "positive number of seconds",
+        call=lambda tmp: __import__("tpkit.parallel_state").parallel_state.pg_timeout(
+            {"TPKIT_PG_TIMEOUT": "soon"})),
     Row("embedding-vs-tp", "num_embeddings (vocab size)=10", "use num_embeddings (vocab size)=8",
         call=_at(4, lambda s: _nn("VocabParallelEmbedding")(10, 8, state=s))),
     Row("mlp-vs-tp", "ffn_hidden_size=6", "use ffn_hidden_size=4 or 8",

@@ -122,10 +122,10 @@ def test_env_details_mutation_testing_found_untested():
     # every comm type but a2a+p2p takes no cp_a2a_size ("a2a" sorts before "a2a+p2p")
     for comm in ("p2p", "all_gather", "a2a"):
         assert ParallelConfig(cp=4, cp_comm_type=comm).validate(8).cp_p2p_size is None
-    # the moved shm switch still resolves here; any other missing name is an AttributeError
+    # the shm switch lives in tpkit.shm only (no old-path alias: nothing was released);
+    # a missing name is an AttributeError
     import tpkit.config
-    import tpkit.shm
-    assert tpkit.config.shm_allreduce_enabled is tpkit.shm.shm_allreduce_enabled
+    assert not hasattr(tpkit.config, "shm_allreduce_enabled")
     with pytest.raises(AttributeError, match="world_default"):
         tpkit.config.world_default  # noqa: B018
     # tp * cp * pp with no two sizes equal (2 ** 3 * 2 or 2 * 3 ** 2 would pass with 2, 2, 3)
@@ -233,11 +233,11 @@ def test_from_env_keeps_dependent_values_of_unchanged_sizes():
     assert str(ParallelConfig.from_env(env).cp_p2p_size) == "2"   # an int, not 2.0
 
 
-def test_moved_name_by_any_string():
+def test_no_old_path_by_any_string():
     import tpkit.config as config
-    from tpkit.shm import shm_allreduce_enabled
     name = "".join(["shm_", "allreduce_enabled"])   # not an interned constant
-    assert getattr(config, name) is shm_allreduce_enabled
+    with pytest.raises(AttributeError, match="shm_allreduce_enabled"):
+        getattr(config, name)
     with pytest.raises(AttributeError, match="has no attribute 'nope'"):
         config.nope
 

@@ -13,6 +13,7 @@ _EXPORTS = {
     "get_parallel_state": "topology",
     "destroy_parallel": "parallel_state",
     "is_initialized": "topology",
+    "parallelize": "plans",
 }
 
 __all__ = list(_EXPORTS)

@@ -65,7 +65,7 @@ def _init_default_group(backend: str | None) -> None:
             "tpkit.destroy_parallel() frees only the layout's groups, and tpkit destroys the "
             "default group at exit")
     backend = backend or _default_backend()
-    timeout = timedelta(seconds=float(os.environ.get("TPKIT_PG_TIMEOUT", 600)))
+    timeout = pg_timeout()
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if rendezvous:
@@ -77,6 +77,22 @@ def _init_default_group(backend: str | None) -> None:
     if _DEFAULT_GROUP is None:
         atexit.register(_destroy_default_group)
     _DEFAULT_GROUP = dist.group.WORLD
+
+
+def pg_timeout(env=None) -> timedelta:
+    """The default process group's timeout: ``TPKIT_PG_TIMEOUT`` seconds, else 600 (every
+    collective on it fails after this long instead of hanging; TPKitStrategy uses it
+    too)."""
+    env = os.environ if env is None else env
+    raw = env.get("TPKIT_PG_TIMEOUT", "600")
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ValueError(f"TPKIT_PG_TIMEOUT={raw!r} must be a positive number of seconds "
+                         "(e.g. TPKIT_PG_TIMEOUT=600)")
+    return timedelta(seconds=seconds)
 
 
 def _destroy_default_group() -> None:

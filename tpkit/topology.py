@@ -18,6 +18,7 @@ process group, the rank table as text) is tpkit.planning's.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
@@ -201,10 +202,46 @@ def _expert_meshes(mesh: DeviceMesh, config: ParallelConfig, stage: DeviceMesh,
                 etp_ep_mesh=etp_ep, expert_mesh=hier[("ep", "etp")])
 
 
+def _default_group_timeout():
+    """The default process group's timeout (None where it cannot be read: a fake group)."""
+    try:
+        dev = torch.device("cuda" if dist.get_backend() == "nccl" else "cpu")
+        return dist.group.WORLD._get_backend(dev).options._timeout
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+
+
+@contextlib.contextmanager
+def _timeout_of_the_default_group():
+    """Groups created inside wait as long as the default group (TPKIT_PG_TIMEOUT under
+    init_parallel, the strategy's timeout under Fabric). torch gives every new group its own
+    default instead (30 minutes on gloo, 10 on NCCL; measured: tp, cp and dp x cp groups at
+    1800 s under a 90 s default group), so a collective that some ranks never enter (a
+    clip under ``if rank == 0``) would hang that long. DeviceMesh passes no timeout down,
+    and every group-creating path of torch asks ``_get_default_timeout`` then."""
+    c10d = dist.distributed_c10d
+    timeout = _default_group_timeout()
+    saved = getattr(c10d, "_get_default_timeout", None)
+    if timeout is None or saved is None:
+        yield
+        return
+    c10d._get_default_timeout = lambda backend: timeout
+    try:
+        yield
+    finally:
+        c10d._get_default_timeout = saved
+
+
 def build_state(config: ParallelConfig, *, device_type: str | None = None) -> ParallelState:
-    """Build every group of ``config`` over the initialised default process group."""
+    """Build every group of ``config`` over the initialised default process group; every
+    group times out like the default group."""
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialised; use tpkit.init_parallel()")
+    with _timeout_of_the_default_group():
+        return _build_state(config, device_type)
+
+
+def _build_state(config: ParallelConfig, device_type: str | None) -> ParallelState:
     t0 = time.perf_counter()
     world = dist.get_world_size()
     config = config.validate(world)
@@ -295,7 +332,8 @@ def get_parallel_state() -> ParallelState:
     """The current state; raises if init_parallel() has not run (never a default)."""
     if _CURRENT is None:
         raise RuntimeError("tpkit parallel state is not initialised; call tpkit.init_parallel() "
-                           "first (or launch through tpkit-launch / TPKitStrategy)")
+                           "first; under Lightning Fabric build the model after "
+                           "fabric.launch() (TPKitStrategy builds the layout there)")
     return _CURRENT
 
 

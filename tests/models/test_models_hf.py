@@ -239,7 +239,6 @@ BAD = [
     ("llama", {"head_dim": 32}, None, 1, r"head_dim=32"),
     ("mistral", None, None, 8, r"num_heads \(num_attention_heads\)=4 is not divisible by "
                                r"the tensor-parallel size tp=8"),
-    ("qwen2", None, None, 8, r"num_gqa_groups \(num_key_value_heads\)=4 is not divisible"),
     ("qwen2", None, "model.layers.1.mlp.up_proj.weight", 1,
      r"missing tensor 'model.layers.1.mlp.up_proj.weight'"),
     ("llama", None, "model.layers.0.self_attn.k_proj.bias", 1,

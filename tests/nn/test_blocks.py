@@ -153,8 +153,10 @@ def _block_input_checks(st):
     from tpkit.nn import ParallelMLP, ParallelSelfAttention, TransformerLayer
     with pytest.raises(ValueError, match="num_attention_heads=3 is not divisible"):
         ParallelSelfAttention(12, 3, state=st)
-    with pytest.raises(ValueError, match="num_gqa_groups=1 is not divisible"):
-        ParallelSelfAttention(16, 4, num_gqa_groups=1, state=st)
+    with pytest.raises(ValueError, match="num_gqa_groups=3 is not divisible"):
+        ParallelSelfAttention(24, 6, num_gqa_groups=3, state=st)
+    # fewer kv heads than TP ranks: replicated (issue 35), each rank keeps its query heads' one
+    assert ParallelSelfAttention(16, 4, num_gqa_groups=1, state=st).replicated_kv
     with pytest.raises(ValueError, match="num_gqa_groups=4"):
         ParallelSelfAttention(24, 6, num_gqa_groups=4, state=st)
     with pytest.raises(ValueError, match="ffn_hidden_size=5"):

@@ -86,6 +86,7 @@ def build_parser():
     Flags tpkit resolves itself default to None, meaning "not given"."""
     from torch.distributed.run import get_args_parser
     parser = get_args_parser()
+    parser.allow_abbrev = False   # --data must not be read as --data-parallel, nor --step as --steps
     parser.prog = PROG
     parser.description = _DESCRIPTION
     parser.error = _raise
@@ -107,7 +108,7 @@ def help_parser():
     flags tpkit resolves; the others pass through to torchrun (``--help-all`` lists them)."""
     import argparse
     parser = argparse.ArgumentParser(
-        prog=PROG, description=_DESCRIPTION,
+        prog=PROG, description=_DESCRIPTION, allow_abbrev=False,
         usage=f"{PROG} [options] SCRIPT [SCRIPT ARGS ...]",
         epilog="Every other torchrun option (--max-restarts, --log-dir, --monitor-interval, "
                "--standalone, -m, ...) is accepted too and passed through; "
@@ -311,6 +312,8 @@ def preflight(args, plan: Plan) -> str | None:
     if args.no_python or args.run_path:
         return None
     source = find_hook(args)
+    if source is None:   # a script with a hook checks its own arguments (launch/train.py --tp)
+        _warn_flags_after_script(args)
     return None if source is None else run_hook(args, source, plan.preflight,
                                                 jobs=plan.memory_jobs)
 
@@ -482,6 +485,35 @@ def user_error(line: str) -> bool:
     """Whether describe_failure's ``line`` reports a plain ValueError, which the worker
     wrapper records without printing a traceback (tpkit.cli._worker)."""
     return ") failed: ValueError: " in line
+
+
+# tpkit-launch's own flags that a user may put after the script by mistake
+_OWN_AFTER_SCRIPT = {"--tp": "tp", "--cp": "cp", "--pp": "pp", "--dp": "dp", "--ep": "ep",
+                     "--etp": "etp", "--sequence-parallel": "sequence_parallel",
+                     "--cp-comm-type": "cp_comm_type", "--cp-a2a-size": "cp_a2a_size",
+                     "--nproc-per-node": None, "--nnodes": None, "--backend": "backend",
+                     "--dry-run": "dry_run"}
+
+
+def _warn_flags_after_script(args) -> None:
+    """A tpkit-launch flag after the script goes to the script, not to tpkit-launch: say so
+    (one line on stderr) when tpkit-launch was not given the same flag itself and the
+    script has no ``tpkit_preflight`` hook (one that takes such flags checks them)."""
+    script = getattr(args, "training_script", "")
+    rest = list(getattr(args, "training_script_args", []) or [])
+    for i, tok in enumerate(rest):
+        flag = tok.split("=", 1)[0]
+        if flag not in _OWN_AFTER_SCRIPT:
+            continue
+        dest = _OWN_AFTER_SCRIPT[flag]
+        if dest is not None and getattr(args, dest, None) not in (None, False):
+            continue
+        given = tok
+        if "=" not in tok and i + 1 < len(rest) and not rest[i + 1].startswith("-"):
+            given = f"{tok} {rest[i + 1]}"
+        print(f"{PROG}: warning: {flag} comes after the script {script}, so it is passed to "
+              f"the script and {PROG} does not use it; put {PROG}'s flags before the script: "
+              f"{PROG} {given} {script} ...", file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

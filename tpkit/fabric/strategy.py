@@ -35,14 +35,15 @@ works with the layout taken from the ``TPKIT_*`` variables (tpkit-launch).
 from __future__ import annotations
 
 import os
+import re
+import warnings
 import weakref
-from contextlib import AbstractContextManager, ExitStack
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from datetime import timedelta
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.strategies.parallel import ParallelStrategy
 from lightning.fabric.utilities.distributed import (_get_default_process_group_backend_for_device,
@@ -50,10 +51,11 @@ from lightning.fabric.utilities.distributed import (_get_default_process_group_b
                                                     _sync_ddp_if_available)
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from .. import checkpoint, grads, parallel_state, topology
 from ..config import ParallelConfig
-from ..param_tags import is_expert, set_tags, tags_of
+from ..param_tags import is_expert, set_tags, tags_of, tp_spec
 from ..random import MODEL_PARALLEL_RNG, get_rng_tracker, model_parallel_seed
 from ..te import is_te_module, wire_parallel_groups
 from .sync import ExpertGradSum, SequenceParallelSum, TPKitBackwardSyncControl
@@ -75,7 +77,7 @@ class TPKitStrategy(ParallelStrategy):
                  parallelize_fn: Callable | None = None, seed: int | None = None,
                  accelerator=None, parallel_devices=None, cluster_environment=None,
                  checkpoint_io=None, precision=None, process_group_backend: str | None = None,
-                 timeout: timedelta | None = default_pg_timeout, **ddp_kwargs: Any) -> None:
+                 timeout: timedelta | None = None, **ddp_kwargs: Any) -> None:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision=precision)
@@ -108,7 +110,8 @@ class TPKitStrategy(ParallelStrategy):
         self._parallelize_fn = parallelize_fn
         self._seed = seed
         self._process_group_backend = process_group_backend
-        self._timeout = timeout
+        # as init_parallel: TPKIT_PG_TIMEOUT (else 600 s), not Lightning's 30 minutes
+        self._timeout = parallel_state.pg_timeout() if timeout is None else timeout
         self._ddp_kwargs = ddp_kwargs
         self._num_nodes = 1
         self._state: topology.ParallelState | None = None
@@ -117,6 +120,7 @@ class TPKitStrategy(ParallelStrategy):
         self._sp_sum = SequenceParallelSum()
         self._expert_sum = ExpertGradSum()
         self._replaced: dict[int, weakref.ref] = {}   # parameters FSDP2 replaced
+        self._swapped: dict[int, tuple] = {}   # parameters parallelize_fn replaced: (ref, name)
         self._optimizers: list[weakref.ref] = []
         self._backward_sync_control = TPKitBackwardSyncControl(self._sp_sum, self._expert_sum)
 
@@ -215,11 +219,20 @@ class TPKitStrategy(ParallelStrategy):
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         state = self.parallel_state
+        _refuse_dtensors(module)
         if self._parallelize_fn is not None:
+            before = {id(p): (weakref.ref(p), n) for n, p in module.named_parameters()}
             module = self._parallelize_fn(module, state)
             if not isinstance(module, nn.Module):
                 raise TypeError(f"parallelize_fn must return an nn.Module, got "
                                 f"{type(module).__name__}")
+            for p in module.parameters():
+                before.pop(id(p), None)
+            self._swapped.update(before)
+            for ref in self._optimizers:   # optimizers set up before this module
+                if ref() is not None:
+                    self._check_stale(ref(), module)
+        _check_tp_sharded(module, state)
         _materialize(module, self.root_device)
         if any(is_te_module(m) for m in module.modules()):
             wire_parallel_groups(module, state)
@@ -304,15 +317,42 @@ class TPKitStrategy(ParallelStrategy):
 
     def setup_module_and_optimizers(self, module, optimizers, scheduler=None):
         module = self.setup_module(module)
+        own = {id(p) for p in module.parameters()}
+        for o in optimizers:
+            self._check_stale(o, module)
+            foreign = [p for g in o.param_groups for p in g["params"] if id(p) not in own]
+            if foreign and own:
+                raise ValueError(
+                    f"the optimizer passed to fabric.setup holds {len(foreign)} parameter(s) "
+                    f"(shapes {[tuple(p.shape) for p in foreign[:3]]}, ...) that are not the "
+                    "model's: layers were replaced after the optimizer was built, and those "
+                    "parameters would never train. " + _SWAP_ORDER.split(": ", 1)[1])
         return module, [self.setup_optimizer(o) for o in optimizers], scheduler
 
-    def setup_optimizer(self, optimizer):
-        """With FSDP2, an optimizer holding parameters FSDP2 replaced is a ValueError (it
-        would train tensors that are no longer the model's)."""
+    def _check_stale(self, optimizer, live: nn.Module | None = None) -> None:
+        """Refuse an optimizer holding parameters parallelize_fn replaced unless it also
+        holds every live one: built from Fabric's module after setup_module, it holds the
+        original module's parameters too (Fabric keeps that module), which never get a
+        gradient; built before, it lacks the new ones, which would never train."""
+        swapped = self._swapped
+        held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        hits = [swapped[i][1] for i in held if i in swapped and swapped[i][0]() is not None]
+        if hits:
+            mods = [live] if live is not None else self._modules
+            now = {id(p) for m in mods for p in m.parameters()}
+            if not now or not now <= held:
+                raise ValueError(f"the optimizer holds parameter {hits[0]!r}, which "
+                                 f"parallelize_fn replaced; {_SWAP_ORDER}")
         stale = self._replaced
         if any(id(p) in stale and stale[id(p)]() is p
                for g in optimizer.param_groups for p in g["params"]):
             raise ValueError(_PP_ORDER if self._pipeline is not None else _FSDP_ORDER)
+
+    def setup_optimizer(self, optimizer):
+        """An optimizer holding parameters that parallelize_fn or FSDP2 replaced (or another
+        pipeline stage's) is a ValueError: it would train tensors that are no longer the
+        model's."""
+        self._check_stale(optimizer)
         self._optimizers.append(weakref.ref(optimizer))
         return super().setup_optimizer(optimizer)
 
@@ -343,11 +383,37 @@ class TPKitStrategy(ParallelStrategy):
 
     def clip_gradients_norm(self, module, optimizer, max_norm, norm_type=2.0,
                             error_if_nonfinite: bool = True) -> torch.Tensor:
-        self.finalize_gradients()
-        self.precision.unscale_gradients(optimizer)
-        return grads.clip_grad_norm(self.precision.main_params(optimizer), max_norm,
-                                    self.parallel_state, norm_type=norm_type,
-                                    error_if_nonfinite=error_if_nonfinite)
+        with self._collective("fabric.clip_gradients"):
+            self.finalize_gradients()
+            self.precision.unscale_gradients(optimizer)
+            return grads.clip_grad_norm(self.precision.main_params(optimizer), max_norm,
+                                        self.parallel_state, norm_type=norm_type,
+                                        error_if_nonfinite=error_if_nonfinite)
+
+    def _all_arrive(self) -> None:
+        """One all-reduce of one element on the default group: a rank calling a collective
+        alone (``fabric.save`` under ``if rank == 0``) waits here, where the timeout is
+        the strategy's, not inside a layout subgroup."""
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            device = self.root_device if dist.get_backend() == "nccl" else "cpu"
+            dist.all_reduce(torch.zeros(1, device=device))
+
+    @contextmanager
+    def _collective(self, call: str):
+        """A collective that fails on its timeout (or on a peer that left) ends with one line
+        naming ``call``, that it is collective, and that every rank must call it."""
+        try:
+            yield
+        except RuntimeError as e:
+            if not _TIMED_OUT.search(str(e)):
+                raise
+            seconds = self._timeout.total_seconds() if self._timeout else float("nan")
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            raise TimeoutError(
+                f"rank {rank}: {call} waited for the other ranks and gave up (timeout "
+                f"{seconds:g} s, TPKIT_PG_TIMEOUT or TPKitStrategy(timeout=)): {call} is "
+                "collective, every rank must call it (not only rank 0, e.g. under `if "
+                "fabric.global_rank == 0`)") from None
 
     def clip_gradients_value(self, module, optimizer, clip_val) -> None:
         self.finalize_gradients()
@@ -362,10 +428,11 @@ class TPKitStrategy(ParallelStrategy):
 
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         if dist.is_initialized():
-            if dist.get_backend() == "nccl":
-                dist.barrier(device_ids=[self.root_device.index])
-            else:
-                dist.barrier()
+            with self._collective("fabric.barrier"):
+                if dist.get_backend() == "nccl":
+                    dist.barrier(device_ids=[self.root_device.index])
+                else:
+                    dist.barrier()
 
     def broadcast(self, obj, src: int = 0):
         if not dist.is_initialized():
@@ -389,7 +456,9 @@ class TPKitStrategy(ParallelStrategy):
             raise TypeError("TPKitStrategy.save_checkpoint(storage_options=...) is not "
                             "supported: it writes torch.distributed.checkpoint directories, "
                             "not through a CheckpointIO plugin")
-        checkpoint.save(self.broadcast(str(path)), state, filter=filter)
+        with self._collective("fabric.save"):
+            self._all_arrive()
+            checkpoint.save(self.broadcast(str(path)), state, filter=filter)
 
     def load_checkpoint(self, path, state=None, strict: bool = True,
                         weights_only: bool | None = None) -> dict[str, Any]:
@@ -400,6 +469,11 @@ class TPKitStrategy(ParallelStrategy):
         checkpoint dict): full state dicts load into the shards at this layout.
         ``weights_only`` (None: True, torch.load's default) holds for both: a directory's
         plain entries are read with it (its ``.metadata`` never runs code)."""
+        with self._collective("fabric.load"):
+            return self._load_checkpoint(path, state, strict, weights_only)
+
+    def _load_checkpoint(self, path, state, strict, weights_only) -> dict[str, Any]:
+        """The body of load_checkpoint."""
         path, s = self.broadcast(str(path)), self.parallel_state
         if isinstance(state, (nn.Module, torch.optim.Optimizer)):   # fabric.load_raw
             if not os.path.isfile(path):
@@ -443,7 +517,7 @@ class TPKitStrategy(ParallelStrategy):
         self._pipeline = None
         self._sp_sum.clear()
         self._expert_sum.clear()
-        self._optimizers, self._replaced = [], {}
+        self._optimizers, self._replaced, self._swapped = [], {}, {}
         if self._owns_state and topology.is_initialized() \
                 and topology.get_parallel_state() is self._state:
             parallel_state.destroy_parallel()
@@ -462,6 +536,46 @@ _FSDP_ORDER = ("with data_parallel='fsdp' the optimizer must be created after th
                "is sharded (FSDP2 replaces the parameters): call model = "
                "fabric.setup_module(model), then build the optimizer from model.parameters() "
                "and call fabric.setup_optimizers(optimizer)")
+
+
+_SWAP_ORDER = ("build the optimizer after the model is parallelized (its layers' parameters "
+               "are new tensors): call model = fabric.setup_module(model), then build the "
+               "optimizer from model.parameters() and call fabric.setup_optimizers(optimizer)")
+
+# What a collective that timed out (or lost a peer) says, on gloo and NCCL.
+_TIMED_OUT = re.compile(r"timed out|timeout|connection closed|connection reset|"
+                        r"closed by peer|broken pipe", re.IGNORECASE)
+
+
+def _refuse_dtensors(module: nn.Module) -> None:
+    """DTensor parameters (torch's parallelize_module) are refused: tpkit's clipping and
+    checkpoints read tpkit's tags and meshes, and would compute a wrong norm."""
+    names = [n for n, p in module.named_parameters() if isinstance(p, DTensor)]
+    if names:
+        raise ValueError(
+            f"{len(names)} parameter(s) of the model are DTensors ({names[:3]}, ...: torch's "
+            "parallelize_module or fully_shard): TPKitStrategy's gradient clipping and "
+            "checkpoints work on tpkit's TP shards and would compute a wrong norm and fail "
+            "to save them; parallelize with tpkit.parallelize (TPKitStrategy(parallelize_fn="
+            "tpkit.parallelize)) and data_parallel='fsdp' for sharded data parallelism")
+
+
+def _check_tp_sharded(module: nn.Module, state) -> None:
+    """At tp > 1 a model with no TP-sharded parameter trains the same full model on every
+    TP rank (tp - 1 ranks' work wasted, with no word): warned about, naming the module (an
+    auxiliary replicated module set up beside the model is legitimate)."""
+    if state.tp_size == 1:
+        return
+    params = list(module.parameters())
+    if any(is_te_module(m) for m in module.modules()):
+        return   # TE's modules shard by their own tp_size (wired to the layout's groups)
+    if params and not any(tp_spec(p) is not None or is_expert(p) for p in params):
+        warnings.warn(
+            f"tp={state.tp_size} but none of the {len(params)} parameters of "
+            f"{type(module).__name__} is TP-sharded: every TP rank trains the whole model on "
+            "the same data. Parallelize it (TPKitStrategy(parallelize_fn=tpkit.parallelize), "
+            "a plan for your model: docs/byom.md), build it from tpkit.nn layers, or launch "
+            "with tp=1", stacklevel=3)
 
 
 _PP_ORDER = ("with pp > 1 the optimizer must be created after the module is split into "

@@ -249,9 +249,8 @@ def expected_shapes(cfg: LlamaConfig) -> dict[str, list[int]]:
 def _layout(param, names, shapes) -> tuple[int | None, list[int]]:
     """(partition dim or None, segment lengths along it) of one parameter."""
     spec = tp_spec(param)
-    if spec is None:
-        assert len(names) == 1, names   # segments exist only in sharded parameters
-        return None, [shapes[names[0]][0]]
+    if spec is None:   # replicated; several names are segments along dim 0 ([k; v])
+        return None, [shapes[n][0] for n in names]
     dim, sizes = spec
     lengths = [shapes[n][dim] for n in names]
     assert sizes is None or list(sizes) == lengths, (names, sizes, lengths)
@@ -281,13 +280,14 @@ def load_llama(cls, path: str, state, *, dtype: torch.dtype, overrides: dict):
             dim, lengths = _layout(p, names, expected)
             at = 0
             for name, length in zip(names, lengths):
-                if dim is None:   # replicated: the whole tensor (one segment)
-                    p.copy_(index.read(name))
+                if dim is None:   # replicated: the whole tensor of every segment
+                    p.narrow(0, at, length).copy_(index.read(name))
+                    at += length
                     continue
                 k = length // n
                 p.narrow(dim, at, k).copy_(index.read(name, dim, rank * k, (rank + 1) * k))
                 at += k
-            assert dim is None or at == p.shape[dim], (pname, at, p.shape)
+            assert at == p.shape[0 if dim is None else dim], (pname, at, p.shape)
     return model
 
 

@@ -114,8 +114,12 @@ class LlamaConfig:
     def check_tp(self, tp: int) -> "LlamaConfig":
         """Raise ValueError naming the size (tpkit's and config.json's name) that tp does
         not divide; return self."""
+        # fewer kv heads than TP ranks (tp a multiple of them) are replicated: each rank keeps
+        # the kv head its query heads use (tpkit.nn.attention.ReplicatedKV)
+        kv_shared = self.kv_heads < tp and tp % self.kv_heads == 0
         for what, n in (("num_heads (num_attention_heads)", self.num_heads),
-                        ("num_gqa_groups (num_key_value_heads)", self.kv_heads),
+                        ("num_gqa_groups (num_key_value_heads)",
+                         tp if kv_shared else self.kv_heads),
                         ("ffn_hidden_size (intermediate_size)", self.ffn_hidden_size),
                         ("vocab_size", self.vocab_size)):
             if n % tp:
@@ -163,6 +167,13 @@ _TORCH_BLOCK = {
     "mlp.linear_fc1.bias": ("mlp.gate_proj.bias", "mlp.up_proj.bias"),
     "mlp.linear_fc2.weight": ("mlp.down_proj.weight",),
     "mlp.linear_fc2.bias": ("mlp.down_proj.bias",),
+}
+# fewer kv heads than TP ranks: linear_qkv holds q alone, linear_kv [k; v] whole on each rank
+_REPLICATED_KV = {
+    "self_attention.linear_qkv.weight": ("self_attn.q_proj.weight",),
+    "self_attention.linear_qkv.bias": ("self_attn.q_proj.bias",),
+    "self_attention.linear_kv.weight": ("self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    "self_attention.linear_kv.bias": ("self_attn.k_proj.bias", "self_attn.v_proj.bias"),
 }
 # Transformer Engine's TransformerLayer (fuse_qkv_params=False: q, k, v are separate
 # parameters, each sharded on its own; fc1 is [gate; up] per rank, as tpkit's)
@@ -247,6 +258,8 @@ class Llama(nn.Module):
         holds, in order: several names are segments concatenated along the parameter's
         partition dim (q/k/v, gate/up), each sharded over TP on its own."""
         block = _TE_BLOCK if self._te_blocks else _TORCH_BLOCK
+        if not self._te_blocks and self.cfg.kv_heads < self.state.tp_size:
+            block = {**block, **_REPLICATED_KV}
         table = {"embedding.weight": ("model.embed_tokens.weight",),
                  "final_norm.weight": ("model.norm.weight",),
                  "output.weight": ("lm_head.weight",)}

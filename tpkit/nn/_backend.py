@@ -80,7 +80,7 @@ def _translate_transformer_layer(a: dict, kind: str) -> dict:
                                 "init_method", "output_layer_init_method")}
     kw["self_attn_mask_type"] = a.get("attn_mask_type", "causal")
     kw["params_dtype"] = a.get("dtype")
-    kw["attn_input_format"] = "sbhd"  # tpkit's activations are [s, b, h]
+    kw["attn_input_format"] = a.get("attn_input_format") or "sbhd"  # TE's name and values
     return kw
 
 
@@ -104,7 +104,8 @@ _HANDLED = {
     "transformer_layer": ({"hidden_size", "ffn_hidden_size", "num_attention_heads",
                            "num_gqa_groups", "normalization", "layernorm_epsilon",
                            "hidden_dropout", "attention_dropout", "attn_mask_type", "bias",
-                           "activation", "init_method", "output_layer_init_method", "dtype"},
+                           "activation", "init_method", "output_layer_init_method", "dtype",
+                           "attn_input_format"},
                           _translate_transformer_layer),
     "mlp": (set(), _no_te(
         "ParallelMLP has no Transformer Engine counterpart without its norm (TE fuses them "

@@ -86,16 +86,43 @@ def divide(n: int, d: int, what: str, by: str | None = None) -> int:
     return n // d
 
 
+def local_kv_heads(groups: int, tp: int) -> int:
+    """Key/value heads per TP rank: ``groups / tp``, or 1 when fewer kv heads than TP ranks
+    (``tp`` a multiple of ``groups``): each rank then keeps the kv head its query heads use,
+    replicated over the ``tp / groups`` ranks sharing it (their gradients are summed)."""
+    if isinstance(groups, int) and not isinstance(groups, bool) and 0 < groups < tp \
+            and tp % groups == 0:
+        return 1
+    if isinstance(groups, int) and 0 < groups < tp:
+        raise ValueError(f"num_gqa_groups={groups} key/value heads cannot be shared evenly "
+                         f"by tp={tp} ranks; use a tp that {groups} divides, or a multiple "
+                         f"of {groups}")
+    return divide(groups, tp, "num_gqa_groups")
+
+
 def check_last_dim(x: torch.Tensor, expected: int, layer: str) -> None:
     if x.dim() < 1 or x.shape[-1] != expected:
         raise ValueError(f"{layer} expects an input whose last dim is {expected}, got shape "
                          f"{tuple(x.shape)}")
 
 
-def check_sbh(x: torch.Tensor, hidden: int, layer: str) -> None:
+INPUT_FORMATS = ("sbhd", "bshd")   # TE's attn_input_format values tpkit's layers take
+
+
+def check_sbh(x: torch.Tensor, hidden: int, layer: str, fmt: str = "sbhd") -> None:
     if x.dim() != 3 or x.shape[-1] != hidden:
-        raise ValueError(f"{layer} expects hidden states [s, b, {hidden}] (3 dims, "
-                         f"sequence first), got shape {tuple(x.shape)}")
+        shape, what = (("[s, b", "sequence first") if fmt == "sbhd" else
+                       ("[b, s", "batch first, attn_input_format='bshd'"))
+        raise ValueError(f"{layer} expects hidden states {shape}, {hidden}] (3 dims, "
+                         f"{what}), got shape {tuple(x.shape)}")
+
+
+def check_input_format(fmt: str) -> int:
+    """The sequence dim of ``attn_input_format`` (TE's name): 0 for "sbhd", 1 for "bshd"."""
+    if fmt not in INPUT_FORMATS:
+        raise ValueError(f"attn_input_format={fmt!r} is not supported; use 'sbhd' "
+                         "([s, b, h], the default) or 'bshd' (batch-first [b, s, h])")
+    return INPUT_FORMATS.index(fmt)
 
 
 def init_shard(weight: torch.Tensor, init_method, fan_in: int, tp_size: int) -> None:

@@ -11,53 +11,125 @@ cp_comm_type.
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from ._backend import TEBackendMixin
-from ._common import ParallelModule, check_sbh, divide, resolve_sp
-from .linear import ColumnParallelLinear, RowParallelLinear
+from torch import nn
+
+from . import mappings
+from ._common import (ParallelModule, check_input_format, check_sbh, divide, local_kv_heads,
+                      resolve_sp, set_tp_attrs)
+from .linear import ColumnParallelLinear, RowParallelLinear, linear_fn
 from .rope import apply_rotary_pos_emb
 from .dot_product_attention import THD_KWARGS, DotProductAttention
 
-__all__ = ["ParallelSelfAttention"]
+__all__ = ["ParallelSelfAttention", "ReplicatedKV"]
+
+
+class ReplicatedKV(ParallelModule):
+    """Key (and value) projections with fewer kv heads than TP ranks: every rank holds the
+    whole ``[segments * kv_heads * d, in]`` weight (replicated: full in checkpoints) and
+    computes only the head its query heads use (``local()``: that head's rows of every
+    segment). Each rank's gradient then covers its head's rows, and the sum over the TP
+    ranks is every head's gradient (the ranks sharing a head add their query heads'
+    shares), so the parameters carry the ``sequence_parallel`` tag: TPKitStrategy sums them
+    over TP after every backward, plain loops call tpkit.grads.sync_sequence_parallel_grads.
+    The input comes in already gathered (the attention's job, as for its fused QKV)."""
+
+    def __init__(self, in_features: int, kv_heads: int, head_dim: int, *, segments: int = 2,
+                 bias: bool = False, init_method=None, state=None, device=None, dtype=None):
+        super().__init__()
+        state = self._bind_state(state)
+        local_kv_heads(kv_heads, state.tp_size)
+        self.in_features, self.kv_heads, self.head_dim = in_features, kv_heads, head_dim
+        self.segments = segments
+        out = segments * kv_heads * head_dim
+        kw = {"device": state.device if device is None else device,
+              "dtype": dtype or torch.get_default_dtype()}
+        self.weight = set_tp_attrs(nn.Parameter(torch.empty(out, in_features, **kw)), None,
+                                   sequence_parallel=True)
+        with torch.no_grad():   # the default stream: the same on every TP rank (replicated)
+            (init_method or (lambda w: nn.init.uniform_(w, -in_features ** -0.5,
+                                                        in_features ** -0.5)))(self.weight)
+        self.bias = set_tp_attrs(nn.Parameter(torch.zeros(out, **kw)), None,
+                                 sequence_parallel=True) if bias else None
+        head = state.tp_rank // (state.tp_size // kv_heads) if kv_heads < state.tp_size \
+            else state.tp_rank
+        seg = kv_heads * head_dim
+        self._rows = torch.cat([torch.arange(i * seg + head * head_dim,
+                                             i * seg + (head + 1) * head_dim)
+                                for i in range(segments)]).tolist()
+
+    def local(self):
+        """(weight rows, bias rows) of this rank's kv head, every segment in order."""
+        rows = self._rows
+        w = self.weight[rows[0]:rows[-1] + 1] if self.segments == 1 else self.weight[rows]
+        b = None if self.bias is None else (
+            self.bias[rows[0]:rows[-1] + 1] if self.segments == 1 else self.bias[rows])
+        return w, b
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w, b = self.local()
+        return linear_fn(self, x, w, b)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, kv_heads={self.kv_heads}, "
+                f"head_dim={self.head_dim}, segments={self.segments}, replicated over TP")
 
 
 class ParallelSelfAttention(TEBackendMixin, ParallelModule):
     """Multi-head / grouped-query self-attention on ``[s, b, h]`` (``[s/tp, b, h]`` under
     SP). ``num_gqa_groups`` is TE's: the number of kv heads (None = num_attention_heads).
     ``bias`` covers QKV and the projection; ``qkv_bias`` (None: ``bias``) overrides it for
-    QKV alone (Qwen2 and Megatron's ``add_qkv_bias``: biased q/k/v, unbiased projection)."""
+    QKV alone (Qwen2 and Megatron's ``add_qkv_bias``: biased q/k/v, unbiased projection).
+    ``attn_input_format`` (TE's name): ``"sbhd"`` (default, ``[s, b, h]``) or ``"bshd"``
+    (batch-first ``[b, s, h]``, nanoGPT's and Hugging Face's; SP then shards dim 1). An
+    "sbhd" input with fewer positions than batch rows is warned about once: a batch-first
+    tensor read as sequence-first attends across the batch."""
     _te_kind = "self_attention"  # backend="te" refuses (no TE counterpart), "auto" = torch
 
     def __init__(self, hidden_size: int, num_attention_heads: int, *,
                  num_gqa_groups: int | None = None, attention_dropout: float = 0.0,
                  attn_mask_type: str = "causal", bias: bool = True,
                  qkv_bias: bool | None = None, sequence_parallel: bool | None = None,
-                 init_method=None, output_layer_init_method=None, state=None, device=None,
+                 init_method=None, output_layer_init_method=None,
+                 attn_input_format: str = "sbhd", state=None, device=None,
                  dtype=None, backend: str = "torch"):
         super().__init__()
         self._bind_state(state)
+        self.sequence_dim = check_input_format(attn_input_format)
+        self.attn_input_format = attn_input_format
         tp = self.state.tp_size
         self.sequence_parallel = resolve_sp(sequence_parallel, self.state)
         groups = num_attention_heads if num_gqa_groups is None else num_gqa_groups
         divide(hidden_size, 1, "hidden_size")
         self.heads_local = divide(num_attention_heads, tp, "num_attention_heads")
-        self.groups_local = divide(groups, tp, "num_gqa_groups")
+        self.groups_local = local_kv_heads(groups, tp)
         divide(num_attention_heads, groups, "num_attention_heads", by="num_gqa_groups")
         divide(hidden_size, num_attention_heads, "hidden_size", by="num_attention_heads")
         self.hidden_size = hidden_size
         self.num_attention_heads, self.num_gqa_groups = num_attention_heads, groups
         d = self.kv_channels = hidden_size // num_attention_heads
         kw = dict(sequence_parallel=self.sequence_parallel, state=self.state, device=device,
-                  dtype=dtype)
+                  dtype=dtype, sequence_dim=self.sequence_dim)
         sizes = (num_attention_heads * d, groups * d, groups * d)
         qkv_bias = bias if qkv_bias is None else qkv_bias
+        # fewer kv heads than TP ranks: linear_qkv holds the queries, linear_kv the whole
+        # k/v projection on every rank (ReplicatedKV)
+        self.replicated_kv = groups < tp
+        if self.replicated_kv:
+            sizes = sizes[:1]
+            self.linear_kv = ReplicatedKV(hidden_size, groups, d, bias=qkv_bias,
+                                          init_method=init_method, state=self.state,
+                                          device=device, dtype=dtype)
         self.linear_qkv = ColumnParallelLinear(hidden_size, sum(sizes), qkv_bias,
                                                init_method=init_method, partition_sizes=sizes,
                                                **kw)
         self.core_attention = DotProductAttention(
             num_attention_heads, d, num_gqa_groups=groups, attention_dropout=attention_dropout,
-            attn_mask_type=attn_mask_type, state=self.state)
+            attn_mask_type=attn_mask_type, qkv_format=attn_input_format, state=self.state)
         self.linear_proj = RowParallelLinear(num_attention_heads * d, hidden_size, bias,
                                              input_is_parallel=True,
                                              init_method=output_layer_init_method or init_method,
@@ -72,19 +144,34 @@ class ParallelSelfAttention(TEBackendMixin, ParallelModule):
         ``[t, 1, h]``; the core then runs ``qkv_format="thd"`` with the padding form of
         this layer's mask type, and ``rotary_pos_emb`` holds the angles of the row's
         per-document positions (``RotaryEmbedding(batch.position_ids)``)."""
-        check_sbh(hidden_states, self.hidden_size, type(self).__name__)
+        check_sbh(hidden_states, self.hidden_size, type(self).__name__, self.attn_input_format)
         unknown = sorted(set(packed) - set(THD_KWARGS))
         if unknown:
             raise TypeError(f"{type(self).__name__}.forward got unexpected arguments {unknown};"
                             f" packed sequences take {list(THD_KWARGS)}")
-        qkv = self.linear_qkv(hidden_states)                   # [s, b, (hl + 2 gl) * d]
-        s, b, _ = qkv.shape
+        fmt = self.attn_input_format
+        if self.replicated_kv:   # one gather (or f) of the input for both projections
+            x = mappings.gather_from_sp_region(hidden_states, self.group, self.sequence_dim) \
+                if self.sequence_parallel else mappings.copy_to_tp_region(hidden_states,
+                                                                          self.group)
+            lq = self.linear_qkv
+            qkv = torch.cat([linear_fn(lq, x, lq.weight, lq.bias), self.linear_kv(x)], -1)
+        else:
+            qkv = self.linear_qkv(hidden_states)               # [s, b, (hl + 2 gl) * d]
+        n0, n1, _ = qkv.shape
+        s, b = (n0, n1) if fmt == "sbhd" else (n1, n0)
+        if fmt == "sbhd" and s < b and not getattr(self, "_format_warned", False):
+            self._format_warned = True
+            warnings.warn(f"{type(self).__name__} read an input of {s} positions x {b} batch "
+                          "rows as sequence-first [s, b, h]; if it is batch-first [b, s, h] "
+                          "(nanoGPT's, Hugging Face's layout), attention runs over the batch: "
+                          "pass attn_input_format='bshd'", stacklevel=2)
         d, hl, gl = self.kv_channels, self.heads_local, self.groups_local
         q, k, v = qkv.split([hl * d, gl * d, gl * d], dim=-1)
-        q, k, v = q.view(s, b, hl, d), k.view(s, b, gl, d), v.view(s, b, gl, d)
+        q, k, v = q.view(n0, n1, hl, d), k.view(n0, n1, gl, d), v.view(n0, n1, gl, d)
         if rotary_pos_emb is not None:
-            q = apply_rotary_pos_emb(q, rotary_pos_emb)
-            k = apply_rotary_pos_emb(k, rotary_pos_emb)
+            q = apply_rotary_pos_emb(q, rotary_pos_emb, fmt)
+            k = apply_rotary_pos_emb(k, rotary_pos_emb, fmt)
         if packed.get("cu_seqlens_q") is None:
             args = () if attention_mask is None else (attention_mask,)
             ctx = self.core_attention(q, k, v, *args)           # [s, b, hl * d]
@@ -93,7 +180,9 @@ class ParallelSelfAttention(TEBackendMixin, ParallelModule):
                              f"{b}; pack more documents into the row instead")
         else:
             causal = "causal" in getattr(self.core_attention, "attn_mask_type", "causal")
-            ctx = self.core_attention(q[:, 0], k[:, 0], v[:, 0], qkv_format="thd",
+            row = 1 - self.sequence_dim     # the batch dim, of size 1
+            ctx = self.core_attention(q.select(row, 0), k.select(row, 0), v.select(row, 0),
+                                      qkv_format="thd",
                                       attn_mask_type="padding_causal" if causal else "padding",
-                                      **packed).unsqueeze(1)
+                                      **packed).unsqueeze(row)
         return self.linear_proj(ctx)

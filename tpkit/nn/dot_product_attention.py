@@ -21,6 +21,7 @@ for every comm type; the ring kernels replay their masks in backward from that s
 from __future__ import annotations
 
 import math
+import warnings
 import weakref
 
 import torch
@@ -28,10 +29,11 @@ import torch.nn.functional as F
 
 from ..collectives import group_rank, group_size
 from ..config import CP_COMM_TYPES
+from ..data import last_sharded_length
 from ..random import get_rng_tracker
 from ..topology import resolve_state
 from ._backend import TEBackendMixin
-from ._common import divide
+from ._common import divide, local_kv_heads
 from .attention_ops import select
 from .context_parallel import context_parallel_attention
 from .fused_cp import fused_context_parallel_attention
@@ -117,7 +119,7 @@ class DotProductAttention(TEBackendMixin, torch.nn.Module):
         num_gqa_groups = num_attention_heads if num_gqa_groups is None else num_gqa_groups
         divide(num_attention_heads, num_gqa_groups, "num_attention_heads", by="num_gqa_groups")
         self.num_heads_local = divide(num_attention_heads, state.tp_size, "num_attention_heads")
-        self.num_gqa_local = divide(num_gqa_groups, state.tp_size, "num_gqa_groups")
+        self.num_gqa_local = local_kv_heads(num_gqa_groups, state.tp_size)
         self.kv_channels = kv_channels
         self.attn_mask_type = attn_mask_type
         self.attention_dropout = attention_dropout
@@ -195,6 +197,28 @@ class DotProductAttention(TEBackendMixin, torch.nn.Module):
             raise ValueError(f"local sequence length {s} is odd, but a CP shard holds two "
                              "equal chunks; shard with tpkit.data.shard_sequence (the full "
                              f"length must divide by 2*cp = {2 * self.cp_size})")
+        if self.cp_size > 1 and fmt != "thd":
+            self._check_cp_shard(s)
+
+    def _check_cp_shard(self, s: int) -> None:
+        """A full-length input reaching CP attention runs (each rank attends to the whole
+        sequence in the wrong layout) and trains silently wrong: refuse the full length
+        last sharded in this layout; warn once when nothing was sharded through tpkit."""
+        full = last_sharded_length(self.state)
+        if full is not None and s == full:
+            raise ValueError(
+                f"{type(self).__name__} under cp={self.cp_size} got the full sequence ({s} "
+                f"tokens) where this CP rank's shard of {s // self.cp_size} belongs; shard "
+                "the inputs with tpkit.data.shard_sequence(x, seq_dim) (or parallelize the "
+                "model with tpkit.parallelize, which shards them)")
+        if full is None and not getattr(self, "_cp_warned", False):
+            self._cp_warned = True
+            warnings.warn(
+                f"{type(self).__name__} under cp={self.cp_size} got {s} local tokens but no "
+                "sequence was sharded with tpkit.data.shard_sequence / shard_position_ids in "
+                "this layout: if these are the full sequence, attention and loss are wrong; "
+                "shard the inputs (tpkit.data.shard_sequence, or tpkit.parallelize)",
+                stacklevel=3)
 
     def forward(self, query_layer, key_layer, value_layer, attention_mask=None,
                 qkv_format: str | None = None, cu_seqlens_q=None, cu_seqlens_kv=None,

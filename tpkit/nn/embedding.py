@@ -1,8 +1,9 @@
 """Vocabulary-parallel embedding: each TP rank holds rows [r*V/tp, (r+1)*V/tp) of the table.
 
 Ids outside this rank's range look up zeros; the partial outputs are summed over TP with
-an all-reduce, or under sequence parallelism reduce-scattered along dim 0, so pass ids
-sequence-first (``[s, b]``) to get ``[s/tp, b, h]`` hidden states.
+an all-reduce, or under sequence parallelism reduce-scattered along the sequence dim:
+pass ids sequence-first (``[s, b]``) to get ``[s/tp, b, h]`` hidden states, or
+batch-first ``[b, s]`` with ``sequence_dim=1`` to get ``[b, s/tp, h]``.
 """
 from __future__ import annotations
 
@@ -20,9 +21,14 @@ class VocabParallelEmbedding(ParallelModule):
     """nn.Embedding with the vocabulary sharded over TP (weight ``[V/tp, h]``)."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, init_method=None,
-                 sequence_parallel: bool | None = None, state=None, device=None, dtype=None):
+                 sequence_parallel: bool | None = None, sequence_dim: int = 0, state=None,
+                 device=None, dtype=None):
         super().__init__()
         self._bind_state(state)
+        if sequence_dim not in (0, 1):
+            raise ValueError(f"sequence_dim={sequence_dim!r} must be 0 (ids [s, b]) or 1 "
+                             "(batch-first ids [b, s])")
+        self.sequence_dim = sequence_dim
         self.tp_size = self.state.tp_size
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         divide(embedding_dim, 1, "embedding_dim")
@@ -39,11 +45,13 @@ class VocabParallelEmbedding(ParallelModule):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
             raise ValueError(f"VocabParallelEmbedding expects integer ids, got {input_ids.dtype}")
-        if self.sequence_parallel and (input_ids.dim() < 1 or
-                                       input_ids.shape[0] % self.tp_size):
-            raise ValueError(f"with sequence_parallel=True the ids must be sequence-first "
-                             f"[s, b] with s divisible by tp={self.tp_size}, got shape "
-                             f"{tuple(input_ids.shape)}; pad the sequence")
+        d = self.sequence_dim
+        if self.sequence_parallel and (input_ids.dim() < 1 + d or
+                                       input_ids.shape[d] % self.tp_size):
+            raise ValueError(f"with sequence_parallel=True the ids must be "
+                             f"{('[s, b]', '[b, s]')[d]} (sequence_dim={d}) with s divisible "
+                             f"by tp={self.tp_size}, got shape {tuple(input_ids.shape)}; pad "
+                             "the sequence")
         if self.tp_size == 1:
             return F.embedding(input_ids, self.weight)
         outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
@@ -51,7 +59,7 @@ class VocabParallelEmbedding(ParallelModule):
         out = F.embedding(local_ids, self.weight)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         if self.sequence_parallel:
-            return mappings.reduce_scatter_to_sp_region(out, self.group)
+            return mappings.reduce_scatter_to_sp_region(out, self.group, d)
         return mappings.reduce_from_tp_region(out, self.group, inplace=True)
 
     def extra_repr(self) -> str:

@@ -2,7 +2,8 @@
 
 ColumnParallelLinear shards the output features (weight ``[out/tp, in]``): without SP
 its input passes through f (copy_to_tp_region: all-reduce of the input gradient); with
-SP the ``[s/tp, b, in]`` input is all-gathered along the sequence first. RowParallelLinear
+SP the ``[s/tp, b, in]`` input is all-gathered along the sequence first
+(``sequence_dim=1``: batch-first ``[b, s/tp, in]``). RowParallelLinear
 shards the input features (weight ``[out, in/tp]``) and sums the partial outputs with g
 (all-reduce) or, under SP, a reduce-scatter to ``[s/tp, b, out]``; its bias is replicated
 and added after the reduction (tagged ``sequence_parallel=True`` under SP, since each rank
@@ -28,6 +29,7 @@ def _plain_matmul(layer: nn.Module, x: torch.Tensor, weight: torch.Tensor,
 
 
 _MATMUL = _plain_matmul
+_SHAPES = ("[s/tp, b, h]", "[b, s/tp, h]")   # by sequence_dim
 
 
 def set_matmul(fn):
@@ -51,8 +53,12 @@ def linear_fn(layer: nn.Module, x: torch.Tensor, weight: torch.Tensor,
 
 class _ParallelLinearBase(ParallelModule):
     def _setup(self, in_features, out_features, bias, skip_bias_add, return_bias,
-               sequence_parallel, state, device, dtype):
+               sequence_parallel, state, device, dtype, sequence_dim=0):
         self._bind_state(state)
+        if sequence_dim not in (0, 1):
+            raise ValueError(f"sequence_dim={sequence_dim!r} must be 0 ([s, b, h]) or 1 "
+                             "(batch-first [b, s, h])")
+        self.sequence_dim = sequence_dim
         self.tp_size = self.state.tp_size
         self.in_features, self.out_features = in_features, out_features
         self.sequence_parallel = resolve_sp(sequence_parallel, self.state)
@@ -84,11 +90,11 @@ class ColumnParallelLinear(TEBackendMixin, _ParallelLinearBase):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  gather_output: bool = False, sequence_parallel: bool | None = None,
                  init_method=None, skip_bias_add: bool = False, return_bias: bool = False,
-                 partition_sizes: tuple[int, ...] | None = None, state=None, device=None,
-                 dtype=None, backend: str = "torch"):
+                 partition_sizes: tuple[int, ...] | None = None, sequence_dim: int = 0,
+                 state=None, device=None, dtype=None, backend: str = "torch"):
         super().__init__()
         kw = self._setup(in_features, out_features, bias, skip_bias_add, return_bias,
-                         sequence_parallel, state, device, dtype)
+                         sequence_parallel, state, device, dtype, sequence_dim)
         divide(in_features, 1, "in_features")
         if partition_sizes is not None:
             partition_sizes = tuple(partition_sizes)
@@ -116,10 +122,11 @@ class ColumnParallelLinear(TEBackendMixin, _ParallelLinearBase):
     def forward(self, x: torch.Tensor):
         check_last_dim(x, self.in_features, type(self).__name__)
         if self.sequence_parallel:
-            if x.dim() < 2:
+            if x.dim() < 2 + self.sequence_dim:
                 raise ValueError(f"{type(self).__name__} with sequence_parallel=True expects "
-                                 f"[s/tp, b, h] input, got shape {tuple(x.shape)}")
-            x = mappings.gather_from_sp_region(x, self.group)
+                                 f"{_SHAPES[self.sequence_dim]} input, got shape "
+                                 f"{tuple(x.shape)}")
+            x = mappings.gather_from_sp_region(x, self.group, self.sequence_dim)
         else:
             x = mappings.copy_to_tp_region(x, self.group, inplace_grad=True)
         bias = self.bias if not self.return_bias else None
@@ -136,10 +143,11 @@ class RowParallelLinear(TEBackendMixin, _ParallelLinearBase):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  input_is_parallel: bool = True, sequence_parallel: bool | None = None,
                  init_method=None, skip_bias_add: bool = False, return_bias: bool = False,
-                 state=None, device=None, dtype=None, backend: str = "torch"):
+                 sequence_dim: int = 0, state=None, device=None, dtype=None,
+                 backend: str = "torch"):
         super().__init__()
         kw = self._setup(in_features, out_features, bias, skip_bias_add, return_bias,
-                         sequence_parallel, state, device, dtype)
+                         sequence_parallel, state, device, dtype, sequence_dim)
         divide(out_features, 1, "out_features")
         local = divide(in_features, self.tp_size, "in_features")
         if self.sequence_parallel and not input_is_parallel:
@@ -164,11 +172,12 @@ class RowParallelLinear(TEBackendMixin, _ParallelLinearBase):
             x = mappings.scatter_to_tp_region(x, self.group, -1)
         out = linear_fn(self, x, self.weight, None)
         if self.sequence_parallel:
-            if out.dim() < 2 or out.shape[0] % self.tp_size:
+            d = self.sequence_dim
+            if out.dim() < 2 + d or out.shape[d] % self.tp_size:
                 raise ValueError(f"{name} with sequence_parallel=True needs a sequence length "
-                                 f"(dim 0) divisible by tp={self.tp_size}, got shape "
+                                 f"(dim {d}) divisible by tp={self.tp_size}, got shape "
                                  f"{tuple(out.shape)}; pad the sequence")
-            out = mappings.reduce_scatter_to_sp_region(out, self.group)
+            out = mappings.reduce_scatter_to_sp_region(out, self.group, d)
         else:
             out = mappings.reduce_from_tp_region(out, self.group, inplace=True)
         if self.return_bias or self.bias is None:

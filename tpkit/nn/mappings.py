@@ -85,13 +85,13 @@ class _GatherFromSP(torch.autograd.Function):
 
 class _ReduceScatterToSP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return reduce_scatter(x, group, 0)
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return reduce_scatter(x, group, dim)
 
     @staticmethod
     def backward(ctx, g):
-        return all_gather(g, ctx.group, 0), None
+        return all_gather(g, ctx.group, ctx.dim), None, None
 
 
 class _AllToAll(torch.autograd.Function):
@@ -136,9 +136,10 @@ def gather_from_sp_region(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
     return x if group_size(group) == 1 else _GatherFromSP.apply(x, group, dim % x.dim())
 
 
-def reduce_scatter_to_sp_region(x: torch.Tensor, group) -> torch.Tensor:
-    """SP reduce-scatter of dim 0 forward; all-gather of dim 0 backward."""
-    return x if group_size(group) == 1 else _ReduceScatterToSP.apply(x, group)
+def reduce_scatter_to_sp_region(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
+    """SP reduce-scatter of the sequence dim (``dim``; 0 for ``[s, b, h]``, 1 for
+    batch-first activations) forward; its all-gather backward."""
+    return x if group_size(group) == 1 else _ReduceScatterToSP.apply(x, group, dim % x.dim())
 
 
 def scatter_to_sp_region(x: torch.Tensor, group) -> torch.Tensor:

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ._backend import TEBackendMixin
-from ._common import ParallelModule, check_sbh, divide, resolve_sp
+from ._common import ParallelModule, check_input_format, check_sbh, divide, resolve_sp
 from .linear import ColumnParallelLinear, RowParallelLinear
 
 __all__ = ["ParallelMLP", "ACTIVATIONS"]
@@ -29,14 +29,18 @@ ACTIVATIONS = tuple(_PLAIN) + tuple(_GATED)
 
 class ParallelMLP(TEBackendMixin, ParallelModule):
     """``fc2(act(fc1(x)))`` on ``[s, b, h]`` (``[s/tp, b, h]`` under SP). "gelu" is TE's
-    tanh-approximated GELU (``F.gelu(approximate="tanh")``), as the TE backend computes."""
+    tanh-approximated GELU (``F.gelu(approximate="tanh")``), as the TE backend computes.
+    ``attn_input_format="bshd"``: batch-first ``[b, s, h]`` (SP shards dim 1), as
+    TransformerLayer's."""
     _te_kind = "mlp"  # no TE counterpart without the norm: backend="te" refuses, "auto" = torch
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, *, activation: str = "gelu",
                  bias: bool = True, sequence_parallel: bool | None = None, init_method=None,
-                 output_layer_init_method=None, state=None, device=None, dtype=None,
-                 backend: str = "torch"):
+                 output_layer_init_method=None, attn_input_format: str = "sbhd", state=None,
+                 device=None, dtype=None, backend: str = "torch"):
         super().__init__()
+        self.sequence_dim = check_input_format(attn_input_format)
+        self.attn_input_format = attn_input_format
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation={activation!r} is not supported; use one of "
                              f"{ACTIVATIONS}")
@@ -48,7 +52,7 @@ class ParallelMLP(TEBackendMixin, ParallelModule):
         self.activation = activation
         gated = activation in _GATED
         kw = dict(sequence_parallel=self.sequence_parallel, state=self.state, device=device,
-                  dtype=dtype)
+                  dtype=dtype, sequence_dim=self.sequence_dim)
         self.linear_fc1 = ColumnParallelLinear(
             hidden_size, ffn_hidden_size * (2 if gated else 1), bias, init_method=init_method,
             partition_sizes=(ffn_hidden_size, ffn_hidden_size) if gated else None, **kw)
@@ -59,7 +63,7 @@ class ParallelMLP(TEBackendMixin, ParallelModule):
         self._gated = gated
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        check_sbh(hidden_states, self.hidden_size, type(self).__name__)
+        check_sbh(hidden_states, self.hidden_size, type(self).__name__, self.attn_input_format)
         h = self.linear_fc1(hidden_states)
         if self._gated:
             gate, up = h.chunk(2, dim=-1)

@@ -29,7 +29,8 @@ import torch
 import torch.distributed as dist
 
 from ..collectives import exchange, group_rank, group_size
-from ..data import _bounds, packed_cp_indices
+from ..data import packed_cp_indices
+from ..data.sharding import _bounds
 from .attention_math import compute_dtype, from_grouped, local_attention, to_grouped
 from .mappings import all_to_all, gather_from_sp_region
 

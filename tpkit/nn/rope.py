@@ -48,17 +48,25 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-x2, x1], dim=-1)
 
 
-def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-    """Rotate ``t [s, b, h, d_head]`` by ``freqs [>= s, 1, 1, d]`` (d <= d_head; extra
-    channels pass through; longer freqs are cut to ``s`` like TE)."""
+def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor,
+                         tensor_format: str = "sbhd") -> torch.Tensor:
+    """Rotate ``t [s, b, h, d_head]`` (TE's ``tensor_format="sbhd"``; ``"bshd"``: ``[b, s,
+    h, d_head]``) by ``freqs [>= s, 1, 1, d]`` (d <= d_head; extra channels pass through;
+    longer freqs are cut to ``s`` like TE)."""
+    if tensor_format not in ("sbhd", "bshd"):
+        raise ValueError(f"tensor_format={tensor_format!r} is not supported; use 'sbhd' or "
+                         "'bshd'")
     if t.dim() != 4 or freqs.dim() != 4:
         raise ValueError(f"apply_rotary_pos_emb expects t [s, b, h, d] and freqs [s, 1, 1, d], "
                          f"got {tuple(t.shape)} and {tuple(freqs.shape)}")
-    s, d = t.shape[0], freqs.shape[-1]
+    s, d = t.shape[0 if tensor_format == "sbhd" else 1], freqs.shape[-1]
     if freqs.shape[0] < s or d > t.shape[-1]:
-        raise ValueError(f"freqs {tuple(freqs.shape)} do not cover t {tuple(t.shape)}: need at "
-                         f"least {s} positions and at most {t.shape[-1]} channels")
+        raise ValueError(f"freqs {tuple(freqs.shape)} do not cover t {tuple(t.shape)} "
+                         f"({tensor_format}): need at least {s} positions and at most "
+                         f"{t.shape[-1]} channels")
     freqs = freqs[:s].to(t.device)
+    if tensor_format == "bshd":
+        freqs = freqs.transpose(0, 1)                          # [1, s, 1, d]
     cos, sin = freqs.cos().to(t.dtype), freqs.sin().to(t.dtype)
     rot, rest = t[..., :d], t[..., d:]
     out = rot * cos + _rotate_half(rot) * sin

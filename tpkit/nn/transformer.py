@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from ..random import get_rng_tracker
 from ._backend import TEBackendMixin
-from ._common import ParallelModule, check_sbh, resolve_sp
+from ._common import ParallelModule, check_input_format, check_sbh, resolve_sp
 from .attention import ParallelSelfAttention
 from .mlp import ParallelMLP
 from .norm import LayerNorm, RMSNorm
@@ -26,7 +26,9 @@ _NORMS = {"LayerNorm": LayerNorm, "RMSNorm": RMSNorm}
 class TransformerLayer(TEBackendMixin, ParallelModule):
     """One pre-norm transformer block (self-attention + MLP), TE-like arguments. ``bias``
     covers every linear layer; ``qkv_bias`` (None: ``bias``) the fused QKV alone
-    (ParallelSelfAttention's; TE has no such option, so backend="te" refuses it)."""
+    (ParallelSelfAttention's; TE has no such option, so backend="te" refuses it).
+    ``attn_input_format`` (TE's): ``"sbhd"`` (default: ``[s, b, h]``, SP shards dim 0) or
+    ``"bshd"`` (batch-first ``[b, s, h]``, SP shards dim 1)."""
     _te_kind = "transformer_layer"  # backend="te": te.TransformerLayer (tpkit.nn._backend)
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, num_attention_heads: int, *,
@@ -35,9 +37,11 @@ class TransformerLayer(TEBackendMixin, ParallelModule):
                  attention_dropout: float = 0.0, attn_mask_type: str = "causal",
                  bias: bool = True, qkv_bias: bool | None = None, activation: str = "gelu",
                  sequence_parallel: bool | None = None, init_method=None,
-                 output_layer_init_method=None, state=None, device=None, dtype=None,
-                 backend: str = "torch"):
+                 output_layer_init_method=None, attn_input_format: str = "sbhd", state=None,
+                 device=None, dtype=None, backend: str = "torch"):
         super().__init__()
+        check_input_format(attn_input_format)
+        self.attn_input_format = attn_input_format
         if normalization not in _NORMS:
             raise ValueError(f"normalization={normalization!r} is not supported; use one of "
                              f"{tuple(_NORMS)}")
@@ -54,11 +58,13 @@ class TransformerLayer(TEBackendMixin, ParallelModule):
             hidden_size, num_attention_heads, num_gqa_groups=num_gqa_groups,
             attention_dropout=attention_dropout, attn_mask_type=attn_mask_type, bias=bias,
             qkv_bias=qkv_bias, init_method=init_method,
-            output_layer_init_method=output_layer_init_method, **common)
+            output_layer_init_method=output_layer_init_method,
+            attn_input_format=attn_input_format, **common)
         self.pre_mlp_layernorm = norm(hidden_size, eps=layernorm_epsilon, **common)
         self.mlp = ParallelMLP(hidden_size, ffn_hidden_size, activation=activation, bias=bias,
                                init_method=init_method,
-                               output_layer_init_method=output_layer_init_method, **common)
+                               output_layer_init_method=output_layer_init_method,
+                               attn_input_format=attn_input_format, **common)
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.hidden_dropout == 0.0:
@@ -73,7 +79,7 @@ class TransformerLayer(TEBackendMixin, ParallelModule):
                 **packed) -> torch.Tensor:
         """``attention_mask`` and ``packed`` (TE's ``cu_seqlens_q``, ... of one packed row)
         go to ``ParallelSelfAttention.forward``."""
-        check_sbh(hidden_states, self.hidden_size, type(self).__name__)
+        check_sbh(hidden_states, self.hidden_size, type(self).__name__, self.attn_input_format)
         x = hidden_states
         x = x + self._dropout(self.self_attention(self.input_layernorm(x), rotary_pos_emb,
                                                   attention_mask, **packed))

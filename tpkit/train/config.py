@@ -105,14 +105,49 @@ class Model:
 
 @dataclass
 class Data:
-    """What the model reads: windows of the built-in corpus, or whole documents packed."""
+    """What the model reads: the built-in corpus, or your own data (docs/data.md); windows
+    of training.seq_len tokens, or whole documents packed."""
     pack: bool = opt(False, "train on whole corpus documents packed into one row per rank "
                             "(training.global_batch documents of at most training.seq_len "
                             "tokens per step; attention stays inside each document)",
                      short="--pack")
+    path: str | None = opt(None, "your data instead of the built-in corpus: an indexed "
+                                 "dataset PREFIX (tpkit-data's PREFIX_text_document), a token "
+                                 "file, jsonl/parquet/text, or Megatron's blend 'W1 PREFIX1 W2 "
+                                 "PREFIX2' (docs/data.md)", short="--data-path")
+    tokenizer: str | None = opt(None, "the local Hugging Face tokenizer of data.path (the "
+                                      "model's vocabulary is its size)", short="--tokenizer")
+    format: str = opt("auto", "data.path's format", short="--data-format",
+                      choices=("auto", "indexed", "tokens", "text", "sft"))
+    split: str = opt("98,2", "Megatron's train,validation weights over data.path's documents",
+                     short="--split")
+    eval_every: int = opt(0, "the validation loss (val_loss) on data.path's held-out split "
+                             "every N steps and at the last (0: never)", short="--eval-every")
+    eval_batches: int = opt(4, "global batches of the held-out split per evaluation",
+                            short="--eval-batches")
 
     def check(self, job: "JobConfig") -> None:
-        pass
+        if self.eval_every < 0 or self.eval_batches < 1:
+            name = "eval_every" if self.eval_every < 0 else "eval_batches"
+            raise job.bad(f"data.{name}", "must be >= 0" if name == "eval_every"
+                          else "must be >= 1")
+        if self.path is None:
+            for name in ("tokenizer", "eval_every"):
+                if not job.is_default(f"data.{name}"):
+                    raise job.bad(f"data.{name}", "needs data.path (--data-path)")
+            return
+        if self.tokenizer is None:
+            raise job.bad("data.path", "needs data.tokenizer (--tokenizer DIR): the model's "
+                                       "vocabulary is the tokenizer's size")
+        from ..data import check_data
+        try:
+            check_data(self.path, split=self.split, format=self.format,
+                       tokenizer=self.tokenizer)
+        except ValueError as e:
+            raise job.bad("data.path", f"is refused: {e}") from None
+        if job.model.init_from_hf:
+            raise job.bad("data.path", f"with {job.show('model.init_from_hf')} is not "
+                                       "supported yet (the reference GPT only); drop one")
 
 
 @dataclass
@@ -428,6 +463,9 @@ class JobConfig:
         except ValueError as e:
             raise ValueError(f"{self.show('training.seq_len')}: {e}") from None
         pp, m = state.pp_size, self.microbatches(state.pp_size)
+        if pp > 1 and self.data.eval_every:
+            raise self.bad("data.eval_every", f"with pipeline stages (pp={pp}) is not "
+                                              "supported yet; drop one of them")
         if pp == 1:
             given = [self.show(f"pipeline.{n}") for n in ("virtual_stages", "schedule")
                      if not self.is_default(f"pipeline.{n}")]

@@ -112,10 +112,79 @@ class CorpusData:
         return args, kw, labelled
 
 
+class DatasetData:
+    """data.path (tpkit.data.build_data): step ``k``'s global batch is the samples at stream
+    position ``k * global_batch`` of the layout-independent order, so a resume from step
+    ``k`` at any layout reads what an uninterrupted run reads; this rank's rows as
+    CorpusData's."""
+
+    def __init__(self, job: JobConfig, state):
+        from tpkit.data import build_data, dp_rows
+        d, t = job.data, job.training
+        self.job, self.state = job, state
+        self.data = build_data(d.path, seq_len=t.seq_len, global_batch=t.global_batch,
+                               seed=t.seed, split=d.split, pack=d.pack, format=d.format,
+                               tokenizer=d.tokenizer, vocab_size=vocab_size(job),
+                               dp_rank=state.dp_rank, dp_size=state.dp_size)
+        m = 1 if d.pack else job.microbatches(state.pp_size)
+        self.rows = dp_rows(t.global_batch, state.dp_rank, state.dp_size, m)
+        if d.eval_every and self.data.valid is None:
+            raise job.bad("data.eval_every", f"needs a held-out split: {job.show('data.split')}"
+                                             " gives none; use e.g. --split 98,2")
+        self.valid_batches = self.data.valid_batches
+
+    def tokens(self, step: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = self.data.train.at(step * self.job.training.global_batch, self.rows)
+        x, y = self.data.batch(rows)
+        return x.to(device), y.to(device)
+
+    def validation_loss(self, model, device) -> float:
+        """The token-mean loss over the first data.eval_batches global batches of the
+        held-out split, no gradients: the same batches, hence the same value, at every
+        layout (each DP rank its rows, each CP rank its shard; sums over dp x cp)."""
+        from tpkit.data import count_targets
+        s, d = self.state, self.job.data
+        stats = torch.zeros(2, dtype=torch.float64, device=device)   # loss sum, targets
+        for rows in self.valid_batches(d.eval_batches):
+            if d.pack:
+                local = self.data.batch(rows, s).shard(s)
+                kw = {k: v.to(device) if torch.is_tensor(v) else v
+                      for k, v in local.attention_kwargs().items()}
+                stats[0] += float(model(local.tokens.to(device), local.labels.to(device),
+                                        local.position_ids.to(device), **kw))
+            else:   # the mean over this rank's tokens: every rank holds as many
+                x, y = self.data.batch(rows)
+                n = count_targets(rows)
+                stats[0] += float(model(x.to(device), y.to(device))) * n / s.cp_size
+            stats[1] += count_targets(rows) / s.cp_size
+        dist.all_reduce(stats, group=s.dp_cp_group)
+        return float(stats[0] / stats[1])
+
+    def packed(self, step: int, device):
+        from tpkit.data import count_targets
+        G, s = self.job.training.global_batch, self.state
+        train = self.data.train
+        labelled = count_targets(train.at(step * G, range(G)))   # the whole global batch
+        local = self.data.batch(train.at(step * G, self.rows), s).shard(s)
+        kw = {k: v.to(device) if torch.is_tensor(v) else v
+              for k, v in local.attention_kwargs().items()}
+        args = (local.tokens.to(device), local.labels.to(device),
+                local.position_ids.to(device))
+        return args, kw, labelled
+
+
+def vocab_size(job: JobConfig) -> int:
+    """The model's vocabulary: data.tokenizer's size with data.path, else the corpus'."""
+    if job.data.path is None:
+        return corpus.VOCAB_SIZE
+    from tpkit.data import Tokenizer
+    return Tokenizer(job.data.tokenizer).vocab_size
+
+
 def gpt_config(job: JobConfig, impl: str | None = None):
     from tpkit.models import GPTConfig
     m, e = job.model, job.experts
-    return GPTConfig(vocab_size=corpus.VOCAB_SIZE, hidden_size=m.hidden, num_layers=m.layers,
+    return GPTConfig(vocab_size=vocab_size(job), hidden_size=m.hidden, num_layers=m.layers,
                      num_heads=m.heads, num_gqa_groups=m.gqa_groups, ffn_hidden_size=m.ffn,
                      dropout=m.dropout, recompute=job.training.recompute,
                      backend=impl or m.impl, moe_experts=e.num, moe_topk=e.topk,
@@ -215,7 +284,9 @@ class Trainer:
         self.optimizer = self.fabric.setup_optimizers(torch.optim.AdamW(
             self.model.parameters(), lr=job.optimizer.lr, betas=(0.9, 0.95), weight_decay=0.0))
         self.schedule = WarmupCosine(job.optimizer.lr, job.optimizer.warmup, job.training.steps)
-        self.data = CorpusData(job, state)
+        self.data = CorpusData(job, state) if job.data.path is None else \
+            DatasetData(job, state)
+        self.val_losses: list[tuple[int, float]] = []
 
         c = job.checkpoint
         self.saved = {"model": self.model, "optimizer": self.optimizer}
@@ -294,6 +365,16 @@ class Trainer:
         estimate = estimate_memory(est, self.layout, rank=self.state.rank)
         return format_measured(estimate, measured_peak_bytes(self.fabric.device))
 
+    def evaluate(self, step: int) -> float:
+        """The validation loss after step ``step`` (DatasetData.validation_loss), kept in
+        ``self.val_losses`` as ``(step, loss)`` (``fit`` logs it as ``val_loss``)."""
+        self.model.eval()
+        with torch.no_grad():
+            val = self.data.validation_loss(self.model, self.fabric.device)
+        self.model.train()
+        self.val_losses.append((step, val))
+        return val
+
     def fit(self) -> list[float]:
         """Run the loop from the start step; the global mean loss of every step run. Each
         step is logged through tpkit.observe's MetricsLogger (its phases data, fwd_bwd,
@@ -333,10 +414,15 @@ class Trainer:
                     line = self.memory_line()
                     if state.rank == 0:
                         print(line, flush=True)
+                val = None
+                if job.data.eval_every and ((step + 1) % job.data.eval_every == 0 or last):
+                    val = self.evaluate(step)
                 with log.phase("checkpoint"):
                     stop = self.recovery.step_end(step, self.saved, last=last,
                                                   seconds=own_time)
                 log.step(step, tokens=tokens, loss=losses[-1], lr=lr, grad_norm=norm, **moe)
+                if val is not None:
+                    log.log(step, val_loss=val)
                 if stop:
                     break
         finally:

@@ -25,8 +25,8 @@ import dataclasses
 
 import torch
 
-from .collectives import all_gather
-from .topology import resolve_state
+from ..collectives import all_gather
+from ..topology import resolve_state
 
 
 def check_sequence_length(seq_len: int, state=None) -> None:
@@ -76,6 +76,7 @@ def shard_sequence(tensor: torch.Tensor, seq_dim: int, state=None) -> torch.Tens
     cp = state.cp_size
     if cp == 1:
         return tensor
+    note_sharded_length(tensor.shape[seq_dim], state)
     chunks = tensor.chunk(2 * cp, dim=seq_dim)
     first, second = cp_chunk_ids(state.cp_rank, cp)
     return torch.cat([chunks[first], chunks[second]], dim=seq_dim)
@@ -87,7 +88,21 @@ def shard_position_ids(seq_len: int, state=None, *, device=None) -> torch.Tensor
     unsharded sequence."""
     state = resolve_state(state)
     check_sequence_length(seq_len, state)
+    if state.cp_size > 1:
+        note_sharded_length(seq_len, state)
     return cp_positions(state.cp_rank, state.cp_size, seq_len // state.cp_size, device)
+
+
+def note_sharded_length(seq_len: int, state) -> None:
+    """Remember on ``state`` the full length of the last sequence sharded over CP here:
+    DotProductAttention refuses that length as its local one (a full sequence reaching a
+    CP attention would attend to all of it on every rank, silently wrong)."""
+    state.last_sharded_len = int(seq_len)
+
+
+def last_sharded_length(state) -> int | None:
+    """The full length ``note_sharded_length`` last recorded on ``state`` (None: none)."""
+    return getattr(state, "last_sharded_len", None)
 
 
 def _reorder_gathered(parts: list[torch.Tensor], seq_dim: int) -> torch.Tensor:
@@ -167,10 +182,13 @@ class PackedBatch:
 
 
 def pack_sequences(sequences, *, state=None, multiple: int | None = None, pad_id: int = 0,
-                   ignore_index: int = -100) -> PackedBatch:
+                   ignore_index: int = -100, loss_masks=None) -> PackedBatch:
     """Pack documents (1-D integer tensors or lists, any lengths >= 1) into one THD row,
     each padded at its end to a multiple of ``multiple`` (default: the layout's rule,
-    :func:`sequence_multiple`: ``2*cp``, times ``tp`` under SP) with ``pad_id``."""
+    :func:`sequence_multiple`: ``2*cp``, times ``tp`` under SP) with ``pad_id``.
+
+    ``loss_masks``: one per document (its length; 1: the token is a target, 0: it is not,
+    as an SFT prompt): the label predicting a token of mask 0 is ``ignore_index``."""
     docs = [torch.as_tensor(d) for d in sequences]
     if not docs:
         raise ValueError("pack_sequences got no documents; pass a non-empty list of 1-D "
@@ -185,12 +203,22 @@ def pack_sequences(sequences, *, state=None, multiple: int | None = None, pad_id
         raise ValueError(f"multiple={multiple!r} must be a positive integer (the padding "
                          "multiple of every document; default: the layout's 2*cp[*tp])")
     lens = [d.numel() for d in docs]
+    if loss_masks is not None:
+        loss_masks = [torch.as_tensor(m).bool() for m in loss_masks]
+        if len(loss_masks) != len(docs) or any(m.shape != (n,) for m, n in
+                                               zip(loss_masks, lens)):
+            raise ValueError(f"loss_masks: {len(loss_masks)} masks of lengths "
+                             f"{[tuple(m.shape) for m in loss_masks]} for {len(docs)} "
+                             f"documents of lengths {lens}; give one mask per document, "
+                             "of its length")
     padded = [-(-n // multiple) * multiple for n in lens]
     tokens, labels, positions = [], [], []
-    for d, n, p in zip(docs, lens, padded):
+    for i, (d, n, p) in enumerate(zip(docs, lens, padded)):
         d = d.long()
         tokens += [d, d.new_full((p - n,), pad_id)]
-        labels += [d[1:], d.new_full((p - n + 1,), ignore_index)]
+        target = d[1:] if loss_masks is None else \
+            d[1:].masked_fill(~loss_masks[i][1:], ignore_index)
+        labels += [target, d.new_full((p - n + 1,), ignore_index)]
         positions.append(torch.arange(p))
     cum = lambda xs: torch.tensor([0] + xs, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     return PackedBatch(torch.cat(tokens), torch.cat(labels), torch.cat(positions),

@@ -5,6 +5,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import paths
 from dist import run
 from tpkit.data import check_sequence_length, shard_position_ids, shard_sequence
 
@@ -82,8 +83,7 @@ def test_set_context_parallel_group_has_te_signature():
     with open(te_contract.FAKE_FILE) as f:
         fake = te_contract.signature(f.read(), "DotProductAttention.set_context_parallel_group")
     mine = os.path.abspath(DotProductAttention.__module__.replace(".", "/") + ".py")
-    with open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "tpkit", "nn",
-                           os.path.basename(mine))) as f:
+    with open(os.path.join(paths.ROOT, "tpkit", "nn", os.path.basename(mine))) as f:
         ours = te_contract.signature(f.read(), "DotProductAttention.set_context_parallel_group")
     assert [n for n, _, _ in ours] == [n for n, _, _ in fake]
     assert ours[:4] == fake[:4]  # cp_comm_type defaults to 'p2p'; the strategy to dual chunk swap
@@ -112,7 +112,7 @@ def _gather_from(shards):
 
 @pytest.mark.parametrize("cp", [2, 4])
 def test_unshard_sequence_every_rank_values_and_grad(cp, monkeypatch):
-    import tpkit.data as data
+    import tpkit.data.sharding as data
     s = 8 * cp   # chunks of 4 tokens
     full = torch.randn(2, s, 3, dtype=torch.float64)
     shards = [full[:, _mine(s, cp, r)] for r in range(cp)]
@@ -141,7 +141,7 @@ def test_unshard_sequence_every_rank_values_and_grad(cp, monkeypatch):
 
 @pytest.mark.parametrize("cp", [2, 4])
 def test_unshard_packed_every_rank_values_and_grad(cp, monkeypatch):
-    import tpkit.data as data
+    import tpkit.data.sharding as data
     pb = data.pack_sequences([list(range(1, 6)), [7], list(range(20, 33)),
                               list(range(100, 140))], multiple=2 * cp)
     cup = pb.cu_seqlens_padded.tolist()
@@ -179,7 +179,7 @@ def test_unshard_packed_every_rank_values_and_grad(cp, monkeypatch):
 
 
 def test_layout_rules_at_cp_3_and_messages():
-    import tpkit.data as data
+    import tpkit.data.sharding as data
     # 2*cp = 6 is no power of two: documents at offsets that share bits with their ends
     cup = [0, 6, 18, 30]
     for r in range(3):
@@ -211,7 +211,7 @@ def test_layout_rules_at_cp_3_and_messages():
 
 
 def test_packed_defaults_long_rows_and_wrong_lengths(monkeypatch):
-    import tpkit.data as data
+    import tpkit.data.sharding as data
     cp = 2
     pb = data.pack_sequences([list(range(300)), list(range(7))], multiple=2 * cp)
     cup = pb.cu_seqlens_padded.tolist()

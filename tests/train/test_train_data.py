@@ -1,0 +1,72 @@
+"""tpkit-train on your own data (issue 36): jsonl -> tpkit-data -> tpkit.train's Trainer
+with --data-path/--tokenizer --pack --eval-every, the same loss and validation-loss curves
+at tp=2 x cp=2 as at (1,1,1), and a run saved at dp=2 and resumed at dp=4 continuing the
+uninterrupted curves (the data order is step-indexed and layout-free:
+tpkit.data.Loader.at). Pool (tests/dist.py), as test_train.py."""
+import json
+import os
+
+import pytest
+
+from dist import run
+from test_datasets import _texts, make_tokenizer
+
+SMALL = ["--steps", "8", "--hidden", "32", "--layers", "2", "--heads", "4",
+         "--gqa-groups", "2", "--ffn", "64", "--seq-len", "32", "--global-batch", "4",
+         "--warmup", "2", "--log-every", "100", "--pack", "--split", "80,20",
+         "--eval-every", "4", "--eval-batches", "2"]
+REL = 1e-5
+
+
+def _train(layout, extra=()):
+    """(losses, validation losses) of tpkit-train's Trainer on this pool's ranks."""
+    from tpkit.train import Trainer, parse
+    tp, cp = layout
+    job, _ = parse(SMALL + ["--tp", str(tp), "--cp", str(cp)] + list(extra))
+    trainer = Trainer(job)
+    return trainer.fit(), trainer.val_losses
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    from tpkit.data.preprocess import parse_args, run as run_cli
+    d = tmp_path_factory.mktemp("data")
+    tok = make_tokenizer(d)
+    with open(d / "c.jsonl", "w") as f:
+        for t in _texts(200, seed=3):
+            f.write(json.dumps({"text": t}) + "\n")
+    run_cli(parse_args(["--input", str(d / "c.jsonl"), "--output-prefix", str(d / "c"),
+                        "--tokenizer", tok, "--append-eod"]))
+    return ["--data-path", str(d / "c_text_document"), "--tokenizer", tok]
+
+
+@pytest.fixture(scope="module")
+def reference(data):
+    ((losses, val),) = run(_train, 1, (1, 1), data)
+    assert len(losses) == 8 and losses[-1] < losses[0], losses
+    assert [s for s, _ in val] == [3, 7] and val[1][1] < val[0][1], val   # it learns
+    return losses, val
+
+
+def _same(a, b):
+    assert len(a) == len(b)
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert abs(x - y) <= REL * abs(y), f"step {i}: {x} vs {y}"
+
+
+def test_own_data_packed_same_curves_at_tp2_cp2(reference, data):
+    """Training losses and val_loss (every 4 steps, 2 held-out global batches)."""
+    for losses, val in run(_train, 4, (2, 2), data):
+        _same(losses, reference[0])
+        assert [s for s, _ in val] == [3, 7]
+        _same([v for _, v in val], [v for _, v in reference[1]])
+
+
+def test_own_data_saved_at_dp2_resumed_at_dp4(reference, data, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    (first, _), _ = run(_train, 2, (1, 1), data + ["--save", ckpt, "--save-every", "4"])
+    _same(first, reference[0])
+    resumed = run(_train, 4, (1, 1), data + ["--resume", os.path.join(ckpt, "step000004")])
+    for losses, val in resumed:
+        _same(losses, reference[0][4:])   # step000004: 4 steps done
+        _same([v for _, v in val], [reference[1][1][1]])
