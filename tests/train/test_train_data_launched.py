@@ -1,0 +1,104 @@
+"""Issue 36's acceptance line as a user runs it: raw jsonl -> ``tpkit-data`` (a subprocess,
+2 worker processes) -> ``tpkit-launch -m tpkit.train`` with --pack and --eval-every.
+
+Four launches in one test (process starts dominate its time):
+  A. (1,1,1), one rank: the reference loss and val_loss curves;
+  B. tp=2 x cp=2: the same curves within 1e-5;
+  C. dp=2 with --save --save-every --auto-resume, SIGKILLed (launcher and ranks) once a
+     checkpoint exists;
+  D. relaunched at dp=4 with --auto-resume: from the newest complete checkpoint to the end,
+     on A's curves (the global batch and the sample order are layout-free, so A is the
+     uninterrupted dp=2 run's curve within 1e-5: tests/train/test_train_data.py checks
+     dp=2 and dp=4 against (1,1) in the pool).
+The curves are rank 0's printed lines (--log-every 1: every step's loss, and val_loss at
+each evaluation, with 6 decimals: a rounding of at most 5e-7, well inside 1e-5 relative).
+"""
+import json
+import re
+import signal
+import sys
+import time
+
+import pytest
+
+from test_datasets import _texts, make_tokenizer
+from test_userpath import LAUNCH, TIMEOUT, _kill_tree, finish, launched, start
+
+pytestmark = pytest.mark.slow
+
+STEPS, EVAL = 12, 4
+JOB = ["-m", "tpkit.train", "--steps", str(STEPS), "--hidden", "32", "--layers", "2",
+       "--heads", "4", "--gqa-groups", "2", "--ffn", "64", "--seq-len", "32",
+       "--global-batch", "4", "--warmup", "2", "--log-every", "1", "--pack",
+       "--split", "80,20", "--eval-every", str(EVAL), "--eval-batches", "2"]
+EVALS = [3, 7, 11]   # 0-based steps after which val_loss is computed
+REL = 1e-5
+
+
+def _curves(out: str) -> tuple[dict[int, float], dict[int, float]]:
+    """{0-based step: loss}, {0-based step: val_loss} from rank 0's lines 'step K  loss X'
+    and 'step K  val_loss X'."""
+    loss = {int(m.group(1)): float(m.group(2))
+            for m in re.finditer(r"^step\s+(\d+)\s+loss ([0-9.]+)\s", out, re.M)}
+    val = {int(m.group(1)): float(m.group(2))
+           for m in re.finditer(r"^step\s+(\d+)\s+val_loss ([0-9.]+)$", out, re.M)}
+    return loss, val
+
+
+def _same(got: dict, ref: dict, what: str) -> None:
+    for step, x in got.items():
+        assert abs(x - ref[step]) <= REL * abs(ref[step]), (what, step, x, ref[step])
+
+
+@pytest.mark.timeout(600)  # tpkit-data and four launches (11 ranks) on a loaded machine
+def test_jsonl_to_launched_training_layouts_and_kill_resume(tmp_path):
+    # raw jsonl and a tiny BPE of its words, then tpkit-data with 2 worker processes
+    tok = make_tokenizer(tmp_path)
+    with open(tmp_path / "c.jsonl", "w") as f:
+        for t in _texts(200, seed=3):
+            f.write(json.dumps({"text": t}) + "\n")
+    rc, out, err = finish(start([sys.executable, "-m", "tpkit.data", "--input",
+                                 str(tmp_path / "c.jsonl"), "--output-prefix",
+                                 str(tmp_path / "c"), "--tokenizer", tok, "--append-eod",
+                                 "--workers", "2"]))
+    assert rc == 0 and "200 documents" in out and "with 2 worker(s)" in out, (out, err)
+    job = JOB + ["--data-path", str(tmp_path / "c_text_document"), "--tokenizer", tok]
+
+    # A: (1,1,1), B: tp=2 x cp=2
+    out_a, _ = launched("--nproc-per-node", "1", *job)
+    loss_a, val_a = _curves(out_a)
+    assert sorted(loss_a) == list(range(STEPS)) and sorted(val_a) == EVALS, (loss_a, val_a)
+    assert loss_a[STEPS - 1] < loss_a[0] and val_a[11] < val_a[3], (loss_a, val_a)  # learns
+    out_b, _ = launched("--nproc-per-node", "4", "--tp", "2", "--cp", "2", *job)
+    loss_b, val_b = _curves(out_b)
+    assert sorted(loss_b) == list(range(STEPS)) and sorted(val_b) == EVALS
+    _same(loss_b, loss_a, "loss tp2 x cp2")
+    _same(val_b, val_a, "val_loss tp2 x cp2")
+
+    # C: dp=2 saving every 2 steps, SIGKILLed once a checkpoint is there
+    ckpt = tmp_path / "ckpt"
+    save = ["--save", str(ckpt), "--save-every", "2", "--auto-resume"]
+    first = start([*LAUNCH, "--nproc-per-node", "2", *job, *save])
+    deadline = time.monotonic() + TIMEOUT
+    while not (ckpt.is_dir() and any(re.fullmatch(r"step\d{6}", d.name)
+                                     for d in ckpt.iterdir())):
+        if first.poll() is not None or time.monotonic() > deadline:
+            _kill_tree(first)
+            pytest.fail(f"no checkpoint (exit {first.poll()}):\n{first.communicate()[1][-5000:]}")
+        time.sleep(0.02)
+    _kill_tree(first)
+    _, err_c = first.communicate(timeout=60)
+    assert first.returncode == -signal.SIGKILL, (first.returncode, err_c[-3000:])
+    done = sorted(int(d.name[4:]) for d in ckpt.iterdir() if re.fullmatch(r"step\d{6}", d.name))
+    assert done[-1] < STEPS, f"the job finished before it was killed: {done}"
+
+    # D: relaunched at dp=4 with --auto-resume: from the newest complete checkpoint
+    out_d, err_d = launched("--nproc-per-node", "4", *job, *save)
+    loss_d, val_d = _curves(out_d)
+    first_step = min(loss_d)
+    assert first_step >= 2 and first_step % 2 == 0, (first_step, done)  # after a checkpoint
+    assert f"resuming from {ckpt / f'step{first_step:06d}'}" in out_d + err_d
+    assert sorted(loss_d) == list(range(first_step, STEPS)), sorted(loss_d)
+    assert sorted(val_d) == [s for s in EVALS if s >= first_step]
+    _same(loss_d, loss_a, "loss resumed at dp=4")
+    _same(val_d, val_a, "val_loss resumed at dp=4")
