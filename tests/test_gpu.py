@@ -348,14 +348,19 @@ def test_rng_tracker_on_cuda(state):
     assert all(s.device.type == "cpu" and s.dtype == torch.uint8 for s in saved.values())
 
 
+def _launch(script: str, nproc: int, timeout: int) -> subprocess.CompletedProcess:
+    """tests/launch_scripts/``script`` under tpkit-launch on ``nproc`` GPUs, as users launch."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-m", "tpkit.cli.launch", "--nproc-per-node",
+                           str(nproc), os.path.join(ROOT, "tests", "launch_scripts", script)],
+                          capture_output=True, text=True, timeout=timeout, env=env)
+
+
 def test_fabric_fp8_runs_te_in_fp8():
     """TPKitPrecision("fp8") + TPKitStrategy through Fabric on one GPU, launched as users
     launch (tpkit-launch): TE modules run with fp8 enabled and the amax group is the
     state's (the script asserts; here only its exit code and last line are read)."""
-    script = os.path.join(ROOT, "tests", "launch_scripts", "gpu_fabric_fp8.py")
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    out = subprocess.run([sys.executable, "-m", "tpkit.cli.launch", "--nproc-per-node", "1",
-                          script], capture_output=True, text=True, timeout=300, env=env)
+    out = _launch("gpu_fabric_fp8.py", 1, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "FABRIC FP8 OK" in out.stdout, out.stdout[-2000:]
     report("fabric_fp8", last_line=out.stdout.strip().splitlines()[-1])
@@ -721,9 +726,6 @@ def test_issue40_graphs_recompute_and_model_init(state):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_issue40_two_gpu_rows():
     """Rows 2, 5, 8 and 10 on two GPUs (nccl): the launched script asserts each."""
-    script = os.path.join(ROOT, "tests", "launch_scripts", "gpu_te_issue40.py")
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    out = subprocess.run([sys.executable, "-m", "tpkit.cli.launch", "--nproc-per-node", "2",
-                          script], capture_output=True, text=True, timeout=600, env=env)
+    out = _launch("gpu_te_issue40.py", 2, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "ISSUE40 OK" in out.stdout, out.stdout[-2000:]
