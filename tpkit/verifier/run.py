@@ -1,10 +1,10 @@
 """``verify(build_model, make_batch, layouts=...)``: the reference in one process, then each
 layout on CPU with gloo (one set of processes per layout, started here), compared.
 
-The processes are forked from the caller when it has no process group of its own, so
-``build_model`` / ``make_batch`` may be defined anywhere (a script, a notebook, a test);
-a caller that is itself a distributed rank spawns them instead, and then the functions
-must be importable (module-level) and the plan picklable.
+The processes are forked from the caller (they start in milliseconds, and
+``build_model`` / ``make_batch`` may be defined anywhere: a script, a notebook, a test);
+a process group or layout the caller has is forgotten in them. A platform without fork
+is refused (ValueError).
 """
 from __future__ import annotations
 
@@ -108,9 +108,22 @@ def _sgd(model):
     return torch.optim.SGD(model.parameters(), lr=0.1)
 
 
-def _entry(rank, layout, port, jobs, full_sds, conn, fork):
+def _forget_parent_groups() -> None:
+    """In a forked rank: the caller's process group and layout (a notebook's
+    ``init_parallel()``, a launched script's) are copies whose threads did not come along;
+    start from none. torch has no public call for this: its world record is replaced (the
+    copies are never used nor destroyed: the rank ends with os._exit)."""
+    import torch.distributed.distributed_c10d as c10d
+
+    from ..topology import set_parallel_state
+    if c10d.is_initialized():
+        c10d._world = c10d._World()
+    set_parallel_state(None)
+
+
+def _entry(rank, layout, port, jobs, full_sds, send, fork):
     """One rank: the default gloo group, the layout, run_rank for every job (a job that
-    raises is answered with its traceback); the results to the parent."""
+    raises is answered with its traceback); ``send(bytes)`` the results to the parent."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(layout.world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(layout.world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), OMP_NUM_THREADS="1")
@@ -121,6 +134,8 @@ def _entry(rank, layout, port, jobs, full_sds, conn, fork):
 
         from ..parallel_state import destroy_parallel, init_parallel
         from .record import run_rank
+        if fork:
+            _forget_parent_groups()
         torch.set_num_threads(1)
         store = dist.TCPStore("127.0.0.1", port, layout.world, is_master=False,
                               timeout=timedelta(seconds=60))
@@ -138,49 +153,40 @@ def _entry(rank, layout, port, jobs, full_sds, conn, fork):
     except BaseException:  # noqa: BLE001 - everything goes back to the parent
         reply = ("err", traceback.format_exc())
     try:
-        conn.send_bytes(pickle.dumps(reply))
+        send(pickle.dumps(reply))
     except BaseException:  # noqa: BLE001
-        conn.send_bytes(pickle.dumps(("err", traceback.format_exc())))
+        send(pickle.dumps(("err", traceback.format_exc())))
     if ok:
         destroy_parallel()
     if fork:
         os._exit(0)
 
 
-def _run_layout(layout: Layout, jobs: list, full_sds: list, timeout: float) -> list:
-    """[job][rank] -> ("ok", result) or ("err", traceback); RuntimeError when a rank
-    failed outside the jobs, TimeoutError naming the ranks that did not answer."""
-    import torch.distributed as dist
-    fork = not dist.is_initialized()
-    ctx = mp.get_context("fork" if fork else "spawn")
-    store = dist.TCPStore("127.0.0.1", 0, layout.world + 1, is_master=True,
-                          wait_for_workers=False, timeout=timedelta(seconds=60))
-    procs, conns = [], []
+def _forked(layout, port, jobs, full_sds, deadline):
+    """The ranks forked from this process; yields (rank, reply bytes or None)."""
+    ctx = mp.get_context("fork")
+    procs, waiting = [], {}
     for rank in range(layout.world):
         parent, child = ctx.Pipe(duplex=False)
         p = ctx.Process(target=_entry, daemon=True,
-                        args=(rank, layout, store.port, jobs, full_sds, child, fork))
+                        args=(rank, layout, port, jobs, full_sds, child.send_bytes, True))
         p.start()
         child.close()
         procs.append(p)
-        conns.append(parent)
-    results, deadline = [None] * layout.world, time.monotonic() + timeout
-    waiting = dict(enumerate(conns))
+        waiting[rank] = parent
     try:
         while waiting:
-            left = deadline - time.monotonic()
-            ready = mp.connection.wait(list(waiting.values()), timeout=max(left, 0))
+            ready = mp.connection.wait(list(waiting.values()),
+                                       timeout=max(deadline - time.monotonic(), 0))
             if not ready:
-                raise TimeoutError(f"ranks {sorted(waiting)} did not finish within "
-                                   f"{timeout:.0f} s (timeout=)")
+                yield sorted(waiting), None
+                return
             for rank in [r for r, c in waiting.items() if c in ready]:
                 try:
-                    status, value = pickle.loads(waiting.pop(rank).recv_bytes())
+                    data = waiting.pop(rank).recv_bytes()
                 except EOFError:
-                    status, value = "err", f"rank {rank} exited without a result"
-                if status == "err":
-                    raise RuntimeError(f"rank {rank}:\n{value}")
-                results[rank] = value
+                    data = None
+                yield rank, data
         for p in procs:
             p.join(timeout=30)
     finally:
@@ -188,6 +194,31 @@ def _run_layout(layout: Layout, jobs: list, full_sds: list, timeout: float) -> l
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
+
+
+def _run_layout(layout: Layout, jobs: list, full_sds: list, timeout: float) -> list:
+    """[job][rank] -> ("ok", result) or ("err", traceback); RuntimeError when a rank
+    failed outside the jobs, TimeoutError naming the ranks that did not answer."""
+    import torch.distributed as dist
+    if "fork" not in mp.get_all_start_methods():
+        raise ValueError("tpkit.verify forks its ranks from this process, and this platform "
+                         "cannot fork; run it on Linux")
+    store = dist.TCPStore("127.0.0.1", 0, layout.world + 1, is_master=True,
+                          wait_for_workers=False, timeout=timedelta(seconds=60))
+    results = [None] * layout.world
+    ranks = _forked(layout, store.port, jobs, full_sds, time.monotonic() + timeout)
+    try:
+        for rank, data in ranks:
+            if isinstance(rank, list):
+                raise TimeoutError(f"ranks {rank} did not finish within {timeout:.0f} s "
+                                   "(timeout=)")
+            status, value = pickle.loads(data) if data is not None else \
+                ("err", f"rank {rank} exited without a result")
+            if status == "err":
+                raise RuntimeError(f"rank {rank}:\n{value}")
+            results[rank] = value
+    finally:
+        ranks.close()
         del store
     return [[results[r][j] for r in range(layout.world)] for j in range(len(jobs))]
 
@@ -312,3 +343,4 @@ def verify_all(cases: dict, *, layouts=DEFAULT_LAYOUTS, seed: int = 1234,
     return {n: Report(per_case[n], total, tolerance(job["precision"]).why + 
                       f"; reference {ref_secs:.1f} s")
             for n, job in zip(names, jobs)}
+
