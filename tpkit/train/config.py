@@ -161,6 +161,10 @@ class Training:
                           "batches", short="--seed")
     recompute: bool = opt(False, "recompute each block's activations in the backward pass",
                           short="--recompute")
+    verify: bool = opt(False, "before the workers start, tpkit-launch's pre-flight proves the "
+                              "model's parallelization at this layout on CPU (tpkit.verify, "
+                              "docs/verify.md: 3 steps against one process) and stops on a "
+                              "difference", short="--verify")
 
     def check(self, job: "JobConfig") -> None:
         for name in ("steps", "global_batch", "seq_len"):
