@@ -53,6 +53,12 @@ PLANTED = {
     "wrong KV-head split under GQA": (
         _case(M(tile_kv=True)),
         {lay: ("output", "layers.0.attn") for lay in ALL}),
+    # bf16 autocast on both sides: the wider tolerance passes the clean model and still
+    # names the missing sum
+    "clean, bf16 autocast": (_case(precision="bf16-mixed"), {}),
+    "missing SP gradient sum, bf16 autocast": (
+        _case(plan=vm.plan(norm=vm.Keep()), precision="bf16-mixed"),
+        {"2x2x1+sp": ("parameter gradient", "layers.0.attn_norm")}),
 }
 
 
@@ -81,7 +87,7 @@ def test_planted_mistake_reported_at_its_first_module(reports, name):
         assert "hint:" in result.text, text
     if name == "unsharded input at cp=2":
         assert "unsharded" in text
-    if name == "missing SP gradient sum":
+    if name.startswith("missing SP gradient sum"):
         assert "add up to the reference's" in text
     if name == "optimizer holding swapped-out parameters":
         assert "not the model's parameters" in text
