@@ -3,7 +3,8 @@
 and at each layout on CPU with gloo from the same full weights, and names the first
 module whose output, gradient or updated weights differ, with a hint; ``tpkit-verify``
 is its command line (tpkit.cli.verify)."""
-from .compare import Finding, Tolerance, expected_piece, tolerance
+from .compare import expected_piece
+from .findings import Finding, Tolerance, tolerance
 from .run import (DEFAULT_LAYOUTS, PRECISIONS, Layout, LayoutResult, Report, parse_layouts,
                   verify, verify_all)
 

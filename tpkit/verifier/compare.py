@@ -20,56 +20,12 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.nn.functional as F
 
 from ..checkpoint import shard_tensor
 from ..data import cp_chunk_ids
+from .findings import Finding, Tolerance, diff, hint_grad, hint_output, hint_update, module_rank
 
-__all__ = ["Finding", "Tolerance", "tolerance", "compare_layout", "expected_piece"]
-
-
-@dataclasses.dataclass(frozen=True)
-class Tolerance:
-    rtol: float          # of the reference tensor's largest magnitude
-    atol: float
-    why: str
-
-    def bad(self, diff: float, scale: float) -> bool:
-        return not diff <= self.rtol * scale + self.atol
-
-
-def tolerance(precision: str) -> Tolerance:
-    """float32: 1000 x float32's epsilon (sums in another order over a few layers);
-    bf16 autocast: 8 x bfloat16's epsilon."""
-    if precision == "bf16-mixed":
-        eps = torch.finfo(torch.bfloat16).eps
-        return Tolerance(8 * eps, 1e-6, "bf16 autocast: 8 x bfloat16 eps of the largest value")
-    eps = torch.finfo(torch.float32).eps
-    return Tolerance(1000 * eps, 1e-9, "float32: 1000 x float32 eps of the largest value")
-
-
-@dataclasses.dataclass
-class Finding:
-    step: int                 # 0-based; -1: before the first step
-    what: str                 # output / input gradient / parameter gradient / ...
-    module: str
-    ranks: list
-    diff: float = 0.0
-    scale: float = 0.0
-    hint: str = ""
-    detail: str = ""
-
-    def line(self, tol: Tolerance) -> str:
-        where = f"step {self.step + 1}" if self.step >= 0 else \
-            ("the dropout check" if self.what == "dropout mask" else "loading")
-        ranks = "all ranks" if self.ranks == "all" else \
-            f"rank{'s' if len(self.ranks) > 1 else ''} {','.join(map(str, self.ranks))}"
-        rel = self.diff / max(self.scale, 1e-30)
-        how = self.detail or (f"max |diff| {self.diff:.3g} = {rel:.2g}"
-                              f" of the reference's max |value| {self.scale:.3g} "
-                              f"(tolerance {tol.rtol:.1g})")
-        return (f"first difference at {where}: {self.what} of module '{self.module}' on "
-                f"{ranks}: {how}" + (f"\n    hint: {self.hint}" if self.hint else ""))
+__all__ = ["compare_layout", "expected_piece"]
 
 
 def _dims(shape, rows: int, seq: int):
@@ -117,12 +73,6 @@ def expected_piece(ref: torch.Tensor, local_shape, coords: dict, layout, rows: i
     return x, None
 
 
-def _diff(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
-    a, b = a.double(), b.double()
-    return float((a - b).abs().max()) if a.numel() else 0.0, \
-        float(b.abs().max()) if b.numel() else 0.0
-
-
 class _Side:
     """One kind of record (outputs, gradients) of one step, every rank against the
     reference; ``check(key)`` -> None (agrees or not recorded) or a Finding."""
@@ -149,7 +99,7 @@ class _Side:
             if self.kind != "out":   # the loss's own gradient: 1 / (dp * cp) by design
                 return None
             mean = sum(float(t) for _, t in have) / len(have)
-            d, s = _diff(torch.tensor(mean), ref)
+            d, s = diff(torch.tensor(mean), ref)
             return Finding(self.step, what, name, "all", d, s) if ctx.tol.bad(d, s) else None
         segs = None
         if self.kind in ("out", "gout"):
@@ -162,7 +112,7 @@ class _Side:
                 bad.append(r)
                 note = why
                 continue
-            d, s = _diff(t, exp)
+            d, s = diff(t, exp)
             scale = max(scale, s)
             if ctx.tol.bad(d, s):
                 bad.append(r)
@@ -190,7 +140,7 @@ class _Side:
 def _matches(ref, t, coords, layout, ctx, segs) -> bool:
     """``t`` is this rank's piece of ``ref`` at ``layout`` (e.g. without CP)."""
     exp, _ = expected_piece(ref, t.shape, coords, layout, ctx.rows, ctx.seq, segs)
-    return exp is not None and not ctx.tol.bad(*_diff(t, exp))
+    return exp is not None and not ctx.tol.bad(*diff(t, exp))
 
 
 @dataclasses.dataclass
@@ -236,7 +186,7 @@ def _param_findings(step, kind, ref, ranks, ctx, what):
             if got.shape != want.shape:
                 bad.append(r)
                 continue
-            d, s = _diff(got, want)
+            d, s = diff(got, want)
             scale = max(scale, s)
             if ctx.tol.bad(max(d - floor, 0.0), s):
                 bad.append(r)
@@ -249,16 +199,8 @@ def _param_findings(step, kind, ref, ranks, ctx, what):
     return out
 
 
-def _module_rank(order):
-    """module name -> position of its first call in forward order."""
-    pos = {}
-    for i, (name, _) in enumerate(order):
-        pos.setdefault(name, i)
-    return pos
-
-
 def _first_by_module(findings: dict, order):
-    pos = _module_rank(order)
+    pos = module_rank(order)
     return min(findings.values(), key=lambda f: pos.get(f.module, len(pos))) if findings else None
 
 
@@ -281,7 +223,7 @@ def compare_layout(ref: dict, ranks: list, layout, rows: int, seq: int, tol: Tol
             if f is not None:
                 if inp.check(key, "input") is not None:
                     f, key = _enclosing(f, key, order, out, inp)
-                _hint_output(f, key, step, ref, ranks, ctx)
+                hint_output(f, key, step, ref, ranks, ctx)
                 if errors:
                     f.hint += f"\n    then '{errors[0][1]}' raised {errors[0][2]}"
                 return f
@@ -297,7 +239,7 @@ def compare_layout(ref: dict, ranks: list, layout, rows: int, seq: int, tol: Tol
         after = _param_findings(step, "params", ref, ranks, ctx, "update of the parameter")
         if after:
             f = _first_by_module(after, order)
-            _hint_update(f, ranks)
+            hint_update(f, ranks)
             return f
     return None
 
@@ -340,133 +282,16 @@ def _backward(step, order, ref, ranks, ctx):
         if bad is not None:
             origins.append(bad)
     if origins:   # the first in forward order (completion order: inner modules first)
-        pos = _module_rank(order)
+        pos = module_rank(order)
         pick = min(origins, key=lambda f: pos.get(f.module, len(pos)))
-        _hint_grad(pick, step, ref, ranks, ctx)
+        hint_grad(pick, step, ref, ranks, ctx)
         return pick
     if grads:
         f = _first_by_module(grads, order)
-        _hint_grad(f, step, ref, ranks, ctx)
+        hint_grad(f, step, ref, ranks, ctx)
         return f
     for key in reversed(order):
         f = gout.check(key, "output gradient")
         if f is not None:
             return f
     return None
-
-
-# --- hints: what tpkit knows about the module ------------------------------------------
-_ATTENTION = ("PlannedAttention", "ParallelSelfAttention", "MultiheadAttention")
-
-
-def _hint_output(f, key, step, ref, ranks, ctx):
-    if f.hint:
-        return
-    name = key[0]
-    mine = ranks[0]["meta"]["modules"].get(name, {})
-    cls = mine.get("cls", "?")
-    weights = ref["initial"] if step == 0 else ref["steps"][step - 1]["params"]
-    if cls in _ATTENTION:
-        f.hint = (f"'{name}' is tpkit's {cls}: check its plan (qkv= names in the order q, k, v; "
-                  "heads and kv_heads) and that the model's query heads use kv heads as "
-                  "tpkit's do (query heads [i*g, (i+1)*g) share kv head i, Hugging Face's "
-                  "repeat_kv; a model that tiles the kv heads with .repeat() splits differently)")
-        return
-    x = ref["steps"][step]["lin"].get(key)
-    if cls in ("ColumnParallelLinear", "RowParallelLinear") and x is not None:
-        w, b = weights.get(f"{name}.weight"), weights.get(f"{name}.bias")
-        style = "Row() splits its weight along dim 1 (the input features)" \
-            if cls == "RowParallelLinear" else "Column() splits its weight along dim 0 " \
-            "(the output features)"
-        want = ref["steps"][step]["out"].get(key)
-        linear = w is not None and want is not None and x.shape[-1] == w.shape[-1] and \
-            not ctx.tol.bad(*_diff(F.linear(x, w, b), want))
-        if not linear:
-            f.hint = (f"'{name}' does not compute nn.Linear's x @ weight.T + bias in the "
-                      f"reference (is its weight stored transposed, [in, out]?), but {style} "
-                      "as nn.Linear's: the style does not match the weight's layout")
-        else:
-            f.hint = (f"'{name}' ({cls}) holds the reference's weights; check its style: "
-                      "Column() for the first of two projections, Row() for the second, "
-                      "Column(segments=...) for a fused weight (gate/up, q/k/v)")
-        return
-    f.hint = (f"'{name}' ({cls}) is the first module whose output differs; the modules "
-              "before it agree, so look at what it computes or receives besides its input")
-
-
-def _hint_grad(f, step, ref, ranks, ctx):
-    name = getattr(f, "param", None)
-    if name is None:
-        f.hint = (f"the gradient goes wrong in '{f.module}': its output's gradient agrees, "
-                  "its input's does not (a custom autograd function or a collective's "
-                  "backward)")
-        return
-    meta = ranks[0]["meta"]["params"].get(name, {})
-    if meta.get("dim") is None and ctx.layout.tp > 1:
-        want = ref["steps"][step]["grads"][name]
-        groups = {}
-        for res in ranks:
-            c = res["coords"]
-            groups.setdefault((c["cp"], c["dp"]), []).append(res["steps"][step]["grads"][name])
-        parts = next(iter(groups.values()))
-        if want is not None and all(p is not None for p in parts):
-            total = torch.stack(parts).sum(0)
-            summed = not ctx.tol.bad(*_diff(total, want))
-            if summed and not meta.get("sp"):
-                f.hint = (f"'{name}' is replicated over TP and its TP ranks' gradients add up "
-                          "to the reference's: each holds the gradient of its own tokens "
-                          "(sequence parallel) and they were not summed; tag it "
-                          "sequence_parallel (Replicate() and Norm() do; "
-                          "tpkit.param_tags.set_tp_attrs(p, None, sequence_parallel=True))")
-                return
-            if summed:
-                f.hint = f"'{name}' is tagged sequence_parallel but was not summed over TP"
-                return
-    f.hint = f"the gradient of '{name}' differs while the gradients reaching '{f.module}' agree"
-
-
-def _hint_update(f, ranks):
-    stale = max(r["stale"] for r in ranks)
-    missing = max(r["missing"] for r in ranks)
-    if stale or missing:
-        f.hint = (f"the optimizer holds {stale} tensor(s) that are not the model's "
-                  f"parameters and misses {missing} of them: it was built from parameters "
-                  "that tpkit.parallelize replaced; build it from the parallelized model")
-    else:
-        f.hint = ("the gradients agree but the updated parameters do not: the optimizer "
-                  "(or a hook) treats this parameter differently across ranks")
-
-
-def dropout_findings(ranks: list, order) -> list:
-    """The first dropout (forward order) whose masks are wrong, across the TP ranks of one
-    (cp, dp) coordinate: where the input is split over TP the masks must differ
-    (independent draws); where it is the same on every TP rank they must agree (else the
-    replicas diverge)."""
-    groups = {}
-    for r, res in enumerate(ranks):
-        c = res["coords"]
-        groups.setdefault((c["cp"], c["dp"]), []).append(r)
-    pos = _module_rank(order)
-    names = sorted({n for res in ranks for n in res["masks"]}, key=lambda n: pos.get(n, 1 << 30))
-    for name in names:
-        for members in groups.values():
-            if len(members) < 2:
-                continue
-            got = [ranks[r]["masks"].get(name) for r in members]
-            if any(g is None for g in got):
-                continue
-            same_input = all(g[0].shape == got[0][0].shape and torch.equal(g[0], got[0][0])
-                             for g in got)
-            same_mask = all(g[1].shape == got[0][1].shape and torch.equal(g[1], got[0][1])
-                            for g in got)
-            if not same_input and same_mask:
-                return [Finding(-1, "dropout mask", name, members, detail=(
-                    "the same mask on every TP rank while its input is split over TP"),
-                    hint="draw it from the model-parallel stream: "
-                         "`with tpkit.random.get_rng_tracker().fork(): x = dropout(x)`")]
-            if same_input and not same_mask:
-                return [Finding(-1, "dropout mask", name, members, detail=(
-                    "different masks on the TP ranks of a replicated input (the replicas "
-                    "diverge)"), hint="draw it from the default stream, outside "
-                                      "get_rng_tracker().fork()")]
-    return []

@@ -292,7 +292,8 @@ def verify_all(cases: dict, *, layouts=DEFAULT_LAYOUTS, seed: int = 1234,
     """``verify`` for several models at once, ``{name: {build_model=, make_batch=, plan=,
     optimizer=, precision=, steps=}}`` -> ``{name: Report}``: one set of processes per
     layout runs every case (processes cost more than these models' steps)."""
-    from .compare import compare_layout, dropout_findings, tolerance
+    from .compare import compare_layout
+    from .findings import dropout_findings, tolerance
     layouts = parse_layouts(layouts)
     if not cases:
         raise ValueError("verify_all: no cases")
