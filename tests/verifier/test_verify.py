@@ -13,6 +13,7 @@ import sys
 import pytest
 import torch
 
+import byom_models
 import verify_models as vm
 from tpkit.verifier import Layout, expected_piece, parse_layouts, verify_all
 
@@ -53,6 +54,9 @@ PLANTED = {
     "wrong KV-head split under GQA": (
         _case(M(tile_kv=True)),
         {lay: ("output", "layers.0.attn") for lay in ALL}),
+    # a ready plan (nanoGPT's GPT, its tied head and its position table: no batch dim)
+    "nanoGPT, ready plan": (dict(build_model=lambda: byom_models.nanogpt(),
+                                 make_batch=vm.make_batch), {}),
     # bf16 autocast on both sides: the wider tolerance passes the clean model and still
     # names the missing sum
     "clean, bf16 autocast": (_case(precision="bf16-mixed"), {}),

@@ -31,7 +31,7 @@ __all__ = ["compare_layout", "expected_piece"]
 def _dims(shape, rows: int, seq: int):
     """(sequence dim, batch dim or None) of an activation of the reference, else (None, None)."""
     if len(shape) < 2:
-        return None, None
+        return (0, None) if len(shape) == 1 and shape[0] == seq else (None, None)
     a, b = shape[0], shape[1]
     if a == rows and b == seq:
         return 1, 0
@@ -39,6 +39,8 @@ def _dims(shape, rows: int, seq: int):
         return 0, (1 if b == rows else None)
     if b == seq and a in (rows, 1):
         return 1, (0 if a == rows else None)
+    if a == seq:          # positions' rows (nanoGPT's wpe(arange(t))): no batch dim
+        return 0, None
     return None, None
 
 
@@ -101,6 +103,9 @@ class _Side:
             mean = sum(float(t) for _, t in have) / len(have)
             d, s = diff(torch.tensor(mean), ref)
             return Finding(self.step, what, name, "all", d, s) if ctx.tol.bad(d, s) else None
+        if self.kind in ("gin", "gout") and ctx.layout.dp > 1 and \
+                _dims(tuple(ref.shape), ctx.rows, ctx.seq)[1] is None:
+            return None   # no batch dim: each DP replica's gradient is a part of the sum
         segs = None
         if self.kind in ("out", "gout"):
             segs = self.ranks[0]["meta"]["modules"].get(name, {}).get("sizes")

@@ -241,12 +241,11 @@ def _gathered(model, state, grads: bool) -> dict:
     out = {}
     for name, p in model.named_parameters():
         t = p.grad if grads else p
-        if t is None:
-            out[name] = None
-            continue
         spec = tp_spec(p)
-        out[name] = (gather_param(t, spec[0], spec[1], state.tp_group) if spec
-                     else t.detach().clone())
+        if spec:   # collective: every TP rank gathers, with or without a gradient
+            full = gather_param(torch.zeros_like(p) if t is None else t, spec[0], spec[1],
+                                state.tp_group)
+        out[name] = None if t is None else full if spec else t.detach().clone()
     return out
 
 
@@ -302,10 +301,11 @@ def run_rank(job: dict, state, full_sd: dict | None) -> dict:
                 raise
             break
         sync_sequence_parallel_grads(model, state)
-        if share > 1:
+        if share > 1:   # collective: every rank sums every parameter's gradient
             for p in model.parameters():
-                if p.grad is not None:
-                    p.grad = all_reduce_sum(p.grad.contiguous(), state.dp_cp_group)
+                g = all_reduce_sum((p.grad if p.grad is not None else torch.zeros_like(p))
+                                   .contiguous(), state.dp_cp_group)
+                p.grad = g if p.grad is not None or bool(g.any()) else None
         record = rec.take()
         record["loss"] = float(loss.detach())
         record["grads"] = _gathered(model, state, grads=True)
