@@ -15,6 +15,7 @@ import torch
 
 import byom_models
 import verify_models as vm
+from tpkit.plans import Attention, Plan
 from tpkit.verifier import Layout, expected_piece, parse_layouts, verify_all
 
 LAYOUTS = "2x1x1,2x2x1+sp,1x2x2"
@@ -54,6 +55,12 @@ PLANTED = {
     "wrong KV-head split under GQA": (
         _case(M(tile_kv=True)),
         {lay: ("output", "layers.0.attn") for lay in ALL}),
+    # a plan that makes a layer raise (kv_heads=4 for the model's 2): named with its error
+    "a plan whose attention raises": (
+        _case(plan=Plan({**vm.plan().layers, "layers.*.attn": Attention(
+            heads="heads", kv_heads=4, qkv=("q_proj", "k_proj", "v_proj"), out="o_proj")},
+            shard_inputs=vm.shard_inputs)),
+        {lay: ("error", "layers.0.attn") for lay in ALL}),
     # a ready plan (nanoGPT's GPT, its tied head and its position table: no batch dim)
     "nanoGPT, ready plan": (dict(build_model=lambda: byom_models.nanogpt(),
                                  make_batch=vm.make_batch), {}),
@@ -93,6 +100,8 @@ def test_planted_mistake_reported_at_its_first_module(reports, name):
         assert "unsharded" in text
     if name.startswith("missing SP gradient sum"):
         assert "add up to the reference's" in text
+    if name == "a plan whose attention raises":
+        assert "raised RuntimeError" in text and "every module before it agrees" in text
     if name == "optimizer holding swapped-out parameters":
         assert "not the model's parameters" in text
 

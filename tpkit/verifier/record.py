@@ -270,7 +270,10 @@ def run_rank(job: dict, state, full_sd: dict | None) -> dict:
     meta = _meta(model)
     rows, _ = job["shape"]
     batch0 = split_batch(job["make_batch"](0), rows, state.dp_size, state.dp_rank)
-    masks = {} if reference else _dropout_masks(model, *batch0)
+    try:
+        masks = {} if reference else _dropout_masks(model, *batch0)
+    except Exception:  # noqa: BLE001 - the first step raises it again, where it is recorded
+        masks = {}
     _dropout_off(model)
     opt = job["optimizer"](model)
     live = {id(p) for p in model.parameters()}
