@@ -572,8 +572,11 @@ API = [
     # issue 44: TE's documented items tpkit.te_api does not do yet, and TE's modes
     Row("te-api-inference-params", "InferenceParams(max_batch_size=2",
         "run the whole prefix", call=lambda tmp: _te_api("InferenceParams")(2, 16)),
-    Row("te-api-cpu-offload", "get_cpu_offload_context(enabled=True", "use enabled=False",
-        call=lambda tmp: _te_api("get_cpu_offload_context")(True)),
+    Row("te-api-cpu-offload", "get_cpu_offload_context(num_layers=1, model_layers=1)",
+        "at most model_layers - 1 = 0", call=lambda tmp: _te_api("get_cpu_offload_context")(
+            True, num_layers=1, model_layers=1)),
+    Row("te-api-cpu-offload-positional", "model_layers=True", "pass keywords",
+        call=lambda tmp: _te_api("get_cpu_offload_context")(True, 1, True)),
     Row("te-api-fp8-model-init", "fp8_model_init(enabled=True)", "tpkit.te.te_model_init()",
         call=lambda tmp: _te_api("fp8_model_init")(True)),
     Row("te-api-calibrating", "fp8_autocast(calibrating=True)", "use calibrating=False",

@@ -28,6 +28,7 @@ from . import te as _te
 from .fp8 import fp8_autocast as _fp8_autocast
 from .nn._backend import resolve_backend
 from .nn.linear import linear_fn
+from .offload import get_cpu_offload_context
 from .random import RNGStatesTracker
 from .recompute import checkpoint
 from .topology import resolve_state
@@ -589,13 +590,3 @@ def onnx_export(enabled: bool = False):
         _not_yet("onnx_export(enabled=True)", "export with torch.onnx.export outside "
                  "onnx_export, or use transformer_engine.pytorch's modules")
     return contextlib.nullcontext()
-
-
-def get_cpu_offload_context(enabled: bool = False, num_layers: int = 1,
-                            offload_activations: bool = True, offload_weights: bool = True):
-    """TE's activation/weight offload: not yet; disabled it returns TE's pair
-    ``(nullcontext(), synchronizer)`` with an identity synchronizer."""
-    if enabled:
-        _not_yet(f"get_cpu_offload_context(enabled=True, num_layers={num_layers})",
-                 "use enabled=False, or recompute activations with te_api.checkpoint")
-    return contextlib.nullcontext(), (lambda x=None: x)
