@@ -156,7 +156,7 @@ def test_gpu_offload_lowers_max_memory_allocated_and_keeps_gradients():
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
         ctx, sync = get_cpu_offload_context(offload, 4, 6, offload_weights=False)
-        x = torch.randn(8192, 1024, device=dev, generator=torch.Generator(dev).manual_seed(1))
+        x = torch.randn(8192, 1024, device=dev, generator=torch.Generator(device=dev).manual_seed(1))
         for layer in layers:
             with ctx:
                 x = layer(x)

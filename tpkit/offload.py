@@ -147,8 +147,8 @@ class OffloadHandler:
             h2d.wait_stream(torch.cuda.current_stream())   # dev's allocation
             with torch.cuda.stream(h2d):
                 h2d.wait_event(entry.event)                # the offload's copy
-                dev.copy_(host, non_blocking=True)
-                host.record_stream(h2d)
+                dev.copy_(host, non_blocking=True)   # pinned: the host allocator keeps
+                dev.record_stream(h2d)               # `host` until the copy is done
                 entry.event = torch.cuda.Event()
                 entry.event.record(h2d)
         else:
