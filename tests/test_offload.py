@@ -172,3 +172,38 @@ def test_gpu_offload_lowers_max_memory_allocated_and_keeps_gradients():
     per_layer = 8192 * (1024 + 2 * 4096) * 4
     # four of six layers offloaded: at least two layers' worth less at the forward's peak
     assert peak[True] <= peak[False] - 2 * per_layer, (peak, per_layer)
+
+
+def _offload_fp8_weights():
+    import tpkit
+    import tpkit.te_api as te
+    from tpkit import fp8
+    tpkit.init_parallel()
+    torch.manual_seed(0)
+    with fp8.fp8_model_init():
+        layers = [te.Linear(H, H, bias=False) for _ in range(3)]
+    out = []
+    for offload in (False, True):
+        ctx, sync = get_cpu_offload_context(offload, 2, 3, offload_weights=False)
+        x = torch.randn(T, H, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        h = x
+        with fp8.fp8_autocast(recipe="current"):
+            for layer in layers:
+                with ctx:
+                    h = layer(h)
+                h = sync(h)
+        h.square().sum().backward()
+        out.append([x.grad] + [m.weight.grad for m in layers])
+        for m in layers:
+            m.weight.grad = None
+    same = all(torch.equal(a, b) for a, b in zip(*out))
+    # the fp8 GEMM saves its input's codes (T x H bytes) and 1/scale (float32) per
+    # offloaded layer, and the weight's codes and scale_inv, which stay (mark_not_offload:
+    # the module holds them)
+    return same, ctx.handler.offloaded_bytes, 2 * (T * H + 4)
+
+
+def test_fp8_weights_under_fp8_autocast_offload_only_activations():
+    from dist import run
+    ((same, got, want),) = run(_offload_fp8_weights, 1)
+    assert same and got == want, (got, want)

@@ -4,7 +4,7 @@
 manager (autograd's saved-tensor hooks) and a synchronizer applied to each layer's output
 (``out = sync(out)``: an identity that marks the layer boundary). The tensors that the
 first ``num_layers`` of the ``model_layers`` layers save for backward (their activations:
-every saved tensor but parameters) leave the compute device when their layer's
+every saved tensor but parameters, their views and what ``mark_not_offload`` marks) leave the compute device when their layer's
 synchronizer runs in forward, and come back when the gradient reaches that layer's
 output in backward (the layer below is prefetched then too), as TE's handler does.
 
@@ -32,7 +32,15 @@ import warnings
 import torch
 from torch import nn
 
-__all__ = ["get_cpu_offload_context", "OffloadHandler"]
+__all__ = ["get_cpu_offload_context", "mark_not_offload", "OffloadHandler"]
+
+
+def mark_not_offload(*tensors: torch.Tensor) -> None:
+    """TE's ``mark_not_offload``: these tensors stay where they are when saved for backward
+    (tpkit.fp8's fp8 weights mark their codes: the module holds them anyway)."""
+    for t in tensors:
+        if t is not None:
+            t._tpkit_not_offload = True
 
 
 class _Stored:
@@ -66,7 +74,9 @@ class OffloadHandler:
     def pack(self, t: torch.Tensor):
         base = t._base if t._is_view() else t
         if (self.group >= self.num_layers or not t.numel() or type(t) is not torch.Tensor
-                or isinstance(base, nn.Parameter) or (base.is_leaf and base.requires_grad)):
+                or isinstance(base, nn.Parameter) or (base.is_leaf and base.requires_grad)
+                or getattr(t, "_tpkit_not_offload", False)
+                or getattr(base, "_tpkit_not_offload", False)):
             return t        # parameters (and their views) stay, as autograd keeps them
         st = t.untyped_storage()
         entries = self.groups.setdefault(self.group, {})

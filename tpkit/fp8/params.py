@@ -36,6 +36,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from ..nn.linear import ColumnParallelLinear, RowParallelLinear
+from ..offload import mark_not_offload
 from .quantize import amax, cast, current_scale
 from .recipes import E4M3
 
@@ -75,6 +76,7 @@ class FP8Weight(torch.Tensor):
                                                 device=codes.device,
                                                 requires_grad=requires_grad)
         t.codes, t.scale_inv = codes, scale_inv
+        mark_not_offload(codes, scale_inv)   # the module's own bytes: nothing to offload
         return t
 
     def __init__(self, *args, **kwargs):
