@@ -110,6 +110,27 @@ def test_bad_arguments(kwargs, words):
         get_cpu_offload_context(**kwargs)
 
 
+def test_in_place_changes_of_saved_tensors_are_refused_as_autograd_does():
+    for layer in (0, 1):              # offloaded (checked at the synchronizer), kept
+        ctx, sync = get_cpu_offload_context(True, 1, 2, offload_weights=False)
+        a = torch.ones(3, requires_grad=True)
+        h = a
+        for i in range(2):
+            with ctx:
+                b = h * 2
+                h = b.sin()                   # sin saves b
+            if i == layer:
+                b.add_(1)
+                if layer == 0:
+                    with pytest.raises(RuntimeError, match="in-place operation before its"):
+                        sync(h)
+                    break
+            h = sync(h)
+        else:
+            with pytest.raises(RuntimeError, match="in-place operation before the backward"):
+                h.sum().backward()
+
+
 def test_more_layers_than_declared_and_disabled_is_identity():
     ctx, sync = get_cpu_offload_context(True, 1, 2, offload_weights=False)
     x = torch.ones(2, requires_grad=True)

@@ -47,11 +47,27 @@ class _Stored:
     """One offloaded storage: the device storage until its layer commits, then the host
     copy until the backward brings it back."""
 
-    __slots__ = ("device_st", "host", "event", "nbytes", "device")
+    __slots__ = ("device_st", "host", "event", "nbytes", "device", "saved")
 
     def __init__(self, st: torch.UntypedStorage):
         self.device_st, self.host, self.event = st, None, None
         self.nbytes, self.device = st.nbytes(), st.device
+        self.saved = []          # (tensor, version) until the copy: autograd's check
+
+
+_MODIFIED = ("a tensor saved for backward under get_cpu_offload_context was modified by an "
+             "in-place operation before {when} (autograd refuses this without offload too); "
+             "use an out-of-place operation")
+
+
+class _Kept:
+    """A saved tensor left where it is, with its version (the saved-tensor hooks take
+    autograd's in-place check away; this puts it back)."""
+
+    __slots__ = ("t", "version")
+
+    def __init__(self, t):
+        self.t, self.version = t, t._version
 
 
 def _bytes_of(st: torch.UntypedStorage) -> torch.Tensor:
@@ -77,17 +93,20 @@ class OffloadHandler:
                 or isinstance(base, nn.Parameter) or (base.is_leaf and base.requires_grad)
                 or getattr(t, "_tpkit_not_offload", False)
                 or getattr(base, "_tpkit_not_offload", False)):
-            return t        # parameters (and their views) stay, as autograd keeps them
+            return _Kept(t)   # parameters (and their views) stay, as autograd keeps them
         st = t.untyped_storage()
         entries = self.groups.setdefault(self.group, {})
         key = st._cdata
         if key not in entries:
             entries[key] = _Stored(st)
+        entries[key].saved.append((t, t._version))
         return (self.group, key, t.dtype, t.storage_offset(), t.size(), t.stride())
 
     def unpack(self, packed):
-        if isinstance(packed, torch.Tensor):
-            return packed
+        if isinstance(packed, _Kept):
+            if packed.t._version != packed.version:
+                raise RuntimeError(_MODIFIED.format(when="the backward"))
+            return packed.t
         group, key, dtype, offset, size, stride = packed
         entry = self.groups.get(group, {}).get(key)
         if entry is None:
@@ -132,6 +151,9 @@ class OffloadHandler:
         return self._streams
 
     def _offload(self, entry: _Stored) -> None:
+        if any(t._version != v for t, v in entry.saved):
+            raise RuntimeError(_MODIFIED.format(when="its layer's offload synchronizer ran"))
+        entry.saved = []
         src = _bytes_of(entry.device_st)
         if entry.device.type == "cuda":
             d2h, _ = self._cuda_streams()
