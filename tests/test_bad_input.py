@@ -422,6 +422,13 @@ def _te_api(name):
     return getattr(tpkit.te_api, name)
 
 
+def _fp8_weight_sgd_step(tmp):
+    from tpkit.fp8 import FP8Weight
+    p = torch.nn.Parameter(FP8Weight.quantize(torch.ones(2, 2)), requires_grad=True)
+    p.grad = torch.ones(2, 2)
+    torch.optim.SGD([p], lr=0.1).step()
+
+
 def _touch(path):
     path.write_text("")
     return path
@@ -572,12 +579,20 @@ API = [
     # issue 44: TE's documented items tpkit.te_api does not do yet, and TE's modes
     Row("te-api-inference-params", "InferenceParams(max_batch_size=2",
         "run the whole prefix", call=lambda tmp: _te_api("InferenceParams")(2, 16)),
-    Row("te-api-cpu-offload", "get_cpu_offload_context(enabled=True", "use enabled=False",
-        call=lambda tmp: _te_api("get_cpu_offload_context")(True)),
-    Row("te-api-fp8-model-init", "fp8_model_init(enabled=True)", "tpkit.te.te_model_init()",
-        call=lambda tmp: _te_api("fp8_model_init")(True)),
-    Row("te-api-calibrating", "fp8_autocast(calibrating=True)", "use calibrating=False",
-        call=lambda tmp: _te_api("fp8_autocast")(calibrating=True)),
+    Row("te-api-cpu-offload", "get_cpu_offload_context(num_layers=1, model_layers=1)",
+        "at most model_layers - 1 = 0", call=lambda tmp: _te_api("get_cpu_offload_context")(
+            True, num_layers=1, model_layers=1)),
+    Row("te-api-cpu-offload-positional", "model_layers=True", "pass keywords",
+        call=lambda tmp: _te_api("get_cpu_offload_context")(True, 1, True)),
+    Row("te-api-calibrating-block", "fp8_autocast(calibrating=True) with the 'mxfp8' recipe",
+        "calibrate with 'delayed' or 'current'",
+        call=lambda tmp: _te_api("fp8_autocast")(False, True, "mxfp8").__enter__()),
+    Row("fp8-weight-written-in-place", "writes into an fp8 parameter",
+        "tpkit.fp8.with_master_weights(optimizer)", call=_fp8_weight_sgd_step),
+    Row("fp8-master-weights-none", "the optimizer holds no fp8 parameter",
+        "build the model inside tpkit.fp8.fp8_model_init()", call=lambda tmp: __import__(
+            "tpkit.fp8").fp8.with_master_weights(torch.optim.SGD(
+                [torch.nn.Parameter(torch.ones(2))], lr=0.1))),
     Row("te-api-onnx", "onnx_export(enabled=True)", "torch.onnx.export outside onnx_export",
         call=lambda tmp: _te_api("onnx_export")(True)),
     Row("te-api-parallel-mode", "parallel_mode='rows'", "None, 'column' or 'row'",

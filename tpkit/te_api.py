@@ -26,8 +26,10 @@ from torch import nn
 from . import nn as tnn
 from . import te as _te
 from .fp8 import fp8_autocast as _fp8_autocast
+from .fp8 import fp8_model_init, register_gemm_layer
 from .nn._backend import resolve_backend
 from .nn.linear import linear_fn
+from .offload import get_cpu_offload_context
 from .random import RNGStatesTracker
 from .recompute import checkpoint
 from .topology import resolve_state
@@ -193,6 +195,7 @@ class _LocalLinear(Linear):
         return (out, self.bias) if self.return_bias else out
 
 
+register_gemm_layer(_LocalLinear)   # its weight goes fp8 under fp8_model_init too
 _LINEARS = {"column": _ColumnLinear, "row": _RowLinear, None: _LocalLinear}
 
 
@@ -566,21 +569,11 @@ class InferenceParams:
 def fp8_autocast(enabled: bool = True, calibrating: bool = False, fp8_recipe=None,
                  fp8_group=None):
     """TE's ``fp8_autocast`` on tpkit's emulated fp8 (tpkit.fp8.fp8_autocast: every tpkit
-    linear inside runs in fp8 with ``fp8_recipe``, amaxes reduced over ``fp8_group``)."""
-    if calibrating:
-        _not_yet("fp8_autocast(calibrating=True) (amax statistics without fp8 compute)",
-                 "use calibrating=False, or TE's modules inside tpkit.te.te_autocast("
-                 "calibrating=True)")
-    return _fp8_autocast(enabled, recipe=fp8_recipe, fp8_group=fp8_group)
-
-
-def fp8_model_init(enabled: bool = True):
-    """TE's fp8-only parameters: not yet on the torch backend; enabled=False is TE's no-op."""
-    if enabled:
-        _not_yet("fp8_model_init(enabled=True) (parameters held only in fp8)",
-                 "keep high-precision parameters (they are cast in fp8_autocast), or build "
-                 "TE modules (backend='te') inside tpkit.te.te_model_init()")
-    return contextlib.nullcontext()
+    linear inside runs in fp8 with ``fp8_recipe``, amaxes reduced over ``fp8_group``;
+    ``calibrating=True`` with ``enabled=False``: high-precision compute that records the
+    amaxes and scales)."""
+    return _fp8_autocast(enabled, recipe=fp8_recipe, fp8_group=fp8_group,
+                         calibrating=calibrating)
 
 
 def onnx_export(enabled: bool = False):
@@ -589,13 +582,3 @@ def onnx_export(enabled: bool = False):
         _not_yet("onnx_export(enabled=True)", "export with torch.onnx.export outside "
                  "onnx_export, or use transformer_engine.pytorch's modules")
     return contextlib.nullcontext()
-
-
-def get_cpu_offload_context(enabled: bool = False, num_layers: int = 1,
-                            offload_activations: bool = True, offload_weights: bool = True):
-    """TE's activation/weight offload: not yet; disabled it returns TE's pair
-    ``(nullcontext(), synchronizer)`` with an identity synchronizer."""
-    if enabled:
-        _not_yet(f"get_cpu_offload_context(enabled=True, num_layers={num_layers})",
-                 "use enabled=False, or recompute activations with te_api.checkpoint")
-    return contextlib.nullcontext(), (lambda x=None: x)
