@@ -422,6 +422,14 @@ def _te_api(name):
     return getattr(tpkit.te_api, name)
 
 
+def _llama(state):
+    from tpkit.models import Llama, LlamaConfig
+    from tpkit.random import model_parallel_seed
+    model_parallel_seed(1, state)
+    return Llama(LlamaConfig(vocab_size=16, hidden_size=16, ffn_hidden_size=32, num_layers=1,
+                             num_heads=2), state)
+
+
 def _touch(path):
     path.write_text("")
     return path
@@ -570,8 +578,43 @@ API = [
     Row("te-graphs-tpkit-tracker", "make_graphed_callables with tpkit's RNG tracker",
         "Run without CUDA graphs", call=_te(_te_graphs)),
     # issue 44: TE's documented items tpkit.te_api does not do yet, and TE's modes
-    Row("te-api-inference-params", "InferenceParams(max_batch_size=2",
-        "run the whole prefix", call=lambda tmp: _te_api("InferenceParams")(2, 16)),
+    # issue 44 item 2: KV-cache inference and model.generate
+    Row("inference-params-length", "sequence_len_offset=0 + 8 new tokens exceeds "
+        "InferenceParams(max_sequence_length=6)", "max_sequence_length of at least prompt",
+        call=_at(1, lambda st: _nn("DotProductAttention")(2, 4, state=st)(
+            *[torch.zeros(8, 1, 2, 4)] * 3,
+            inference_params=_te_api("InferenceParams")(1, 6)))),
+    Row("inference-params-batch", "batch 3 exceeds InferenceParams(max_batch_size=2)",
+        "max_batch_size of at least the batch",
+        call=_at(1, lambda st: _nn("DotProductAttention")(2, 4, state=st)(
+            *[torch.zeros(4, 3, 2, 4)] * 3,
+            inference_params=_te_api("InferenceParams")(2, 8)))),
+    Row("inference-params-cp", "under context parallelism (cp=2)", "generate on a layout "
+        "with cp=1", call=_at(1, lambda st: _nn("DotProductAttention")(2, 4, state=st)(
+            *[torch.zeros(4, 1, 2, 4)] * 3,
+            inference_params=_te_api("InferenceParams")(1, 8)), cp=2)),
+    Row("generate-cp", "generate at cp=2", "generate on a layout with cp=1",
+        call=_at(1, lambda st: _llama(st).generate(torch.zeros(1, 4, dtype=torch.long),
+                                                   max_new_tokens=2), cp=2)),
+    Row("generate-sp", "sequence_parallel=True (tp=2)", "without sequence parallelism",
+        call=_at(2, lambda st: _llama(st).generate(torch.zeros(1, 4, dtype=torch.long),
+                                                   max_new_tokens=2), sp=True)),
+    Row("generate-right-padding", "rows [0] are padded on the right",
+        "tokenizer.padding_side = 'left'",
+        call=_at(1, lambda st: _llama(st).generate(
+            torch.zeros(2, 3, dtype=torch.long), torch.tensor([[1, 1, 0], [1, 1, 1]]),
+            max_new_tokens=2))),
+    Row("generate-top-p", "generate(top_p=1.5)", "must be in (0, 1]",
+        call=_at(1, lambda st: _llama(st).generate(torch.zeros(1, 3, dtype=torch.long),
+                                                   max_new_tokens=2, do_sample=True,
+                                                   top_p=1.5))),
+    Row("generate-temperature", "generate(temperature=0) with do_sample=True",
+        "pass do_sample=False", call=_at(1, lambda st: _llama(st).generate(
+            torch.zeros(1, 3, dtype=torch.long), max_new_tokens=2, do_sample=True,
+            temperature=0))),
+    Row("generate-max-new-tokens", "generate(max_new_tokens=0)", "a positive integer",
+        call=_at(1, lambda st: _llama(st).generate(torch.zeros(1, 3, dtype=torch.long),
+                                                   max_new_tokens=0))),
     Row("te-api-cpu-offload", "get_cpu_offload_context(enabled=True", "use enabled=False",
         call=lambda tmp: _te_api("get_cpu_offload_context")(True)),
     Row("te-api-fp8-model-init", "fp8_model_init(enabled=True)", "tpkit.te.te_model_init()",

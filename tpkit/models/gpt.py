@@ -23,6 +23,7 @@ from ..nn import (ColumnParallelLinear, RMSNorm, RotaryEmbedding, TransformerLay
                   VocabParallelEmbedding, vocab_parallel_cross_entropy)
 from ..recompute import checkpoint
 from ..topology import get_parallel_state
+from .generate import GenerationMixin
 
 
 @dataclasses.dataclass
@@ -46,7 +47,7 @@ class GPTConfig:
     moe_capacity_factor: float | None = None
 
 
-class GPT(nn.Module):
+class GPT(GenerationMixin, nn.Module):
     def __init__(self, cfg: GPTConfig, state=None):
         super().__init__()
         self.cfg = cfg
