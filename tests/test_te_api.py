@@ -150,7 +150,6 @@ def _refusals():
     x = torch.randn(S, B, H)
     layer = te.TransformerLayer(H, F, HEADS, tp_group=g, set_parallel_mode=True)
     calls = {
-        "InferenceParams": lambda: te.InferenceParams(2, 16),
         "get_cpu_offload_context": lambda: te.get_cpu_offload_context(True),
         "fp8_model_init": lambda: te.fp8_model_init(True),
         "calibrating": lambda: te.fp8_autocast(calibrating=True),

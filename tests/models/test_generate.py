@@ -101,7 +101,7 @@ def _recompute_row(model, row: list[int]) -> torch.Tensor:
 
 
 def _check_cache(model, ids, mask) -> float:
-    out = model.generate(ids, mask, max_new_tokens=8, return_dict_in_generate=True,
+    out = model.generate(ids, mask, max_new_tokens=5, return_dict_in_generate=True,
                          output_logits=True)
     w, err = ids.shape[1], 0.0
     for r in range(ids.shape[0]):
@@ -168,3 +168,51 @@ def test_sampling_scores_match_transformers_warpers():
         a = torch.multinomial(got.softmax(-1), 1, generator=torch.Generator().manual_seed(9))
         b = torch.multinomial(want.softmax(-1), 1, generator=torch.Generator().manual_seed(9))
         assert torch.equal(a, b)
+
+
+TRAIN_FLAGS = ["--hidden", "64", "--layers", "1", "--heads", "4", "--gqa-groups", "2",
+               "--ffn", "128", "--seq-len", "16", "--global-batch", "2"]
+TEXTS = ["def ", "import os"]
+
+
+def _pool_train_checkpoint(path):
+    """tpkit-train's model (the reference GPT, its seeded init) at tp=2, saved as a
+    sharded checkpoint, and its greedy generation from the texts' bytes (float64); then
+    tpkit-generate's ``main`` at tp=1 x dp=2 on that checkpoint (its printed lines)."""
+    import contextlib
+    import io
+    import tpkit
+    from tpkit.checkpoint import save
+    from tpkit.cli.generate import main
+    from tpkit.train import parse
+    from tpkit.train.trainer import build_model
+    st = tpkit.init_parallel(tp=2, seed=3)
+    job, _ = parse(TRAIN_FLAGS)
+    model = build_model(job, st)
+    save(path, {"model": model})
+    prompts = [list(t.encode()) for t in TEXTS]
+    w = max(map(len, prompts))
+    ids = torch.tensor([[0] * (w - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (w - len(p)) + [1] * len(p) for p in prompts])
+    want = model.double().eval().generate(ids, mask, max_new_tokens=8)[:, w:]
+    tpkit.destroy_parallel()
+    with open(path + ".toml", "w") as f:
+        f.write(job.to_toml())
+    argv = ["--checkpoint", path, "--config", path + ".toml", "--dtype", "float64",
+            "--max-new-tokens", "8"]
+    for t in TEXTS:
+        argv += ["--prompt", t]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(argv) == 0            # init_parallel(): tp=1, dp=2 in a world of 2
+    return want, out.getvalue()
+
+
+def test_tpkit_generate_from_a_train_checkpoint_at_another_layout(tmp_path):
+    """A tpkit-train checkpoint written at tp=2 generates the same text at tp=1 x dp=2
+    through tpkit-generate's main (resharded on load), prompts as UTF-8 bytes."""
+    (want, out), (_, out1) = run(_pool_train_checkpoint, 2, str(tmp_path / "ckpt"))
+    assert out1 == ""                     # rank 0 prints
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert [r["prompt"] for r in rows] == [list(t.encode()) for t in TEXTS]
+    assert [r["ids"] for r in rows] == want.tolist()

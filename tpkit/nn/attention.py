@@ -24,6 +24,7 @@ from ._common import (ParallelModule, check_input_format, check_sbh, divide, loc
 from .linear import ColumnParallelLinear, RowParallelLinear, linear_fn
 from .rope import apply_rotary_pos_emb
 from .dot_product_attention import THD_KWARGS, DotProductAttention
+from .inference import check_window
 
 __all__ = ["ParallelSelfAttention", "ReplicatedKV"]
 
@@ -176,7 +177,7 @@ class ParallelSelfAttention(TEBackendMixin, ParallelModule):
         q, k, v = qkv.split([hl * d, gl * d, gl * d], dim=-1)
         q, k, v = q.view(n0, n1, hl, d), k.view(n0, n1, gl, d), v.view(n0, n1, gl, d)
         if rotary_pos_emb is not None and inference_params is not None:
-            off = inference_params.sequence_len_offset
+            off = check_window(inference_params, s, b, type(self).__name__)[0]
             if rotary_pos_emb.shape[0] < off + s:
                 raise ValueError(f"{type(self).__name__}: with inference_params, "
                                  f"rotary_pos_emb holds the angles of every position from 0 "

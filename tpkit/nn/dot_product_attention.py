@@ -37,7 +37,7 @@ from ._common import divide, local_kv_heads
 from .attention_ops import select
 from .context_parallel import context_parallel_attention
 from .fused_cp import fused_context_parallel_attention
-from .inference import cached_attention, kv_padding_mask
+from .inference import InferenceParams, cached_attention, kv_padding_mask
 from .packed_attention import packed_attention, padded_attention
 
 MASK_TYPES = ("causal", "no_mask", "padding", "padding_causal")
@@ -295,6 +295,10 @@ class DotProductAttention(TEBackendMixin, torch.nn.Module):
 
     def _forward_cached(self, q, k, v, fmt, mask, causal, attention_mask, params):
         who = f"{type(self).__name__}.forward(inference_params=...)"
+        if not isinstance(params, InferenceParams):
+            raise ValueError(f"{type(self).__name__}.forward(inference_params={params!r}): "
+                             "not an InferenceParams; pass tpkit.te_api.InferenceParams("
+                             "max_batch_size, max_sequence_length)")
         if self.cp_size > 1:
             raise ValueError(
                 f"{who} under context parallelism (cp={self.cp_size}) is not supported: a "
