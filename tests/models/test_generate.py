@@ -11,6 +11,8 @@ attention mask. The references are transformers' (float64, the same weights):
   torch seed draws transformers' sampled tokens; the KV-cache decode's logits at every
   step equal the whole prefix recomputed without a cache, row by row without padding
   (float64, 1e-10), also with fewer kv heads than TP ranks (replicated k/v).
+- tpkit-train's GPT saved at tp=2: tpkit-generate at tp=1 x dp=2 generates its text; its
+  cached decode equals its recompute.
 - One process: the sampling scores (temperature, top-k, top-p) equal transformers'
   logits warpers' on random logits, -inf pattern and values.
 """
@@ -93,7 +95,14 @@ def _recompute_row(model, row: list[int]) -> torch.Tensor:
     """Full-vocab logits of the last position of ``row``, no cache, no padding (the
     model's training forward: vocab-parallel logits gathered over TP here)."""
     import torch.distributed as dist
-    logits = model(torch.tensor([row]))[-1, 0]                  # [V/tp]
+    t = torch.tensor([row])
+    if hasattr(model, "pp_stem"):    # the reference GPT: forward takes targets
+        x = model.pp_stem(t)
+        for layer in model.layers:
+            x = model.pp_block(layer, x)
+        logits = model.pp_head(x)[-1, 0]
+    else:
+        logits = model(t)[-1, 0]                                 # [V/tp]
     st = model.state
     parts = [torch.empty_like(logits) for _ in range(st.tp_size)]
     dist.all_gather(parts, logits.contiguous(), group=st.tp_group)
@@ -195,6 +204,7 @@ def _pool_train_checkpoint(path):
     ids = torch.tensor([[0] * (w - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (w - len(p)) + [1] * len(p) for p in prompts])
     want = model.double().eval().generate(ids, mask, max_new_tokens=8)[:, w:]
+    cache_err = _check_cache(model, ids, mask)
     tpkit.destroy_parallel()
     with open(path + ".toml", "w") as f:
         f.write(job.to_toml())
@@ -205,14 +215,16 @@ def _pool_train_checkpoint(path):
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         assert main(argv) == 0            # init_parallel(): tp=1, dp=2 in a world of 2
-    return want, out.getvalue()
+    return want, out.getvalue(), cache_err
 
 
 def test_tpkit_generate_from_a_train_checkpoint_at_another_layout(tmp_path):
     """A tpkit-train checkpoint written at tp=2 generates the same text at tp=1 x dp=2
-    through tpkit-generate's main (resharded on load), prompts as UTF-8 bytes."""
-    (want, out), (_, out1) = run(_pool_train_checkpoint, 2, str(tmp_path / "ckpt"))
+    through tpkit-generate's main (resharded on load), prompts as UTF-8 bytes; the
+    reference GPT's cached decode equals its recompute (float64, 1e-10)."""
+    (want, out, err), (_, out1, err1) = run(_pool_train_checkpoint, 2, str(tmp_path / "ckpt"))
     assert out1 == ""                     # rank 0 prints
+    assert max(err, err1) <= 1e-10, (err, err1)   # the GPT's cache = its recompute
     rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     assert [r["prompt"] for r in rows] == [list(t.encode()) for t in TEXTS]
     assert [r["ids"] for r in rows] == want.tolist()
