@@ -295,6 +295,19 @@ LAUNCH = [
         T("--training.steps", "0")),
     Row("train-unknown-flag", "unrecognized arguments: --trainig.steps", "--help",
         T("--trainig.steps", "3")),
+    # issue 44 item 2: tpkit-generate's pre-flight hook
+    Row("generate-cli-cp", "cp=2: a decode step's one new token", "generate on a layout "
+        "with cp=1", ["--nproc-per-node", "2", "--cp", "2", "-m", "tpkit.cli.generate",
+                      "--hf", "{tmp}", "--ids", "1,2"]),
+    Row("generate-cli-no-config", "--checkpoint needs --config", "the tpkit-train job TOML",
+        ["--nproc-per-node", "2", "-m", "tpkit.cli.generate", "--checkpoint", "{tmp}",
+         "--ids", "1,2"]),
+    Row("generate-cli-ids", "--ids '1,x'", "comma-separated integer token ids",
+        ["--nproc-per-node", "2", "-m", "tpkit.cli.generate", "--hf", "{tmp}",
+         "--ids", "1,x"]),
+    Row("generate-cli-hf-dir", "has no config.json", "pass a Hugging Face model directory",
+        ["--nproc-per-node", "2", "-m", "tpkit.cli.generate", "--hf", "{tmp}",
+         "--ids", "1,2"]),
     # issue 22: mixture of experts
     Row("ep-vs-stage", "etp*ep = 2*4 = 8 does not divide tp*cp*dp = 2*1*3 = 6",
         "choose ep and etp whose product divides 6",

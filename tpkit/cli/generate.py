@@ -74,6 +74,40 @@ def _check(args) -> None:
         raise ValueError("no prompt: pass --prompt TEXT or --ids 1,2,3 (repeat for a batch)")
 
 
+def _check_source(args, tp: int, cp: int, sp: bool) -> None:
+    """The checkpoint exists and the layout can generate: ValueError naming the flag."""
+    import os
+    if cp > 1:
+        raise ValueError(f"cp={cp}: a decode step's one new token cannot be split over "
+                         "context-parallel ranks; generate on a layout with cp=1 (--tp and "
+                         "--dp as you like: the checkpoint is resharded)")
+    if sp and tp > 1:
+        raise ValueError("--sequence-parallel: a decode step's one new token cannot be split "
+                         "over tensor-parallel ranks; launch without sequence parallelism")
+    if args.hf:
+        from tpkit.models.hf import read_config
+        cfg, _ = read_config(args.hf)
+        cfg.check_tp(tp)
+    else:
+        if not os.path.isdir(args.checkpoint):
+            raise ValueError(f"--checkpoint {args.checkpoint!r} is not a directory; pass a "
+                             "checkpoint tpkit-train wrote (SAVE/stepNNNNNN)")
+        if not os.path.isfile(args.config):
+            raise ValueError(f"--config {args.config!r} does not exist; pass the job TOML "
+                             "that wrote the checkpoint (tpkit-train --print-config)")
+
+
+def tpkit_preflight(argv, launch):
+    """tpkit-launch's pre-flight hook (tpkit.cli.preflight): the flags, the checkpoint's
+    directory and the layout, checked before any worker starts."""
+    args = _parser().parse_args(argv)
+    _check(args)
+    for t in args.ids:
+        _ids(t, "--ids")
+    c = launch.config
+    _check_source(args, c.tp, c.cp, c.sequence_parallel)
+
+
 def _model(args, state, dtype):
     import torch
     if args.hf:
@@ -109,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = getattr(torch, args.dtype)
     state = tpkit.init_parallel()
     try:
+        _check_source(args, state.tp_size, state.cp_size, state.sequence_parallel)
         model = _model(args, state, dtype).eval()
         eos = args.eos_token_id
         pad = args.pad_token_id if args.pad_token_id is not None else (eos[0] if eos else 0)
