@@ -74,8 +74,9 @@ def _check(args) -> None:
         raise ValueError("no prompt: pass --prompt TEXT or --ids 1,2,3 (repeat for a batch)")
 
 
-def _check_source(args, tp: int, cp: int, sp: bool) -> None:
-    """The checkpoint exists and the layout can generate: ValueError naming the flag."""
+def _check_source(args, tp: int, cp: int, sp: bool, files: bool = True) -> None:
+    """The layout can generate and (``files``) the checkpoint exists: ValueError naming
+    the flag."""
     import os
     if cp > 1:
         raise ValueError(f"cp={cp}: a decode step's one new token cannot be split over "
@@ -84,6 +85,8 @@ def _check_source(args, tp: int, cp: int, sp: bool) -> None:
     if sp and tp > 1:
         raise ValueError("--sequence-parallel: a decode step's one new token cannot be split "
                          "over tensor-parallel ranks; launch without sequence parallelism")
+    if not files:
+        return
     if args.hf:
         from tpkit.models.hf import read_config
         cfg, _ = read_config(args.hf)
@@ -98,14 +101,15 @@ def _check_source(args, tp: int, cp: int, sp: bool) -> None:
 
 
 def tpkit_preflight(argv, launch):
-    """tpkit-launch's pre-flight hook (tpkit.cli.preflight): the flags, the checkpoint's
-    directory and the layout, checked before any worker starts."""
+    """tpkit-launch's pre-flight hook (tpkit.cli.preflight): the flags, the layout and
+    (unless a dry run, which may plan for files not there yet) the checkpoint, checked
+    before any worker starts."""
     args = _parser().parse_args(argv)
     _check(args)
     for t in args.ids:
         _ids(t, "--ids")
     c = launch.config
-    _check_source(args, c.tp, c.cp, c.sequence_parallel)
+    _check_source(args, c.tp, c.cp, c.sequence_parallel, files=not launch.dry_run)
 
 
 def _model(args, state, dtype):
