@@ -117,3 +117,8 @@ def test_inference_params_refuses_what_does_not_fit():
             dpa(q, q, q, inference_params=InferenceParams(2, 5))
         with pytest.raises(ValueError, match=r"batch 2 exceeds InferenceParams\(max_batch_size=1"):
             dpa(q, q, q, inference_params=InferenceParams(1, 8))
+        params = InferenceParams(2, 8)
+        params.sequence_len_offset = 2
+        with pytest.raises(ValueError, match="sequence_len_offset=2 but this layer has no "
+                                             "cache; the first call"):
+            dpa(q[:1], q[:1], q[:1], inference_params=params)

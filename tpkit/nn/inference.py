@@ -88,9 +88,12 @@ def cached_attention(core, params: InferenceParams, q, k, v, fmt: str, causal: b
     mem = params.key_value_memory_dict.get(key)
     shape = (params.max_sequence_length, params.max_batch_size, k.shape[2], k.shape[3])
     if mem is None or mem[0].shape != shape or mem[0].dtype != k.dtype:
-        if off != 0 and mem is None:
+        if off != 0:
+            have = "no cache" if mem is None else \
+                f"a cache of {tuple(mem[0].shape)} {mem[0].dtype}, not {shape} {k.dtype}"
             raise ValueError(f"{type(core).__name__}: sequence_len_offset={off} but this layer "
-                             "has no cache yet; the first call (the prompt) runs at offset 0")
+                             f"has {have}; the first call (the prompt) runs at offset 0 with "
+                             "the same InferenceParams, heads and dtype")
         mem = tuple(torch.zeros(shape, dtype=k.dtype, device=k.device) for _ in range(2))
         params.key_value_memory_dict[key] = mem
     km, vm = mem
