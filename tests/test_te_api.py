@@ -150,7 +150,6 @@ def _refusals():
     x = torch.randn(S, B, H)
     layer = te.TransformerLayer(H, F, HEADS, tp_group=g, set_parallel_mode=True)
     calls = {
-        "InferenceParams": lambda: te.InferenceParams(2, 16),
         "get_cpu_offload_context": lambda: te.get_cpu_offload_context(True),  # every layer
         "calibrating": lambda: te.fp8_autocast(False, True, "block").__enter__(),
         "onnx_export": lambda: te.onnx_export(True),

@@ -28,6 +28,7 @@ from . import te as _te
 from .fp8 import fp8_autocast as _fp8_autocast
 from .fp8 import fp8_model_init, register_gemm_layer
 from .nn._backend import resolve_backend
+from .nn.inference import InferenceParams
 from .nn.linear import linear_fn
 from .offload import get_cpu_offload_context
 from .random import RNGStatesTracker
@@ -357,6 +358,7 @@ class DotProductAttention(_HandOff, tnn.DotProductAttention):
         super().__init__(num_attention_heads, kv_channels, num_gqa_groups=num_gqa_groups,
                          attn_mask_type=attn_mask_type, attention_dropout=attention_dropout,
                          qkv_format=qkv_format, softmax_scale=softmax_scale, state=state)
+        self.layer_number = layer_number     # the key of its KV cache (InferenceParams)
         if cp_group is not None:
             self.set_context_parallel_group(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
 
@@ -369,21 +371,19 @@ class DotProductAttention(_HandOff, tnn.DotProductAttention):
                 **padded):
         """TE's forward; ``padded``: ``cu_seqlens_q_padded``/``cu_seqlens_kv_padded``."""
         _check_attention_forward("DotProductAttention.forward", None, window_size,
-                                 checkpoint_core_attention, inference_params,
-                                 core_attention_bias_type, core_attention_bias, alibi_slopes)
+                                 checkpoint_core_attention, core_attention_bias_type,
+                                 core_attention_bias, alibi_slopes)
         return super().forward(query_layer, key_layer, value_layer, attention_mask, qkv_format,
                                cu_seqlens_q, cu_seqlens_kv, max_seqlen_q=max_seqlen_q,
                                max_seqlen_kv=max_seqlen_kv, attn_mask_type=attn_mask_type,
-                               **padded)
+                               inference_params=inference_params, **padded)
 
 
 def _check_attention_forward(who: str, encoder_output=None, window_size=None,
-                             checkpoint_core_attention=False, inference_params=None,
+                             checkpoint_core_attention=False,
                              core_attention_bias_type="no_bias", core_attention_bias=None,
                              alibi_slopes=None, enc_dec_attn_mask=None) -> None:
     _refuse(who,
-            inference_params=(inference_params, None, "no KV cache yet (issue 44 item 2): "
-                              "recompute the whole prefix each step"),
             encoder_output=(encoder_output, None, "self-attention only"),
             enc_dec_attn_mask=(enc_dec_attn_mask, None, "self-attention only"),
             window_size=(window_size, None, "sliding windows need the TE backend"),
@@ -448,6 +448,7 @@ class MultiheadAttention(_HandOff, nn.Module):
             init_method=init_method or _default_init,
             output_layer_init_method=output_layer_init_method or init_method or _default_init,
             attn_input_format=qkv_format, state=state, device=device, dtype=params_dtype)
+        self.attention.core_attention.layer_number = layer_number   # its KV cache's key
         self.attn_mask_type = attn_mask_type
         self.return_layernorm_output = bool(return_layernorm_output)
         self._te_state = _StateRef(state)
@@ -458,11 +459,12 @@ class MultiheadAttention(_HandOff, nn.Module):
                 rotary_pos_emb=None, core_attention_bias_type: str = "no_bias",
                 core_attention_bias=None, alibi_slopes=None, fast_zero_fill: bool = True):
         _check_attention_forward("MultiheadAttention.forward", encoder_output, window_size,
-                                 checkpoint_core_attention, inference_params,
-                                 core_attention_bias_type, core_attention_bias, alibi_slopes)
+                                 checkpoint_core_attention, core_attention_bias_type,
+                                 core_attention_bias, alibi_slopes)
         _check_mask_type("MultiheadAttention.forward", attn_mask_type, self.attn_mask_type)
         x = hidden_states if self.layernorm is None else self.layernorm(hidden_states)
-        out = self.attention(x, rotary_pos_emb, attention_mask)
+        out = self.attention(x, rotary_pos_emb, attention_mask,
+                             inference_params=inference_params)
         return (out, x) if self.return_layernorm_output else out
 
     def set_tensor_parallel_group(self, tp_group) -> None:
@@ -528,6 +530,7 @@ class TransformerLayer(_HandOff, tnn.TransformerLayer):
                          attn_input_format=attn_input_format,
                          state=state, device=device, dtype=params_dtype)
         self.self_attn_mask_type = self_attn_mask_type
+        self.self_attention.core_attention.layer_number = layer_number   # its KV cache's key
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None,
                 self_attn_mask_type=None, window_size=None, encoder_output=None,
@@ -536,12 +539,12 @@ class TransformerLayer(_HandOff, tnn.TransformerLayer):
                 rotary_pos_emb=None, core_attention_bias_type: str = "no_bias",
                 core_attention_bias=None, alibi_slopes=None, fast_zero_fill: bool = True):
         _check_attention_forward("TransformerLayer.forward", encoder_output, window_size,
-                                 checkpoint_core_attention, inference_params,
-                                 core_attention_bias_type, core_attention_bias, alibi_slopes,
-                                 enc_dec_attn_mask)
+                                 checkpoint_core_attention, core_attention_bias_type,
+                                 core_attention_bias, alibi_slopes, enc_dec_attn_mask)
         _check_mask_type("TransformerLayer.forward", self_attn_mask_type,
                          self.self_attn_mask_type)
-        return super().forward(hidden_states, rotary_pos_emb, attention_mask)
+        return super().forward(hidden_states, rotary_pos_emb, attention_mask,
+                               inference_params=inference_params)
 
     def set_tensor_parallel_group(self, tp_group) -> None:
         _check_parallel_group(self, tp_group)
@@ -556,16 +559,6 @@ class TransformerLayer(_HandOff, tnn.TransformerLayer):
 
 
 # --- functions ---------------------------------------------------------------------------
-class InferenceParams:
-    """TE's KV-cache parameters: not yet on tpkit's torch backend (issue 44, item 2)."""
-
-    def __init__(self, max_batch_size: int, max_sequence_length: int):
-        _not_yet(f"InferenceParams(max_batch_size={max_batch_size}, max_sequence_length="
-                 f"{max_sequence_length}) (KV-cache inference)",
-                 "run the whole prefix through the model at every step, or use "
-                 "transformer_engine.pytorch's modules for cached decoding")
-
-
 def fp8_autocast(enabled: bool = True, calibrating: bool = False, fp8_recipe=None,
                  fp8_group=None):
     """TE's ``fp8_autocast`` on tpkit's emulated fp8 (tpkit.fp8.fp8_autocast: every tpkit

@@ -24,6 +24,7 @@ from ..nn import (ColumnParallelLinear, RMSNorm, RotaryEmbedding, TransformerLay
 from ..offload import get_cpu_offload_context
 from ..recompute import checkpoint
 from ..topology import get_parallel_state
+from .generate import GenerationMixin
 
 
 @dataclasses.dataclass
@@ -50,7 +51,7 @@ class GPTConfig:
     cpu_offload_layers: int = 0
 
 
-class GPT(nn.Module):
+class GPT(GenerationMixin, nn.Module):
     def __init__(self, cfg: GPTConfig, state=None):
         super().__init__()
         self.cfg = cfg
