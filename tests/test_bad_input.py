@@ -422,6 +422,21 @@ def _te_api(name):
     return getattr(tpkit.te_api, name)
 
 
+def _onnx_tp2_layer(state):
+    """A layer of a tp=2 state run inside onnx_export: refused at its collective."""
+    from tpkit.random import model_parallel_seed
+    model_parallel_seed(1, state)
+    layer = _nn("ColumnParallelLinear")(8, 8, state=state)
+    with _te_api("onnx_export")(True):
+        layer(torch.zeros(2, 8))
+
+
+def _onnx_in_fp8():
+    with _te_api("fp8_autocast")(fp8_recipe="current"):
+        with _te_api("onnx_export")(True):
+            pass
+
+
 def _touch(path):
     path.write_text("")
     return path
@@ -578,8 +593,12 @@ API = [
         call=lambda tmp: _te_api("fp8_model_init")(True)),
     Row("te-api-calibrating", "fp8_autocast(calibrating=True)", "use calibrating=False",
         call=lambda tmp: _te_api("fp8_autocast")(calibrating=True)),
-    Row("te-api-onnx", "onnx_export(enabled=True)", "torch.onnx.export outside onnx_export",
-        call=lambda tmp: _te_api("onnx_export")(True)),
+    Row("te-api-onnx-collective", "copy_to_tp_region runs a collective over 2 ranks",
+        "export at tp=cp=pp=ep=1", call=_at(2, _onnx_tp2_layer)),
+    Row("te-api-onnx-fp8", "onnx_export(enabled=True) inside fp8_autocast",
+        "export outside fp8_autocast", call=lambda tmp: _onnx_in_fp8()),
+    Row("te-api-onnx-enabled", "onnx_export(enabled='yes')", "takes True or False",
+        call=lambda tmp: _te_api("onnx_export")("yes").__enter__()),
     Row("te-api-parallel-mode", "parallel_mode='rows'", "None, 'column' or 'row'",
         call=lambda tmp: _te_api("Linear")(8, 8, parallel_mode="rows")),
     Row("precision-weights-dtype", "weights_dtype=torch.bfloat16", "model.to(dtype)",

@@ -22,6 +22,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
+from ..nn.export import is_onnx_export
 from ..topology import get_parallel_state, is_initialized
 from .amax import GRAD, INPUT, WEIGHT, FP8Meta, reduce_and_update
 from .recipes import from_any
@@ -124,6 +125,10 @@ def fp8_autocast(enabled: bool = True, recipe=None, fp8_group=None):
     "current", "block", "mxfp8", a recipe of tpkit or TE, or a dict; None: delayed).
     Nested contexts may switch fp8 off/on or change the recipe; the outermost one owns
     the amax group and runs delayed scaling's forward update when it exits normally."""
+    if enabled and is_onnx_export():
+        raise ValueError("fp8_autocast(enabled=True) inside onnx_export(enabled=True): tpkit's "
+                         "emulated fp8 is not exported (its scales are training state); "
+                         "export without fp8_autocast")
     st = _STATE
     rec = from_any(recipe)
     _check_emulated(rec)
