@@ -131,9 +131,10 @@ class TPKitPrecision(Precision):
             raise TypeError(f"recipe={recipe!r} must be a recipe name {sorted(FP8_RECIPES)}, "
                             "a dict, or a recipe object (tpkit.fp8 or transformer_engine)")
         self.precision = precision
-        # None is Lightning's DelayedScaling() (not TE's per-GPU default recipe)
+        # None: Lightning's DelayedScaling() in Lightning's form (weights_dtype given),
+        # else TE's own default on the TE backend (tpkit-train's documented default)
         self.recipe_spec = dict(recipe) if isinstance(recipe, Mapping) else (
-            "delayed" if recipe is None else recipe)
+            "delayed" if recipe is None and weights_dtype is not None else recipe)
         self._recipe = None
         self.weights_dtype = weights_dtype
         # Lightning's: the fallback defaults to the weights' dtype
