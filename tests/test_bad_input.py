@@ -431,6 +431,14 @@ def _onnx_tp2_layer(state):
         layer(torch.zeros(2, 8))
 
 
+def _onnx_moe(state):
+    from tpkit.random import model_parallel_seed
+    model_parallel_seed(1, state)
+    moe = _nn("MoE")(8, 16, 2, 1, state=state)
+    with _te_api("onnx_export")(True):
+        moe(torch.zeros(4, 1, 8))
+
+
 def _onnx_in_fp8():
     with _te_api("fp8_autocast")(fp8_recipe="current"):
         with _te_api("onnx_export")(True):
@@ -597,6 +605,8 @@ API = [
         "export at tp=cp=pp=ep=1", call=_at(2, _onnx_tp2_layer)),
     Row("te-api-onnx-fp8", "onnx_export(enabled=True) inside fp8_autocast",
         "export outside fp8_autocast", call=lambda tmp: _onnx_in_fp8()),
+    Row("te-api-onnx-moe", "onnx_export(enabled=True) with a MoE layer",
+        "export a dense model (moe_experts=0)", call=_at(1, _onnx_moe)),
     Row("te-api-onnx-enabled", "onnx_export(enabled='yes')", "takes True or False",
         call=lambda tmp: _te_api("onnx_export")("yes").__enter__()),
     Row("te-api-parallel-mode", "parallel_mode='rows'", "None, 'column' or 'row'",

@@ -6,7 +6,8 @@ default exporter, ``dynamo=True``: ``torch.export`` then ONNX) can trace: the
 vocab-parallel cross entropy at one TP rank is ``F.cross_entropy``'s formula (no
 host-side id check, which is data-dependent control flow), and every collective of the
 layers is refused with a ValueError (an ONNX graph of one rank's shard would silently
-compute something else than the model). What cannot be exported is refused on entry:
+compute something else than the model), and so is a MoE layer (its dispatch has
+data-dependent shapes). What cannot be exported is refused on entry:
 a layout with tp, cp, pp or ep above 1, and the emulated fp8 of ``tpkit.fp8`` (its
 scales and amax histories are training state; the exported graph would freeze them).
 """
