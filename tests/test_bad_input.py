@@ -439,6 +439,16 @@ def _onnx_moe(state):
         moe(torch.zeros(4, 1, 8))
 
 
+def _onnx_legacy(tmp):
+    def build(state):
+        from tpkit.random import model_parallel_seed
+        model_parallel_seed(1, state)
+        layer = _nn("ColumnParallelLinear")(8, 8, state=state)
+        with _te_api("onnx_export")(True):
+            torch.onnx.export(layer, (torch.zeros(2, 8),), str(tmp / "x.onnx"), dynamo=False)
+    _at(1, build)(tmp)
+
+
 def _onnx_in_fp8():
     with _te_api("fp8_autocast")(fp8_recipe="current"):
         with _te_api("onnx_export")(True):
@@ -607,6 +617,8 @@ API = [
         "export outside fp8_autocast", call=lambda tmp: _onnx_in_fp8()),
     Row("te-api-onnx-moe", "onnx_export(enabled=True) with a MoE layer",
         "export a dense model (moe_experts=0)", call=_at(1, _onnx_moe)),
+    Row("te-api-onnx-legacy", "torch.onnx.export(..., dynamo=False)",
+        "use dynamo=True", call=_onnx_legacy),
     Row("te-api-onnx-enabled", "onnx_export(enabled='yes')", "takes True or False",
         call=lambda tmp: _te_api("onnx_export")("yes").__enter__()),
     Row("te-api-parallel-mode", "parallel_mode='rows'", "None, 'column' or 'row'",

@@ -1,11 +1,13 @@
 """ONNX export (``tpkit.te_api.onnx_export``, TE's ``onnx_export``; tpkit.nn.export).
 
-A GPT (its loss, with targets) and a Llama (its logits, batch and sequence dynamic) built
-at tp=1 are exported with ``torch.onnx.export`` inside ``onnx_export(True)`` and run in
-onnxruntime, an independent runtime: its outputs equal the torch model's, computed outside
-the export mode, within 1e-5. A tp=2 or cp=2 layout is refused on entry, and so is tpkit's
+A GPT (its loss, with targets), a Llama (its logits, batch and sequence dynamic) and a
+stack of tpkit.te_api classes (TE's API), built at tp=1, are exported with
+``torch.onnx.export`` inside ``onnx_export(True)`` and run in onnxruntime, an
+independent runtime: its outputs equal the torch model's, computed outside the export
+mode, within 1e-5. A tp=2 or cp=2 layout is refused on entry, and so is tpkit's
 emulated fp8 (either nesting order); a layer of a tp=2 state is refused at its collective
-(tests/test_bad_input.py, ``te-api-onnx-*``)."""
+(tests/test_bad_input.py, ``te-api-onnx-*``: also a MoE layer and TorchScript's
+exporter, ``dynamo=False``)."""
 import pytest
 import torch
 
@@ -50,6 +52,15 @@ def _export_rank(tmp):
     got = _export_and_run(llama, feeds[0], f"{tmp}/llama.onnx", feeds, dynamic_shapes=dyn)
     with torch.no_grad():
         out["llama"] = [(g, llama(*f)) for g, f in zip(got, feeds)]
+    import tpkit.te_api as te       # a model written against TE's API (TE's defaults)
+    stack = torch.nn.Sequential(te.TransformerLayer(32, 64, 4, num_gqa_groups=2,
+                                                    normalization="RMSNorm",
+                                                    activation="swiglu"),
+                                te.LayerNormMLP(32, 64)).eval()   # eval: no dropout
+    x = torch.randn(8, 2, 32)
+    (got,) = _export_and_run(stack, (x,), f"{tmp}/te_api.onnx", [(x,)])
+    with torch.no_grad():
+        out["te_api"] = (got, stack(x))
     return out
 
 
@@ -59,7 +70,7 @@ def test_gpt_and_llama_run_in_onnxruntime_as_in_torch(tmp_path):
     got, ref = out["gpt"]
     assert got.shape == ref.shape == ()
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
-    for got, ref in out["llama"]:      # the second feed: another batch and sequence length
+    for got, ref in [*out["llama"], out["te_api"]]:   # llama's second feed: other b and s
         assert got.shape == ref.shape
         torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
+
 from ..topology import get_parallel_state, is_initialized
 
 __all__ = ["export_mode", "is_onnx_export", "check_exportable"]
@@ -38,9 +40,16 @@ def _refuse(what: str) -> None:
 
 def check_exportable(group_size: int, where: str) -> None:
     """Refuse a collective over ``group_size`` ranks during an export (``where``: the
-    layer's call); a no-op outside onnx_export or on one rank."""
-    if _ENABLED[0] and group_size > 1:
+    layer's call), and TorchScript's tracing exporter; a no-op outside onnx_export."""
+    if not _ENABLED[0]:
+        return
+    if group_size > 1:
         _refuse(f"{where} runs a collective over {group_size} ranks")
+    if torch.jit.is_tracing():
+        raise ValueError("torch.onnx.export(..., dynamo=False) inside onnx_export(enabled="
+                         "True): TorchScript's tracing exporter is not supported (it traces "
+                         "shapes as tensors where tpkit's layers need integers); use "
+                         "dynamo=True, torch's default exporter")
 
 
 @contextlib.contextmanager
