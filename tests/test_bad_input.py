@@ -450,6 +450,39 @@ def _llama(state):
                              num_heads=2), state)
 
 
+def _onnx_tp2_layer(state):
+    """A layer of a tp=2 state run inside onnx_export: refused at its collective."""
+    from tpkit.random import model_parallel_seed
+    model_parallel_seed(1, state)
+    layer = _nn("ColumnParallelLinear")(8, 8, state=state)
+    with _te_api("onnx_export")(True):
+        layer(torch.zeros(2, 8))
+
+
+def _onnx_moe(state):
+    from tpkit.random import model_parallel_seed
+    model_parallel_seed(1, state)
+    moe = _nn("MoE")(8, 16, 2, 1, state=state)
+    with _te_api("onnx_export")(True):
+        moe(torch.zeros(4, 1, 8))
+
+
+def _onnx_legacy(tmp):
+    def build(state):
+        from tpkit.random import model_parallel_seed
+        model_parallel_seed(1, state)
+        layer = _nn("ColumnParallelLinear")(8, 8, state=state)
+        with _te_api("onnx_export")(True):
+            torch.onnx.export(layer, (torch.zeros(2, 8),), str(tmp / "x.onnx"), dynamo=False)
+    _at(1, build)(tmp)
+
+
+def _onnx_in_fp8():
+    with _te_api("fp8_autocast")(fp8_recipe="current"):
+        with _te_api("onnx_export")(True):
+            pass
+
+
 def _touch(path):
     path.write_text("")
     return path
@@ -649,12 +682,24 @@ API = [
     Row("generate-max-new-tokens", "generate(max_new_tokens=0)", "a positive integer",
         call=_at(1, lambda st: _llama(st).generate(torch.zeros(1, 3, dtype=torch.long),
                                                    max_new_tokens=0))),
-    Row("te-api-onnx", "onnx_export(enabled=True)", "torch.onnx.export outside onnx_export",
-        call=lambda tmp: _te_api("onnx_export")(True)),
+    Row("te-api-onnx-collective", "copy_to_tp_region runs a collective over 2 ranks",
+        "export at tp=cp=pp=ep=1", call=_at(2, _onnx_tp2_layer)),
+    Row("te-api-onnx-fp8", "onnx_export(enabled=True) inside fp8_autocast",
+        "export outside fp8_autocast", call=lambda tmp: _onnx_in_fp8()),
+    Row("te-api-onnx-moe", "onnx_export(enabled=True) with a MoE layer",
+        "export a dense model (moe_experts=0)", call=_at(1, _onnx_moe)),
+    Row("te-api-onnx-legacy", "torch.onnx.export(..., dynamo=False)",
+        "use dynamo=True", call=_onnx_legacy),
+    Row("te-api-onnx-enabled", "onnx_export(enabled='yes')", "takes True or False",
+        call=lambda tmp: _te_api("onnx_export")("yes").__enter__()),
     Row("te-api-parallel-mode", "parallel_mode='rows'", "None, 'column' or 'row'",
         call=lambda tmp: _te_api("Linear")(8, 8, parallel_mode="rows")),
-    Row("precision-weights-dtype", "weights_dtype=torch.bfloat16", "model.to(dtype)",
-        call=lambda tmp: _fabric("TPKitPrecision")("fp8", weights_dtype=torch.bfloat16)),
+    Row("precision-weights-dtype", "weights_dtype=torch.int8", "a floating torch.dtype",
+        call=lambda tmp: _fabric("TPKitPrecision")(weights_dtype=torch.int8)),
+    Row("precision-te-args-not-fp8", "precision='bf16-mixed'", "drop them or use 'fp8'",
+        call=lambda tmp: _fabric("TPKitPrecision")("bf16-mixed", weights_dtype=torch.bfloat16)),
+    Row("precision-replace-layers", "replace_layers='yes'", "None (Lightning's default",
+        call=lambda tmp: _fabric("TPKitPrecision")("fp8", replace_layers="yes")),
     Row("precision-device", "device='cuda'", "drop the argument",
         call=lambda tmp: _fabric("TPKitPrecision")("bf16-mixed", "cuda")),
     Row("precision-scaler", "only applies to precision='16-mixed'", "drop the scaler",

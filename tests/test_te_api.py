@@ -152,7 +152,7 @@ def _refusals():
     calls = {
         "get_cpu_offload_context": lambda: te.get_cpu_offload_context(True),  # every layer
         "calibrating": lambda: te.fp8_autocast(False, True, "block").__enter__(),
-        "onnx_export": lambda: te.onnx_export(True),
+        "onnx_export": lambda: te.onnx_export(True).__enter__(),   # at tp=2
         "inference_params": lambda: layer(x, inference_params=object()),
         "window_size": lambda: layer(x, window_size=(4, 0)),
         "parameters_split": lambda: te.Linear(H, F, tp_group=g, parallel_mode="column",

@@ -27,7 +27,9 @@ from . import nn as tnn
 from . import te as _te
 from .fp8 import fp8_autocast as _fp8_autocast
 from .fp8 import fp8_model_init, register_gemm_layer
+from .fp8 import is_active as _fp8_active
 from .nn._backend import resolve_backend
+from .nn.export import export_mode as _export_mode
 from .nn.inference import InferenceParams
 from .nn.linear import linear_fn
 from .offload import get_cpu_offload_context
@@ -569,9 +571,18 @@ def fp8_autocast(enabled: bool = True, calibrating: bool = False, fp8_recipe=Non
                          calibrating=calibrating)
 
 
+@contextlib.contextmanager
 def onnx_export(enabled: bool = False):
-    """TE's ONNX export mode: not yet; enabled=False is TE's no-op."""
-    if enabled:
-        _not_yet("onnx_export(enabled=True)", "export with torch.onnx.export outside "
-                 "onnx_export, or use transformer_engine.pytorch's modules")
-    return contextlib.nullcontext()
+    """TE's ONNX export mode: ``torch.onnx.export(model, ...)`` inside it exports a tpkit
+    model built at tp=cp=pp=ep=1 (torch's default exporter, ``dynamo=True``), each layer
+    on a path ONNX can express (tpkit.nn.export); a model-parallel layout, or tpkit's
+    emulated fp8 (active here or entered inside), is refused with a ValueError.
+    ``enabled=False`` changes nothing, as TE's."""
+    if enabled is True and _fp8_active():
+        raise ValueError("onnx_export(enabled=True) inside fp8_autocast: tpkit's emulated fp8 "
+                         "is not exported (neither as fp8 nor as quantize/dequantize pairs: "
+                         "its scales are training state); export outside fp8_autocast, in "
+                         "the parameters' precision")
+    with _export_mode(enabled):
+        yield
+

@@ -22,6 +22,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
+from ..nn.export import is_onnx_export
 from ..topology import get_parallel_state, is_initialized
 from .amax import GRAD, INPUT, WEIGHT, FP8Meta, reduce_and_update
 from .recipes import from_any
@@ -133,6 +134,10 @@ def fp8_autocast(enabled: bool = True, recipe=None, fp8_group=None, *,
     into scales when the outermost autocast exits; current scaling: the scales). Only
     the forward is calibrated (as TE); expert GEMMs are not. With fp8 on it changes
     nothing (fp8 computes and records anyway)."""
+    if enabled and is_onnx_export():
+        raise ValueError("fp8_autocast(enabled=True) inside onnx_export(enabled=True): tpkit's "
+                         "emulated fp8 is not exported (its scales are training state); "
+                         "export without fp8_autocast")
     st = _STATE
     rec = from_any(recipe)
     _check_emulated(rec)
