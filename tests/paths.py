@@ -8,5 +8,5 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)
 SCRIPTS = os.path.join(TESTS, "launch_scripts")
 SUBDIRS = ("cli", "data", "fabric", "fp8", "integrations", "models", "nn", "observe",
-           "plans", "recovery", "train")
+           "plans", "recovery", "train", "verifier")
 PYTHONPATH = os.pathsep.join([ROOT, TESTS] + [os.path.join(TESTS, d) for d in SUBDIRS])

@@ -704,7 +704,24 @@ API = [
         call=lambda tmp: _fabric("TPKitPrecision")("bf16-mixed", "cuda")),
     Row("precision-scaler", "only applies to precision='16-mixed'", "drop the scaler",
         call=lambda tmp: _fabric("TPKitPrecision")("bf16-mixed", scaler=object())),
+    # issue 43: tpkit.verify (refused before any process starts)
+    Row("verify-layout", "'2x1'", "write TPxCPxDP", call=lambda tmp: _verify(layouts="2x1")),
+    Row("verify-sp-at-tp1", "'1x2x1+sp'", "use tp >= 2 with +sp",
+        call=lambda tmp: _verify(layouts="1x2x1+sp")),
+    Row("verify-precision", "precision='fp8'", "use one of",
+        call=lambda tmp: _verify(precision="fp8")),
+    Row("verify-steps", "steps=0", "a positive integer", call=lambda tmp: _verify(steps=0)),
+    Row("verify-batch-rows", "3 rows", "a multiple of 2",
+        call=lambda tmp: _verify(layouts="1x1x2", rows=3)),
+    Row("verify-no-tokens", "[batch, sequence]", "make_batch(step) must return",
+        call=lambda tmp: _verify(batch=lambda step: (torch.zeros(2, 8),))),
 ]
+
+
+def _verify(rows=2, batch=None, **kw):
+    import tpkit
+    tokens = (lambda step: (torch.zeros(rows, 8, dtype=torch.long),))
+    return tpkit.verify(lambda: torch.nn.Embedding(4, 4), batch or tokens, **kw)
 
 
 @pytest.mark.parametrize("row", API, ids=lambda r: r.id)

@@ -14,6 +14,7 @@ _EXPORTS = {
     "destroy_parallel": "parallel_state",
     "is_initialized": "topology",
     "parallelize": "plans",
+    "verify": "verifier",
 }
 
 __all__ = list(_EXPORTS)

@@ -165,6 +165,10 @@ class Training:
                                      "compute device until their backward (TE's "
                                      "get_cpu_offload_context; 0: off)",
                                   short="--cpu-offload-layers")
+    verify: bool = opt(False, "before the workers start, tpkit-launch's pre-flight proves the "
+                              "model's parallelization at this layout on CPU (tpkit.verify, "
+                              "docs/verify.md: 3 steps against one process) and stops on a "
+                              "difference", short="--verify")
 
     def check(self, job: "JobConfig") -> None:
         for name in ("steps", "global_batch", "seq_len"):

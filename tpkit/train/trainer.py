@@ -482,8 +482,34 @@ def preflight(argv, launch):
         if job.checkpoint.resume and not launch.dry_run:   # a dry run may plan a future save
             verify(resolve_resume(job), None if model is None else {"model": model},
                    state=state)
+    if job.training.verify and not launch.dry_run:
+        report = verify_job(job, config)
+        print(report, flush=True)
+        if not report.ok:
+            raise ValueError(f"--verify: the model differs from one process at layout "
+                             f"{report.results[0].layout} (the report above names the first "
+                             "module); fix it, or train without --verify")
     from tpkit.memory import MemoryJob   # the model and batch, for tpkit-launch's estimate
     return MemoryJob.from_job(job, dp=config.dp, pp=config.pp)
+
+
+def verify_job(job: JobConfig, config):
+    """``--verify``: tpkit.verify on this job's model (build_model) and the corpus' batches
+    at the job's layout (tp x cp x dp, sp), on CPU with gloo; a tpkit.verifier.Report."""
+    from tpkit.verifier import Layout, verify
+    if config.pp > 1 or config.ep > 1:
+        raise ValueError(f"--verify at pp={config.pp}, ep={config.ep}: pipeline and expert "
+                         "layouts are not verified yet; verify at pp=1, ep=1")
+    if job.precision.mode not in ("32-true", "bf16-mixed"):
+        raise ValueError(f"--verify with --precision {job.precision.mode}: verified in "
+                         "32-true or bf16-mixed only")
+    t = job.training
+    train, _ = corpus.split(corpus.tokens())
+    layout = Layout(config.tp, config.cp, config.dp, bool(config.sequence_parallel))
+    return verify(lambda: build_model(job, None),
+                  lambda step: corpus.batch(train, step, t.global_batch, t.seq_len, seed=t.seed),
+                  layouts=[str(layout)], steps=min(3, t.steps), seed=t.seed,
+                  precision="bf16-mixed" if job.precision.mode == "bf16-mixed" else "32")
 
 
 # --- entry points ----------------------------------------------------------------------------
