@@ -248,6 +248,10 @@ LAUNCH = [
         "use 1F1B or Interleaved1F1B with recompute",
         T("--pp", "2", "--layers", "4", "--pp-schedule", "ZBVZeroBubble", "--recompute",
           "--microbatches", "2")),
+    Row("train-compile-dropout", "--compile (training.compile) with --dropout=0.1",
+        "or drop --compile", T("--compile", "--dropout", "0.1")),
+    Row("train-compile-fp8", "--compile (training.compile) with --precision='fp8'",
+        "or drop --compile", T("--compile", "--precision", "fp8")),
     Row("train-fp8-dtype", "--fp8-compute-dtype='bfloat16' (precision.fp8_compute_dtype)",
         "needs --precision fp8 (precision.mode='32-true' (default) here); add --precision fp8 "
         "or drop it",
@@ -584,6 +588,12 @@ API = [
         "use 1F1B or Interleaved1F1B with recompute",
         call=lambda tmp: __import__("tpkit.pipeline").pipeline.plan_pipeline(
             pp=2, num_blocks=4, microbatches=4, schedule="ZBVZeroBubble", recompute=True)),
+    Row("compile-fullgraph-false", "compile_blocks(fullgraph=False)", "drop fullgraph",
+        call=lambda tmp: __import__("tpkit").compile_blocks(torch.nn.Linear(2, 2),
+                                                            fullgraph=False)),
+    Row("compile-no-blocks", "Linear has no transformer blocks",
+        "torch.compile(block, fullgraph=True)",
+        call=lambda tmp: __import__("tpkit").compile_blocks(torch.nn.Linear(2, 2))),
     Row("strategy-data-parallel", "data_parallel='zero'", "use one of",
         call=lambda tmp: _fabric("TPKitStrategy")(data_parallel="zero")),
     Row("precision", "precision='fp4'", "use one of",

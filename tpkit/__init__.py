@@ -14,6 +14,7 @@ _EXPORTS = {
     "destroy_parallel": "parallel_state",
     "is_initialized": "topology",
     "parallelize": "plans",
+    "compile_blocks": "nn",
 }
 
 __all__ = list(_EXPORTS)
