@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import weakref
 
-import torch
 from torch import nn
 
 from ..config import fused_attn_enabled
