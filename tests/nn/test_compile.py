@@ -5,8 +5,8 @@ What each test proves:
 - test_compiled_blocks_match_eager (pool, 2 ranks, backend aot_eager: dynamo and
   AOTAutograd trace the whole block, no code generation, so the op order is eager's):
   the paths the launched test does not take, TP without SP (the TP sums, traced as
-  functional all-reduces instead of the shm transport) and CP all_gather, are one graph
-  each and give the eager block's output and every gradient bitwise;
+  functional all-reduces instead of the shm transport), CP all_gather and a2a+p2p (cp=4),
+  are one graph each and give the eager block's output and every gradient bitwise;
 - test_compile_refusals (pool): the combinations not compiled yet are ValueErrors naming
   them (dropout, CP p2p on the reference kernels, fp8_autocast with compiled blocks);
 - test_launched_compile_train (tpkit-launch, 2 ranks, the user's road): tpkit-train
@@ -38,11 +38,11 @@ def _block(st, **kw):
                             bias=False, state=st, **kw)
 
 
-def _rank_match(tp, cp, comm):
+def _rank_match(tp, cp, comm, **extra):
     import tpkit
     from tpkit.data import note_sharded_length
     from torch._dynamo.utils import counters
-    st = tpkit.init_parallel(tp=tp, cp=cp, cp_comm_type=comm)
+    st = tpkit.init_parallel(tp=tp, cp=cp, cp_comm_type=comm, **extra)
     note_sharded_length(S, st)   # the inputs below are this rank's CP shard
     torch._dynamo.reset()
     counters.clear()
@@ -67,6 +67,11 @@ def _rank_match(tp, cp, comm):
                          ids=["tp2-nosp", "cp2-all_gather"])
 def test_compiled_blocks_match_eager(tp, cp, comm):
     run(_rank_match, 2, tp, cp, comm, timeout=300)
+
+
+def test_compiled_a2a_p2p_matches_eager():
+    """cp=4 as a2a (2) x p2p (2): the ring custom op inside the a2a's all-to-alls."""
+    run(_rank_match, 4, 1, 4, "a2a+p2p", cp_a2a_size=2, timeout=300)
 
 
 def _raises(fn, *words):
