@@ -10,12 +10,14 @@ What each test proves:
 - test_compile_refusals (pool): the combinations not compiled yet are ValueErrors naming
   them (dropout, CP p2p on the reference kernels, fp8_autocast with compiled blocks);
 - test_launched_compile_train (tpkit-launch, 2 ranks, the user's road): tpkit-train
-  --compile at (2,1,1)+SP (inductor: C++ code generated on this CPU; the eager loss curve
-  within 1e-4 relative for 20 steps), (1,2,1) p2p and a2a (with recompute), pp=2 and
-  ep=2 (aot_eager: the eager curve bitwise): zero graph breaks
+  --compile at (2,1,1)+SP and ep=2 (inductor: C++ code generated on this CPU; the eager
+  loss curve within 1e-4 relative for 20 steps; ep=2 because inductor, unlike aot_eager,
+  needs MoE's unbacked counts declared sizes), (1,2,1) p2p and a2a (with recompute) and
+  pp=2 (aot_eager: the eager curve bitwise): zero graph breaks
   (tests/launch_scripts/compile_train.py). Planted: a torch._dynamo.graph_break() in
   TransformerLayer.forward fails it (and the pool test); a 1 % error in the compiled
-  ring's backward fails it at cp2-p2p.
+  ring's backward fails it at cp2-p2p; without moe._size_hints inductor fails to lower
+  ep2's slices (GuardOnDataDependentSymNode).
 On a GPU: tests/test_gpu.py::test_compiled_block_matches_eager_on_gpu (-m gpu).
 """
 import copy
@@ -116,7 +118,8 @@ def test_launched_compile_train(tmp_path):
     from test_userpath import LAUNCH, finish, start
     script = os.path.join(ROOT, "tests", "launch_scripts", "compile_train.py")
     rc, out, err = finish(start([*LAUNCH, "--nproc-per-node", "2", script, "aot_eager",
-                                 "tp2-sp"], TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor")),
+                                 "tp2-sp,ep2"],
+                                TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor")),
                           timeout=600)
     assert rc == 0, f"exit {rc}\n{out[-3000:]}\n{err[-5000:]}"
     names = ("tp2-sp", "cp2-p2p", "cp2-a2a", "pp2", "ep2")

@@ -14,7 +14,8 @@ What makes tpkit's torch blocks traceable (docs/layers.md, "torch.compile"):
 - the CP p2p ring (also inside a2a+p2p) is an opaque custom op pair
   (``tpkit::ring_attention_fwd/bwd``, ``fused_cp``) that runs eagerly on the ring's own
   transport (shm on CPU); all_gather and a2a trace as collectives;
-- MoE's token counts become unbacked sizes (no graph break, no recompile per step).
+- MoE's token counts become unbacked sizes (no graph break, no recompile per step),
+  declared sizes so that inductor can lower the slices they give (``moe._size_hints``).
 
 Refused with a ValueError naming the combination (not yet traceable): TE modules, dropout
 (the RNG tracker's fork and eager-identical masks), CP attention on the reference kernels
