@@ -252,6 +252,8 @@ LAUNCH = [
         "or drop --compile", T("--compile", "--dropout", "0.1")),
     Row("train-compile-fp8", "--compile (training.compile) with --precision='fp8'",
         "or drop --compile", T("--compile", "--precision", "fp8")),
+    Row("train-compile-offload", "--compile (training.compile) with --cpu-offload-layers=1",
+        "or drop --compile", T("--compile", "--cpu-offload-layers", "1", "--layers", "2")),
     Row("train-fp8-dtype", "--fp8-compute-dtype='bfloat16' (precision.fp8_compute_dtype)",
         "needs --precision fp8 (precision.mode='32-true' (default) here); add --precision fp8 "
         "or drop it",

@@ -100,6 +100,8 @@ def _rank_refusals():
         del os.environ["TPKIT_FUSED_ATTN"]
     kept = compile_blocks(_block(st), backend="aot_eager")
     _raises(lambda: fp8_autocast(recipe="current").__enter__(), "compile_blocks", "fp8")
+    _raises(lambda: fp8_autocast(False, "delayed", calibrating=True).__enter__(),
+            "compile_blocks")
     del kept
     import gc
     gc.collect()
