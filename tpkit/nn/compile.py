@@ -24,6 +24,7 @@ compiled block lives: its amax/scale bookkeeping mutates process state in backwa
 """
 from __future__ import annotations
 
+import gc
 import weakref
 
 from torch import nn
@@ -38,7 +39,11 @@ _COMPILED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
 
 def compiled_blocks_alive() -> bool:
-    """True while a block compiled by ``compile_blocks`` exists (fp8_autocast asks)."""
+    """True while a block compiled by ``compile_blocks`` exists (fp8_autocast asks). A
+    compiled module refers to itself (its compiled call is a bound method), so a dropped one
+    lives until the cyclic collector runs: collect once before answering."""
+    if _COMPILED:
+        gc.collect()
     return len(_COMPILED) > 0
 
 
