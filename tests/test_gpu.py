@@ -729,3 +729,24 @@ def test_issue40_two_gpu_rows():
     out = _launch("gpu_te_issue40.py", 2, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "ISSUE40 OK" in out.stdout, out.stdout[-2000:]
+
+
+def test_compiled_block_matches_eager_on_gpu(state):
+    """Issue 41 on CUDA: a torch-backend block compiled by tpkit.compile_blocks (inductor,
+    Triton kernels) in bf16 gives the eager block's output and gradients within bf16
+    tolerance, as one graph (fullgraph); the relative errors go to GPU_REPORT."""
+    import copy
+
+    import tpkit
+    from tpkit.nn import TransformerLayer
+    torch.manual_seed(0)
+    eager = TransformerLayer(1024, 4096, 16, num_gqa_groups=4, normalization="RMSNorm",
+                             bias=False, device="cuda", dtype=torch.bfloat16)
+    compiled = tpkit.compile_blocks(copy.deepcopy(eager))
+    x = torch.randn(2048, 2, 1024, device="cuda", dtype=torch.bfloat16)
+    oe, ge, pe = _run(eager, x)
+    oc, gc, pc = _run(compiled, x)
+    errs = {"out": rel(oc, oe), "dx": rel(gc[0], ge[0]),
+            "dparams": max(rel(pc[n], pe[n]) for n in pe)}
+    report("compiled_block_bf16", **errs)
+    assert max(errs.values()) < 2e-2, errs

@@ -15,6 +15,7 @@ _EXPORTS = {
     "is_initialized": "topology",
     "parallelize": "plans",
     "verify": "verifier",
+    "compile_blocks": "nn",
 }
 
 __all__ = list(_EXPORTS)

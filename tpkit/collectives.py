@@ -12,6 +12,12 @@ kernels call them directly.
   (``all_gather_single``/``reduce_scatter_single`` since torch 2.13, ``*_tensor`` before).
 - A group of one issues nothing where the result is the input (callers check, since the
   autograd wrappers skip themselves too).
+- Inside a ``torch.compile`` region (``torch.compiler.is_compiling()``) a SUM all-reduce
+  is torch's functional (traceable) collective over the group's backend, gloo on CPU:
+  the shared-memory transport's spin-waits on a mapped buffer cannot be traced.
+  Gathers, reduce-scatters and all-to-alls need no change (dynamo rewrites the c10d
+  calls into functional collectives itself). Point-to-point never runs in a traced
+  region: the CP ring is an opaque custom op (``tpkit.nn.fused_cp``).
 
 Every function here is a collective: every rank of ``group`` calls it, in the same order.
 """
@@ -67,8 +73,12 @@ def any_rank(flag: bool, group=None) -> bool:
 # --- reductions ------------------------------------------------------------------------
 def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
     """SUM over ``group``, in place when ``x`` is contiguous (returns the reduced tensor),
-    through the group's shared-memory transport when it has one, else its backend."""
+    through the group's shared-memory transport when it has one, else its backend; out
+    of place through the backend while ``torch.compile`` traces (use the result)."""
     x = x.contiguous()
+    if torch.compiler.is_compiling():   # traceable; the shm transport is not (gloo/nccl)
+        from torch.distributed import _functional_collectives as funcol
+        return funcol.all_reduce(x, "sum", group)
     t = shm.get(group)
     if t is not None and t.supports(x):
         return t.all_reduce_(x)

@@ -22,6 +22,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
+from ..nn.compile import compiled_blocks_alive
 from ..nn.export import is_onnx_export
 from ..topology import get_parallel_state, is_initialized
 from .amax import GRAD, INPUT, WEIGHT, FP8Meta, reduce_and_update
@@ -146,6 +147,11 @@ def fp8_autocast(enabled: bool = True, recipe=None, fp8_group=None, *,
                          "block recipes keep no per-tensor amax or scale to calibrate (they "
                          "scale each block when they cast); calibrate with 'delayed' or "
                          "'current'")
+    if (enabled or calibrating) and compiled_blocks_alive():
+        raise ValueError("fp8_autocast with blocks compiled by tpkit.compile_blocks: emulated "
+                         "fp8 under torch.compile is not supported yet (its amax histories "
+                         "and scales are process state updated in backward); run fp8 eagerly "
+                         "(no compile_blocks / --compile) or compile without fp8")
     prev = (st.enabled, st.recipe, st.calibrating)
     outermost = st.session is None and st.replay is None
     if outermost:

@@ -9,6 +9,7 @@ inputs are per-head, SP does not reach it); RotaryEmbedding takes neither (it ho
 shard). Most constructors also take ``backend="torch"|"te"|"auto"`` (tpkit.nn._backend).
 """
 from .attention import ParallelSelfAttention
+from .compile import compile_blocks
 from .dot_product_attention import DotProductAttention
 from .embedding import VocabParallelEmbedding
 from .linear import ColumnParallelLinear, RowParallelLinear
@@ -24,4 +25,4 @@ __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding"
            "vocab_parallel_cross_entropy", "LayerNorm", "RMSNorm",
            "sync_sequence_parallel_grads", "ParallelMLP", "ParallelSelfAttention",
            "TransformerLayer", "RotaryEmbedding", "apply_rotary_pos_emb",
-           "DotProductAttention", "MoE"]
+           "DotProductAttention", "MoE", "compile_blocks"]

@@ -195,6 +195,8 @@ class CudaEfficientOp(BlockOp):
 
 
 _CPU, _FLASH, _EFFICIENT = CpuFlashOp(), CudaFlashOp(), CudaEfficientOp()
+# The ops by name: a compiled region's CP ring (an opaque custom op, fused_cp) names its op.
+BY_NAME = {op.name: op for op in (_CPU, _FLASH, _EFFICIENT)}
 
 
 def select(device: torch.device, dtype: torch.dtype, dropout_p: float = 0.0):

@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from ..collectives import group_rank, group_size, start_p2p
 from .attention_math import from_grouped, merge_into, to_grouped
-from .attention_ops import CAUSAL, FULL
+from .attention_ops import BY_NAME, CAUSAL, FULL
 from .context_parallel import a2a_attention
 from .mappings import gather_from_sp_region
 
@@ -163,6 +163,80 @@ def _wait(works) -> None:
         w.wait()
 
 
+def _ring_forward(q, k, v, ring: _Ring, causal: bool, scale: float, op, dropout_p: float):
+    """The p2p forward: (output in the compute dtype, LSE, pieces per chunk, op states)."""
+    cdt, mdt = _dtypes(op, q.dtype)
+    s = q.shape[-2]
+    m = pieces_per_chunk(s // 2, op.min_piece_rows)
+    # forward holds no gradients, so it can take bigger pieces (fewer calls, merges
+    # and messages); with dropout, forward and backward blocks pair one to one
+    mf = m if dropout_p > 0.0 else pieces_per_chunk(s // 2, op.min_fwd_piece_rows)
+    # the backward's units are balanced (see ring_schedule); the forward's need not be
+    # (nothing there waits on a peer's computation, and whole chunks make few calls)
+    # unless dropout pairs forward and backward blocks one to one
+    units = _schedule(ring, causal, s, op, mf, dropout_p > 0.0)
+    qc, kc, vc = (t.to(cdt) for t in (q, k, v))
+    kw, vw = (_wire(t) for t in (k, v)) if units else (None, None)
+    pending = ring.post_kv(units[0], kw, vw) if units else None
+    states = []
+    o, lse, st = op.forward(qc, kc, vc, CAUSAL if causal else FULL, scale, dropout_p)
+    out, lse = o.to(mdt), lse.to(mdt)
+    states.append(st)
+    for i, unit in enumerate(units):
+        nxt = ring.post_kv(units[i + 1], kw, vw) if i + 1 < len(units) else None
+        _wait(pending[0])
+        if pending[1] is not None:
+            kp, vp = (_grouped(t).to(cdt) for t in pending[1])
+            # without dropout, one call for all query rows; backward tiles them
+            tiles = unit.q_tiles if dropout_p > 0.0 else (
+                (unit.q_tiles[0][0], unit.q_tiles[-1][1]),)
+            for a, b in tiles:
+                o, l, st = op.forward(qc[..., a:b, :], kp, vp, FULL, scale, dropout_p)
+                merge_into(out[..., a:b, :], lse[..., a:b], o, l)
+                states.append(st)
+                del o, l  # not alive during the next call (peak memory)
+        pending = nxt
+    return out.to(cdt), lse, m, states
+
+
+def _ring_backward(dout, q, k, v, out, lse, ring: _Ring, causal: bool, scale: float, op,
+                   dropout_p: float, m: int, states):
+    """The p2p backward from the final output and LSE: (dq, dk, dv) in the inputs' dtypes."""
+    cdt, mdt = _dtypes(op, q.dtype)
+    s = q.shape[-2]
+    units = _schedule(ring, causal, s, op, m, True)
+    qc, kc, vc, dout = (t.to(cdt) for t in (q, k, v, dout))
+    kw, vw = (_wire(t) for t in (k, v)) if units else (None, None)
+    pending = ring.post_kv(units[0], kw, vw) if units else None
+    states = iter(states)
+    grads = op.backward(dout, qc, kc, vc, out, lse, CAUSAL if causal else FULL, scale,
+                        dropout_p, next(states, None))
+    dq, dk, dv = (g.to(mdt) for g in grads)
+    partial = None   # (works, buffer received, our rows) of the last dK/dV exchange
+    for i, unit in enumerate(units):
+        nxt = ring.post_kv(units[i + 1], kw, vw) if i + 1 < len(units) else None
+        _wait(pending[0])
+        partial = _settle(partial, dk, dv)
+        part = None
+        if pending[1] is not None:
+            kp, vp = (_grouped(t).to(cdt) for t in pending[1])
+            part = torch.zeros((2,) + pending[1].shape[1:], dtype=mdt, device=q.device)
+            pk, pv = _grouped(part[0]), _grouped(part[1])
+            for a, b in unit.q_tiles:  # query tiles bound the op's dq buffer
+                dq_t, dk_t, dv_t = op.backward(
+                    dout[..., a:b, :], qc[..., a:b, :], kp, vp, out[..., a:b, :],
+                    lse[..., a:b], FULL, scale, dropout_p, next(states, None))
+                dq[..., a:b, :] += dq_t
+                pk += dk_t
+                pv += dv_t
+                del dq_t, dk_t, dv_t  # not alive during the next tile's call
+            del kp, vp
+        pending = nxt
+        partial = _post_partial(ring, unit, part, kw, mdt)
+    _settle(partial, dk, dv)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
 class FusedRingAttention(torch.autograd.Function):
     """Grouped q ``[b, g, r, s, d]``, k/v ``[b, g, 1, s, d]`` (this rank's shard) -> output
     like q, by the p2p schedule above with block op ``op``."""
@@ -170,78 +244,80 @@ class FusedRingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, causal: bool, scale: float, op, dropout_p: float):
         ring = _Ring(group)
-        cdt, mdt = _dtypes(op, q.dtype)
-        s = q.shape[-2]
-        m = pieces_per_chunk(s // 2, op.min_piece_rows)
-        # forward holds no gradients, so it can take bigger pieces (fewer calls, merges
-        # and messages); with dropout, forward and backward blocks pair one to one
-        mf = m if dropout_p > 0.0 else pieces_per_chunk(s // 2, op.min_fwd_piece_rows)
-        # the backward's units are balanced (see ring_schedule); the forward's need not be
-        # (nothing there waits on a peer's computation, and whole chunks make few calls)
-        # unless dropout pairs forward and backward blocks one to one
-        units = _schedule(ring, causal, s, op, mf, dropout_p > 0.0)
-        qc, kc, vc = (t.to(cdt) for t in (q, k, v))
-        kw, vw = (_wire(t) for t in (k, v)) if units else (None, None)
-        pending = ring.post_kv(units[0], kw, vw) if units else None
-        states = []
-        o, lse, st = op.forward(qc, kc, vc, CAUSAL if causal else FULL, scale, dropout_p)
-        out, lse = o.to(mdt), lse.to(mdt)
-        states.append(st)
-        for i, unit in enumerate(units):
-            nxt = ring.post_kv(units[i + 1], kw, vw) if i + 1 < len(units) else None
-            _wait(pending[0])
-            if pending[1] is not None:
-                kp, vp = (_grouped(t).to(cdt) for t in pending[1])
-                # without dropout, one call for all query rows; backward tiles them
-                tiles = unit.q_tiles if dropout_p > 0.0 else (
-                    (unit.q_tiles[0][0], unit.q_tiles[-1][1]),)
-                for a, b in tiles:
-                    o, l, st = op.forward(qc[..., a:b, :], kp, vp, FULL, scale, dropout_p)
-                    merge_into(out[..., a:b, :], lse[..., a:b], o, l)
-                    states.append(st)
-                    del o, l  # not alive during the next call (peak memory)
-            pending = nxt
-        ctx.save_for_backward(q, k, v, out.to(cdt), lse)
+        out, lse, m, states = _ring_forward(q, k, v, ring, causal, scale, op, dropout_p)
+        ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (ring, causal, scale, op, dropout_p, m, states)
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        ring, causal, scale, op, dropout_p, m, states = ctx.args
-        cdt, mdt = _dtypes(op, q.dtype)
-        s = q.shape[-2]
-        units = _schedule(ring, causal, s, op, m, True)
-        qc, kc, vc, dout = (t.to(cdt) for t in (q, k, v, dout))
-        kw, vw = (_wire(t) for t in (k, v)) if units else (None, None)
-        pending = ring.post_kv(units[0], kw, vw) if units else None
-        states = iter(states)
-        grads = op.backward(dout, qc, kc, vc, out, lse, CAUSAL if causal else FULL, scale,
-                            dropout_p, next(states))
-        dq, dk, dv = (g.to(mdt) for g in grads)
-        partial = None   # (works, buffer received, our rows) of the last dK/dV exchange
-        for i, unit in enumerate(units):
-            nxt = ring.post_kv(units[i + 1], kw, vw) if i + 1 < len(units) else None
-            _wait(pending[0])
-            partial = _settle(partial, dk, dv)
-            part = None
-            if pending[1] is not None:
-                kp, vp = (_grouped(t).to(cdt) for t in pending[1])
-                part = torch.zeros((2,) + pending[1].shape[1:], dtype=mdt, device=q.device)
-                pk, pv = _grouped(part[0]), _grouped(part[1])
-                for a, b in unit.q_tiles:  # query tiles bound the op's dq buffer
-                    dq_t, dk_t, dv_t = op.backward(
-                        dout[..., a:b, :], qc[..., a:b, :], kp, vp, out[..., a:b, :],
-                        lse[..., a:b], FULL, scale, dropout_p, next(states, None))
-                    dq[..., a:b, :] += dq_t
-                    pk += dk_t
-                    pv += dv_t
-                    del dq_t, dk_t, dv_t  # not alive during the next tile's call
-                del kp, vp
-            pending = nxt
-            partial = _post_partial(ring, unit, part, kw, mdt)
-        _settle(partial, dk, dv)
-        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)) + (None,) * 5
+        return _ring_backward(dout, q, k, v, out, lse, *ctx.args) + (None,) * 5
+
+
+# --- the ring inside torch.compile ------------------------------------------------------
+# Point-to-point sends cannot be traced (and the shm transport's spin-waits even less), so
+# a compiled region calls the ring as two opaque custom ops, forward and backward: dynamo
+# sees one node each (fullgraph holds), and they run eagerly on the group's own transport
+# (shm on CPU, else the backend). The group travels by name, the block op by its name
+# (attention_ops.BY_NAME). Without dropout the backward needs no state from the forward;
+# compile_blocks refuses attention dropout under CP for that reason.
+def _resolve_group(name: str):
+    from torch.distributed.distributed_c10d import _resolve_process_group
+    return _resolve_process_group(name)
+
+
+@torch.library.custom_op("tpkit::ring_attention_fwd", mutates_args=())
+def _ring_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str,
+                 causal: bool, scale: float, op_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    ring = _Ring(_resolve_group(group_name))
+    out, lse, _, _ = _ring_forward(q, k, v, ring, causal, scale, BY_NAME[op_name], 0.0)
+    return out.contiguous(), lse.contiguous()   # the strides the fake promises
+
+
+@_ring_fwd_op.register_fake
+def _(q, k, v, group_name, causal, scale, op_name):
+    cdt, mdt = _dtypes(BY_NAME[op_name], q.dtype)
+    return q.new_empty(q.shape, dtype=cdt), q.new_empty(q.shape[:-1], dtype=mdt)
+
+
+@torch.library.custom_op("tpkit::ring_attention_bwd", mutates_args=())
+def _ring_bwd_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 out: torch.Tensor, lse: torch.Tensor, group_name: str, causal: bool,
+                 scale: float, op_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    op = BY_NAME[op_name]
+    ring = _Ring(_resolve_group(group_name))
+    m = pieces_per_chunk(q.shape[-2] // 2, op.min_piece_rows)
+    grads = _ring_backward(dout, q, k, v, out, lse, ring, causal, scale, op, 0.0, m, ())
+    return tuple(g.contiguous() for g in grads)   # the strides the fake promises
+
+
+@_ring_bwd_op.register_fake
+def _(dout, q, k, v, out, lse, group_name, causal, scale, op_name):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _ring_setup(ctx, inputs, output):
+    q, k, v, group_name, causal, scale, op_name = inputs
+    ctx.save_for_backward(q, k, v, *output)
+    ctx.args = (group_name, causal, scale, op_name)
+
+
+def _ring_grad(ctx, dout, _dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    return _ring_bwd_op(dout, q, k, v, out, lse, *ctx.args) + (None,) * 4
+
+
+_ring_fwd_op.register_autograd(_ring_grad, setup_context=_ring_setup)
+
+
+def ring_attention_op(q, k, v, group, causal: bool, scale: float, op, dropout_p: float):
+    """The p2p ring: the autograd function eagerly, the custom ops while compiling."""
+    if not torch.compiler.is_compiling():
+        return FusedRingAttention.apply(q, k, v, group, causal, scale, op, dropout_p)
+    assert dropout_p == 0.0, "compile_blocks refuses attention dropout under CP"
+    out, _ = _ring_fwd_op(q, k, v, group.group_name, causal, scale, op.name)
+    return out.to(q.dtype)
 
 
 def _post_partial(ring: _Ring, unit: Unit, part, kw, dtype):
@@ -342,7 +418,7 @@ def fused_context_parallel_attention(q, k, v, *, comm_type: str, group, causal: 
         return BlockAttention.apply(q_, k_, v_, blocks, scale, op, dropout_p)
 
     def ring(q_, k_, v_, grp):
-        return FusedRingAttention.apply(q_, k_, v_, grp, causal, scale, op, dropout_p)
+        return ring_attention_op(q_, k_, v_, grp, causal, scale, op, dropout_p)
 
     if comm_type == "p2p":
         out = ring(qg, kg, vg, group)

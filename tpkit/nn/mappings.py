@@ -41,7 +41,7 @@ class _CopyToTP(torch.autograd.Function):
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, inplace):
-        if inplace and x.is_contiguous():
+        if inplace and x.is_contiguous() and not torch.compiler.is_compiling():
             ctx.mark_dirty(x)   # reduce the (fresh) matmul output without a copy
             return all_reduce_sum(x, group)
         return all_reduce_sum(x.clone(), group)

@@ -109,6 +109,19 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: list[int], layer=None,
 
 
 # --- variable-size all-to-all with autograd ------------------------------------------------
+def _size_hints(counts: list[list[int]], bound: int | None) -> None:
+    """Under torch.compile, ``counts`` (token counts read from the device) are unbacked
+    sizes: tell the compiler they are sizes (>= 0) and that they sum to at most ``bound``,
+    so inductor can lower the slices and splits they give (no effect eagerly)."""
+    if not torch.compiler.is_compiling():
+        return
+    for row in counts:
+        for c in row:
+            torch._check_is_size(c)
+    if bound is not None:
+        torch._check(sum(map(sum, counts)) <= bound)
+
+
 class _AllToAllV(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, out_splits, in_splits, group):
@@ -372,6 +385,7 @@ class MoE(ParallelModule):
         send = torch.zeros(E + 1, dtype=torch.long, device=x.device)
         send = send.scatter_add_(0, flat_e, torch.ones_like(flat_e))[:E].view(s.ep_size, L)
         send_host = send.tolist()                                   # host sync 1
+        _size_hints(send_host, flat_e.shape[0])
         in_splits = [sum(row) for row in send_host]
         pos = order[:sum(in_splits)]                                # flat (token, slot)
         xs = x.index_select(0, torch.div(pos, k, rounding_mode="floor"))
@@ -380,6 +394,8 @@ class MoE(ParallelModule):
         recv_all = all_gather(recv[None], s.etp_group) if s.etp_size > 1 else recv[None]
         recv_host = recv_all.tolist() if s.ep_size * s.etp_size > 1 \
             else [send_host]                                        # host sync 2
+        for m in recv_host:
+            _size_hints(m, None)
         out_splits = [sum(row) for row in recv_host[s.etp_rank if s.etp_size > 1 else 0]]
         xs = _a2av(xs, out_splits, in_splits, s.ep_group, s.ep_size)
         if s.etp_size > 1:

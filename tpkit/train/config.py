@@ -169,6 +169,13 @@ class Training:
                               "model's parallelization at this layout on CPU (tpkit.verify, "
                               "docs/verify.md: 3 steps against one process) and stops on a "
                               "difference", short="--verify")
+    compile: bool = opt(False, "compile each transformer block with torch.compile("
+                               "fullgraph=True) (tpkit.compile_blocks; docs/layers.md)",
+                        short="--compile")
+    compile_backend: str = opt("inductor", "with compile: torch.compile's backend (aot_eager: "
+                                           "traced, no code generation)",
+                               short="--compile-backend",
+                               choices=("inductor", "aot_eager", "eager"))
 
     def check(self, job: "JobConfig") -> None:
         for name in ("steps", "global_batch", "seq_len"):
@@ -185,6 +192,31 @@ class Training:
             raise job.bad("training.cpu_offload_layers",
                           f"with {job.show('model.init_from_hf')} is not supported yet (the "
                           "reference GPT only); drop one")
+        if self.compile:
+            self._check_compile(job)
+
+    @staticmethod
+    def _check_compile(job: "JobConfig") -> None:
+        """The combinations tpkit.compile_blocks cannot compile yet, refused before any
+        worker starts (compile_blocks and fp8_autocast refuse them again at run time)."""
+        clash = [(job.model.impl == "te", "model.impl", "needs tpkit's torch blocks "
+                  "(--model.impl torch or auto)"),
+                 (job.model.dropout > 0, "model.dropout", "must be 0 (dropout under "
+                  "torch.compile is not supported yet)"),
+                 (job.precision.mode == "fp8", "precision.mode", "cannot be fp8 (emulated "
+                  "fp8 under torch.compile is not supported yet)"),
+                 (job.data.pack, "data.pack", "cannot be set (packed attention under "
+                  "torch.compile is not supported yet)"),
+                 (job.parallelism.data_parallel == "fsdp", "parallelism.data_parallel",
+                  "must be ddp (FSDP2's hooks on compiled blocks are not supported yet)"),
+                 (bool(job.model.init_from_hf), "model.init_from_hf", "cannot be set "
+                  "(compile the reference GPT's blocks only, for now)"),
+                 (job.training.cpu_offload_layers > 0, "training.cpu_offload_layers", "must be "
+                  "0 (activation offload's hooks under torch.compile are not supported yet)")]
+        for bad, path, problem in clash:
+            if bad:
+                raise ValueError(f"{job.show('training.compile')} with {job.show(path)}: "
+                                 f"{path} {problem}; or drop --compile")
 
 
 @dataclass

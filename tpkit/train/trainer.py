@@ -296,6 +296,9 @@ class Trainer:
         job.check_layout(state)
 
         self.raw_model = build_model(job, state)
+        if job.training.compile:   # in place: names, checkpoints and stages are unchanged
+            from tpkit.nn import compile_blocks
+            compile_blocks(self.raw_model, backend=job.training.compile_backend)
         # Set the module up first, then build the optimizer from what it holds: FSDP2
         # replaces the parameters by sharded ones, and pipeline stages keep only theirs.
         self.model = self.fabric.setup_module(self.raw_model)
