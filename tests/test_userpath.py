@@ -183,9 +183,18 @@ def _reference_run(argv):
     return train.main(argv)
 
 
+# tpkit.observe's progress line of tpkit-train: "step N/TOTAL  eta ...  loss X.XXXXXX  ..."
+PROGRESS = re.compile(r"^step (\d+)/\d+ .*?\bloss ([0-9.]+)", re.M)
+
+
+def printed_losses(out: str) -> list[tuple[int, float]]:
+    """(0-based step, loss) of every progress line the trainer printed (N steps done is
+    step N - 1)."""
+    return [(int(m.group(1)) - 1, float(m.group(2))) for m in PROGRESS.finditer(out)]
+
+
 def _printed_losses(out: str) -> dict[int, float]:
-    return {int(m.group(1)): float(m.group(2))
-            for m in re.finditer(r"^step +(\d+) +loss ([0-9.]+)", out, re.M)}
+    return dict(printed_losses(out))
 
 
 def test_train_save_kill_resume(tmp_path):

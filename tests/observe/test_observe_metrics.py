@@ -77,7 +77,7 @@ def test_progress_line_tty_and_plain():
     p.update(9, row)
     p.update(99, row)
     lines = plain.getvalue().splitlines()
-    assert lines[0].startswith("step 10/100  eta 3m00s  loss 2.5000") and "\r" not in lines[0]
+    assert lines[0].startswith("step 10/100  eta 3m00s  loss 2.500000") and "\r" not in lines[0]
     for words in ("1,234 tokens/s", "1.5 TFLOP/s/device", "MFU 0.400", "slowest rank 3 (1.25x)",
                   "fwd+bwd 1.500", "mem 7.50 GiB (rank 1)"):
         assert words in lines[0], (words, lines[0])
