@@ -89,7 +89,7 @@ def test_progress_line_tty_and_plain():
     p.update(3, row)
     out = tty.getvalue()
     assert out.startswith("\r\x1b[2K[##########..........]  50% step 2/4")
-    assert "\nstep 2  val_loss 2.0000\n" in out and out.endswith("\n")
+    assert "\nstep 2  val_loss 2.000000\n" in out and out.endswith("\n")
     assert "[####################] 100% step 4/4" in out
 
 
