@@ -355,15 +355,17 @@ class Trainer:
             peak_tflops=lg.peak_tflops, wandb=wandb, profile_steps=lg.profile_steps,
             start_step=self.start)
 
-    def memory_line(self) -> str:
+    def memory_line(self, steps_done: int = 1) -> str:
         """tpkit.memory's estimate for this rank next to the measured peak (one line)."""
         from tpkit.memory import MemoryJob, estimate_memory, format_measured, \
             measured_peak_bytes
         est = MemoryJob.from_job(self.job, dp=self.layout.dp, pp=self.layout.pp)
         if est is None:
-            return "memory: no estimate (the model's config.json is not there)"
+            return (f"memory after step {steps_done}: no estimate (the model's config.json "
+                    "is not there)")
         estimate = estimate_memory(est, self.layout, rank=self.state.rank)
-        return format_measured(estimate, measured_peak_bytes(self.fabric.device))
+        return format_measured(estimate, measured_peak_bytes(self.fabric.device),
+                               step=steps_done)
 
     def evaluate(self, step: int) -> float:
         """The validation loss after step ``step`` (DatasetData.validation_loss), kept in
@@ -411,7 +413,7 @@ class Trainer:
                 if batch[0] == "packed":   # the documents' tokens, labelled + one each
                     tokens = batch[1][2] + t.global_batch
                 if step == self.start:     # before log.step resets the allocator's peak
-                    line = self.memory_line()
+                    line = self.memory_line(step + 1)
                     if state.rank == 0:
                         print(line, flush=True)
                 val = None
