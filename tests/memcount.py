@@ -62,6 +62,10 @@ class LiveBytes(TorchDispatchMode):
             pass
         if t.is_sparse or t.device.type == "meta":
             return
+        if hasattr(type(t), "__tensor_flatten__"):   # a wrapper subclass (torch's protocol):
+            for name in t.__tensor_flatten__()[0]:   # its inner tensors hold the bytes
+                self._storage(getattr(t, name))
+            return
         self._add(t.untyped_storage())
 
     def reset_peak(self) -> None:

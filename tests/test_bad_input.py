@@ -310,6 +310,19 @@ LAUNCH = [
         T("--peak-tflops", "0")),
     Row("train-wandb-choice", "invalid choice: 'yes'", "choose from",
         T("--log-dir", "{tmp}/run", "--wandb", "yes")),
+    # issue 44 item 2: tpkit-generate's pre-flight hook
+    Row("generate-cli-cp", "cp=2: a decode step's one new token", "generate on a layout "
+        "with cp=1", ["--nproc-per-node", "2", "--cp", "2", "-m", "tpkit.cli.generate",
+                      "--hf", "{tmp}", "--ids", "1,2"]),
+    Row("generate-cli-no-config", "--checkpoint needs --config", "the tpkit-train job TOML",
+        ["--nproc-per-node", "2", "-m", "tpkit.cli.generate", "--checkpoint", "{tmp}",
+         "--ids", "1,2"]),
+    Row("generate-cli-ids", "--ids '1,x'", "comma-separated integer token ids",
+        ["--nproc-per-node", "2", "-m", "tpkit.cli.generate", "--hf", "{tmp}",
+         "--ids", "1,x"]),
+    Row("generate-cli-hf-dir", "has no config.json", "pass a Hugging Face model directory",
+        ["--nproc-per-node", "2", "-m", "tpkit.cli.generate", "--hf", "{tmp}",
+         "--ids", "1,2"]),
     # issue 22: mixture of experts
     Row("ep-vs-stage", "etp*ep = 2*4 = 8 does not divide tp*cp*dp = 2*1*3 = 6",
         "choose ep and etp whose product divides 6",
@@ -435,6 +448,54 @@ def _observe(name):
 def _te_api(name):
     import tpkit.te_api
     return getattr(tpkit.te_api, name)
+
+
+def _fp8_weight_sgd_step(tmp):
+    from tpkit.fp8 import FP8Weight
+    p = torch.nn.Parameter(FP8Weight.quantize(torch.ones(2, 2)), requires_grad=True)
+    p.grad = torch.ones(2, 2)
+    torch.optim.SGD([p], lr=0.1).step()
+
+
+def _llama(state):
+    from tpkit.models import Llama, LlamaConfig
+    from tpkit.random import model_parallel_seed
+    model_parallel_seed(1, state)
+    return Llama(LlamaConfig(vocab_size=16, hidden_size=16, ffn_hidden_size=32, num_layers=1,
+                             num_heads=2), state)
+
+
+def _onnx_tp2_layer(state):
+    """A layer of a tp=2 state run inside onnx_export: refused at its collective."""
+    from tpkit.random import model_parallel_seed
+    model_parallel_seed(1, state)
+    layer = _nn("ColumnParallelLinear")(8, 8, state=state)
+    with _te_api("onnx_export")(True):
+        layer(torch.zeros(2, 8))
+
+
+def _onnx_moe(state):
+    from tpkit.random import model_parallel_seed
+    model_parallel_seed(1, state)
+    moe = _nn("MoE")(8, 16, 2, 1, state=state)
+    with _te_api("onnx_export")(True):
+        moe(torch.zeros(4, 1, 8))
+
+
+def _onnx_legacy(tmp):
+    def build(state):
+        from tpkit.random import model_parallel_seed
+        model_parallel_seed(1, state)
+        layer = _nn("ColumnParallelLinear")(8, 8, state=state)
+        with _te_api("onnx_export")(True):
+            torch.onnx.export(layer, (torch.zeros(2, 8),), str(tmp / "x.onnx"), dynamo=False)
+    _at(1, build)(tmp)
+
+
+def _onnx_in_fp8():
+    with _te_api("fp8_autocast")(fp8_recipe="current"):
+        with _te_api("onnx_export")(True):
+            pass
 
 
 def _touch(path):
@@ -585,20 +646,75 @@ API = [
     Row("te-graphs-tpkit-tracker", "make_graphed_callables with tpkit's RNG tracker",
         "Run without CUDA graphs", call=_te(_te_graphs)),
     # issue 44: TE's documented items tpkit.te_api does not do yet, and TE's modes
-    Row("te-api-inference-params", "InferenceParams(max_batch_size=2",
-        "run the whole prefix", call=lambda tmp: _te_api("InferenceParams")(2, 16)),
-    Row("te-api-cpu-offload", "get_cpu_offload_context(enabled=True", "use enabled=False",
-        call=lambda tmp: _te_api("get_cpu_offload_context")(True)),
-    Row("te-api-fp8-model-init", "fp8_model_init(enabled=True)", "tpkit.te.te_model_init()",
-        call=lambda tmp: _te_api("fp8_model_init")(True)),
-    Row("te-api-calibrating", "fp8_autocast(calibrating=True)", "use calibrating=False",
-        call=lambda tmp: _te_api("fp8_autocast")(calibrating=True)),
-    Row("te-api-onnx", "onnx_export(enabled=True)", "torch.onnx.export outside onnx_export",
-        call=lambda tmp: _te_api("onnx_export")(True)),
+    Row("te-api-cpu-offload", "get_cpu_offload_context(num_layers=1, model_layers=1)",
+        "at most model_layers - 1 = 0", call=lambda tmp: _te_api("get_cpu_offload_context")(
+            True, num_layers=1, model_layers=1)),
+    Row("te-api-cpu-offload-positional", "model_layers=True", "pass keywords",
+        call=lambda tmp: _te_api("get_cpu_offload_context")(True, 1, True)),
+    Row("te-api-calibrating-block", "fp8_autocast(calibrating=True) with the 'mxfp8' recipe",
+        "calibrate with 'delayed' or 'current'",
+        call=lambda tmp: _te_api("fp8_autocast")(False, True, "mxfp8").__enter__()),
+    Row("fp8-weight-written-in-place", "writes into an fp8 parameter",
+        "tpkit.fp8.with_master_weights(optimizer)", call=_fp8_weight_sgd_step),
+    Row("fp8-master-weights-none", "the optimizer holds no fp8 parameter",
+        "build the model inside tpkit.fp8.fp8_model_init()", call=lambda tmp: __import__(
+            "tpkit.fp8").fp8.with_master_weights(torch.optim.SGD(
+                [torch.nn.Parameter(torch.ones(2))], lr=0.1))),
+    # issue 44 item 2: KV-cache inference and model.generate
+    Row("inference-params-length", "sequence_len_offset=0 + 8 new tokens exceeds "
+        "InferenceParams(max_sequence_length=6)", "max_sequence_length of at least prompt",
+        call=_at(1, lambda st: _nn("DotProductAttention")(2, 4, state=st)(
+            *[torch.zeros(8, 1, 2, 4)] * 3,
+            inference_params=_te_api("InferenceParams")(1, 6)))),
+    Row("inference-params-batch", "batch 3 exceeds InferenceParams(max_batch_size=2)",
+        "max_batch_size of at least the batch",
+        call=_at(1, lambda st: _nn("DotProductAttention")(2, 4, state=st)(
+            *[torch.zeros(4, 3, 2, 4)] * 3,
+            inference_params=_te_api("InferenceParams")(2, 8)))),
+    Row("inference-params-cp", "under context parallelism (cp=2)", "generate on a layout "
+        "with cp=1", call=_at(1, lambda st: _nn("DotProductAttention")(2, 4, state=st)(
+            *[torch.zeros(4, 1, 2, 4)] * 3,
+            inference_params=_te_api("InferenceParams")(1, 8)), cp=2)),
+    Row("generate-cp", "generate at cp=2", "generate on a layout with cp=1",
+        call=_at(1, lambda st: _llama(st).generate(torch.zeros(1, 4, dtype=torch.long),
+                                                   max_new_tokens=2), cp=2)),
+    Row("generate-sp", "sequence_parallel=True (tp=2)", "without sequence parallelism",
+        call=_at(2, lambda st: _llama(st).generate(torch.zeros(1, 4, dtype=torch.long),
+                                                   max_new_tokens=2), sp=True)),
+    Row("generate-right-padding", "rows [0] are padded on the right",
+        "tokenizer.padding_side = 'left'",
+        call=_at(1, lambda st: _llama(st).generate(
+            torch.zeros(2, 3, dtype=torch.long), torch.tensor([[1, 1, 0], [1, 1, 1]]),
+            max_new_tokens=2))),
+    Row("generate-top-p", "generate(top_p=1.5)", "must be in (0, 1]",
+        call=_at(1, lambda st: _llama(st).generate(torch.zeros(1, 3, dtype=torch.long),
+                                                   max_new_tokens=2, do_sample=True,
+                                                   top_p=1.5))),
+    Row("generate-temperature", "generate(temperature=0) with do_sample=True",
+        "pass do_sample=False", call=_at(1, lambda st: _llama(st).generate(
+            torch.zeros(1, 3, dtype=torch.long), max_new_tokens=2, do_sample=True,
+            temperature=0))),
+    Row("generate-max-new-tokens", "generate(max_new_tokens=0)", "a positive integer",
+        call=_at(1, lambda st: _llama(st).generate(torch.zeros(1, 3, dtype=torch.long),
+                                                   max_new_tokens=0))),
+    Row("te-api-onnx-collective", "copy_to_tp_region runs a collective over 2 ranks",
+        "export at tp=cp=pp=ep=1", call=_at(2, _onnx_tp2_layer)),
+    Row("te-api-onnx-fp8", "onnx_export(enabled=True) inside fp8_autocast",
+        "export outside fp8_autocast", call=lambda tmp: _onnx_in_fp8()),
+    Row("te-api-onnx-moe", "onnx_export(enabled=True) with a MoE layer",
+        "export a dense model (moe_experts=0)", call=_at(1, _onnx_moe)),
+    Row("te-api-onnx-legacy", "torch.onnx.export(..., dynamo=False)",
+        "use dynamo=True", call=_onnx_legacy),
+    Row("te-api-onnx-enabled", "onnx_export(enabled='yes')", "takes True or False",
+        call=lambda tmp: _te_api("onnx_export")("yes").__enter__()),
     Row("te-api-parallel-mode", "parallel_mode='rows'", "None, 'column' or 'row'",
         call=lambda tmp: _te_api("Linear")(8, 8, parallel_mode="rows")),
-    Row("precision-weights-dtype", "weights_dtype=torch.bfloat16", "model.to(dtype)",
-        call=lambda tmp: _fabric("TPKitPrecision")("fp8", weights_dtype=torch.bfloat16)),
+    Row("precision-weights-dtype", "weights_dtype=torch.int8", "a floating torch.dtype",
+        call=lambda tmp: _fabric("TPKitPrecision")(weights_dtype=torch.int8)),
+    Row("precision-te-args-not-fp8", "precision='bf16-mixed'", "drop them or use 'fp8'",
+        call=lambda tmp: _fabric("TPKitPrecision")("bf16-mixed", weights_dtype=torch.bfloat16)),
+    Row("precision-replace-layers", "replace_layers='yes'", "None (Lightning's default",
+        call=lambda tmp: _fabric("TPKitPrecision")("fp8", replace_layers="yes")),
     Row("precision-device", "device='cuda'", "drop the argument",
         call=lambda tmp: _fabric("TPKitPrecision")("bf16-mixed", "cuda")),
     Row("precision-scaler", "only applies to precision='16-mixed'", "drop the scaler",

@@ -150,11 +150,9 @@ def _refusals():
     x = torch.randn(S, B, H)
     layer = te.TransformerLayer(H, F, HEADS, tp_group=g, set_parallel_mode=True)
     calls = {
-        "InferenceParams": lambda: te.InferenceParams(2, 16),
-        "get_cpu_offload_context": lambda: te.get_cpu_offload_context(True),
-        "fp8_model_init": lambda: te.fp8_model_init(True),
-        "calibrating": lambda: te.fp8_autocast(calibrating=True),
-        "onnx_export": lambda: te.onnx_export(True),
+        "get_cpu_offload_context": lambda: te.get_cpu_offload_context(True),  # every layer
+        "calibrating": lambda: te.fp8_autocast(False, True, "block").__enter__(),
+        "onnx_export": lambda: te.onnx_export(True).__enter__(),   # at tp=2
         "inference_params": lambda: layer(x, inference_params=object()),
         "window_size": lambda: layer(x, window_size=(4, 0)),
         "parameters_split": lambda: te.Linear(H, F, tp_group=g, parallel_mode="column",

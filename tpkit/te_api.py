@@ -26,8 +26,13 @@ from torch import nn
 from . import nn as tnn
 from . import te as _te
 from .fp8 import fp8_autocast as _fp8_autocast
+from .fp8 import fp8_model_init, register_gemm_layer
+from .fp8 import is_active as _fp8_active
 from .nn._backend import resolve_backend
+from .nn.export import export_mode as _export_mode
+from .nn.inference import InferenceParams
 from .nn.linear import linear_fn
+from .offload import get_cpu_offload_context
 from .random import RNGStatesTracker
 from .recompute import checkpoint
 from .topology import resolve_state
@@ -193,6 +198,7 @@ class _LocalLinear(Linear):
         return (out, self.bias) if self.return_bias else out
 
 
+register_gemm_layer(_LocalLinear)   # its weight goes fp8 under fp8_model_init too
 _LINEARS = {"column": _ColumnLinear, "row": _RowLinear, None: _LocalLinear}
 
 
@@ -354,6 +360,7 @@ class DotProductAttention(_HandOff, tnn.DotProductAttention):
         super().__init__(num_attention_heads, kv_channels, num_gqa_groups=num_gqa_groups,
                          attn_mask_type=attn_mask_type, attention_dropout=attention_dropout,
                          qkv_format=qkv_format, softmax_scale=softmax_scale, state=state)
+        self.layer_number = layer_number     # the key of its KV cache (InferenceParams)
         if cp_group is not None:
             self.set_context_parallel_group(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
 
@@ -366,21 +373,19 @@ class DotProductAttention(_HandOff, tnn.DotProductAttention):
                 **padded):
         """TE's forward; ``padded``: ``cu_seqlens_q_padded``/``cu_seqlens_kv_padded``."""
         _check_attention_forward("DotProductAttention.forward", None, window_size,
-                                 checkpoint_core_attention, inference_params,
-                                 core_attention_bias_type, core_attention_bias, alibi_slopes)
+                                 checkpoint_core_attention, core_attention_bias_type,
+                                 core_attention_bias, alibi_slopes)
         return super().forward(query_layer, key_layer, value_layer, attention_mask, qkv_format,
                                cu_seqlens_q, cu_seqlens_kv, max_seqlen_q=max_seqlen_q,
                                max_seqlen_kv=max_seqlen_kv, attn_mask_type=attn_mask_type,
-                               **padded)
+                               inference_params=inference_params, **padded)
 
 
 def _check_attention_forward(who: str, encoder_output=None, window_size=None,
-                             checkpoint_core_attention=False, inference_params=None,
+                             checkpoint_core_attention=False,
                              core_attention_bias_type="no_bias", core_attention_bias=None,
                              alibi_slopes=None, enc_dec_attn_mask=None) -> None:
     _refuse(who,
-            inference_params=(inference_params, None, "no KV cache yet (issue 44 item 2): "
-                              "recompute the whole prefix each step"),
             encoder_output=(encoder_output, None, "self-attention only"),
             enc_dec_attn_mask=(enc_dec_attn_mask, None, "self-attention only"),
             window_size=(window_size, None, "sliding windows need the TE backend"),
@@ -445,6 +450,7 @@ class MultiheadAttention(_HandOff, nn.Module):
             init_method=init_method or _default_init,
             output_layer_init_method=output_layer_init_method or init_method or _default_init,
             attn_input_format=qkv_format, state=state, device=device, dtype=params_dtype)
+        self.attention.core_attention.layer_number = layer_number   # its KV cache's key
         self.attn_mask_type = attn_mask_type
         self.return_layernorm_output = bool(return_layernorm_output)
         self._te_state = _StateRef(state)
@@ -455,11 +461,12 @@ class MultiheadAttention(_HandOff, nn.Module):
                 rotary_pos_emb=None, core_attention_bias_type: str = "no_bias",
                 core_attention_bias=None, alibi_slopes=None, fast_zero_fill: bool = True):
         _check_attention_forward("MultiheadAttention.forward", encoder_output, window_size,
-                                 checkpoint_core_attention, inference_params,
-                                 core_attention_bias_type, core_attention_bias, alibi_slopes)
+                                 checkpoint_core_attention, core_attention_bias_type,
+                                 core_attention_bias, alibi_slopes)
         _check_mask_type("MultiheadAttention.forward", attn_mask_type, self.attn_mask_type)
         x = hidden_states if self.layernorm is None else self.layernorm(hidden_states)
-        out = self.attention(x, rotary_pos_emb, attention_mask)
+        out = self.attention(x, rotary_pos_emb, attention_mask,
+                             inference_params=inference_params)
         return (out, x) if self.return_layernorm_output else out
 
     def set_tensor_parallel_group(self, tp_group) -> None:
@@ -525,6 +532,7 @@ class TransformerLayer(_HandOff, tnn.TransformerLayer):
                          attn_input_format=attn_input_format,
                          state=state, device=device, dtype=params_dtype)
         self.self_attn_mask_type = self_attn_mask_type
+        self.self_attention.core_attention.layer_number = layer_number   # its KV cache's key
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None,
                 self_attn_mask_type=None, window_size=None, encoder_output=None,
@@ -533,12 +541,12 @@ class TransformerLayer(_HandOff, tnn.TransformerLayer):
                 rotary_pos_emb=None, core_attention_bias_type: str = "no_bias",
                 core_attention_bias=None, alibi_slopes=None, fast_zero_fill: bool = True):
         _check_attention_forward("TransformerLayer.forward", encoder_output, window_size,
-                                 checkpoint_core_attention, inference_params,
-                                 core_attention_bias_type, core_attention_bias, alibi_slopes,
-                                 enc_dec_attn_mask)
+                                 checkpoint_core_attention, core_attention_bias_type,
+                                 core_attention_bias, alibi_slopes, enc_dec_attn_mask)
         _check_mask_type("TransformerLayer.forward", self_attn_mask_type,
                          self.self_attn_mask_type)
-        return super().forward(hidden_states, rotary_pos_emb, attention_mask)
+        return super().forward(hidden_states, rotary_pos_emb, attention_mask,
+                               inference_params=inference_params)
 
     def set_tensor_parallel_group(self, tp_group) -> None:
         _check_parallel_group(self, tp_group)
@@ -553,49 +561,28 @@ class TransformerLayer(_HandOff, tnn.TransformerLayer):
 
 
 # --- functions ---------------------------------------------------------------------------
-class InferenceParams:
-    """TE's KV-cache parameters: not yet on tpkit's torch backend (issue 44, item 2)."""
-
-    def __init__(self, max_batch_size: int, max_sequence_length: int):
-        _not_yet(f"InferenceParams(max_batch_size={max_batch_size}, max_sequence_length="
-                 f"{max_sequence_length}) (KV-cache inference)",
-                 "run the whole prefix through the model at every step, or use "
-                 "transformer_engine.pytorch's modules for cached decoding")
-
-
 def fp8_autocast(enabled: bool = True, calibrating: bool = False, fp8_recipe=None,
                  fp8_group=None):
     """TE's ``fp8_autocast`` on tpkit's emulated fp8 (tpkit.fp8.fp8_autocast: every tpkit
-    linear inside runs in fp8 with ``fp8_recipe``, amaxes reduced over ``fp8_group``)."""
-    if calibrating:
-        _not_yet("fp8_autocast(calibrating=True) (amax statistics without fp8 compute)",
-                 "use calibrating=False, or TE's modules inside tpkit.te.te_autocast("
-                 "calibrating=True)")
-    return _fp8_autocast(enabled, recipe=fp8_recipe, fp8_group=fp8_group)
+    linear inside runs in fp8 with ``fp8_recipe``, amaxes reduced over ``fp8_group``;
+    ``calibrating=True`` with ``enabled=False``: high-precision compute that records the
+    amaxes and scales)."""
+    return _fp8_autocast(enabled, recipe=fp8_recipe, fp8_group=fp8_group,
+                         calibrating=calibrating)
 
 
-def fp8_model_init(enabled: bool = True):
-    """TE's fp8-only parameters: not yet on the torch backend; enabled=False is TE's no-op."""
-    if enabled:
-        _not_yet("fp8_model_init(enabled=True) (parameters held only in fp8)",
-                 "keep high-precision parameters (they are cast in fp8_autocast), or build "
-                 "TE modules (backend='te') inside tpkit.te.te_model_init()")
-    return contextlib.nullcontext()
-
-
+@contextlib.contextmanager
 def onnx_export(enabled: bool = False):
-    """TE's ONNX export mode: not yet; enabled=False is TE's no-op."""
-    if enabled:
-        _not_yet("onnx_export(enabled=True)", "export with torch.onnx.export outside "
-                 "onnx_export, or use transformer_engine.pytorch's modules")
-    return contextlib.nullcontext()
+    """TE's ONNX export mode: ``torch.onnx.export(model, ...)`` inside it exports a tpkit
+    model built at tp=cp=pp=ep=1 (torch's default exporter, ``dynamo=True``), each layer
+    on a path ONNX can express (tpkit.nn.export); a model-parallel layout, or tpkit's
+    emulated fp8 (active here or entered inside), is refused with a ValueError.
+    ``enabled=False`` changes nothing, as TE's."""
+    if enabled is True and _fp8_active():
+        raise ValueError("onnx_export(enabled=True) inside fp8_autocast: tpkit's emulated fp8 "
+                         "is not exported (neither as fp8 nor as quantize/dequantize pairs: "
+                         "its scales are training state); export outside fp8_autocast, in "
+                         "the parameters' precision")
+    with _export_mode(enabled):
+        yield
 
-
-def get_cpu_offload_context(enabled: bool = False, num_layers: int = 1,
-                            offload_activations: bool = True, offload_weights: bool = True):
-    """TE's activation/weight offload: not yet; disabled it returns TE's pair
-    ``(nullcontext(), synchronizer)`` with an identity synchronizer."""
-    if enabled:
-        _not_yet(f"get_cpu_offload_context(enabled=True, num_layers={num_layers})",
-                 "use enabled=False, or recompute activations with te_api.checkpoint")
-    return contextlib.nullcontext(), (lambda x=None: x)

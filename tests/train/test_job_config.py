@@ -97,6 +97,8 @@ def test_printed_config_reads_back_as_the_same_job(argv, tmp_path, capsys):
                                                    " ep=3; use a multiple of 3"),
     ("[model]\n\n\ndropout = 1.0\n", "model.dropout=1.0 ({f}:4) must be in [0, 1)"),
     ("model = 3\n", "{f}:1: model must be a section"),
+    ("[training]\ncpu_offload_layers = 2\n", "training.cpu_offload_layers=2 ({f}:2) must be "
+                                              "from 0 to model.layers - 1 = 1"),
 ])
 def test_bad_file_values_name_field_value_line_and_fix(text, words, tmp_path):
     f = tmp_path / "job.toml"

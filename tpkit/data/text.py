@@ -64,6 +64,13 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return self.encode_batch([text])[0]
 
+    def decode(self, ids) -> str:
+        """The text of token ids (special tokens kept: generated text shows its eos)."""
+        ids = [int(i) for i in ids]
+        if self._fast is not None:
+            return self._fast.decode(ids, skip_special_tokens=False)
+        return self._hf.decode(ids, skip_special_tokens=False)
+
     def __repr__(self):
         return f"Tokenizer({self.path!r}, vocab_size={self.vocab_size}, eod={self.eod})"
 

@@ -22,6 +22,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
+from ..nn.export import is_onnx_export
 from ..topology import get_parallel_state, is_initialized
 from .amax import GRAD, INPUT, WEIGHT, FP8Meta, reduce_and_update
 from .recipes import from_any
@@ -77,6 +78,7 @@ class _Frame:
 class _State:
     def __init__(self):
         self.enabled, self.recipe, self.session = False, None, None
+        self.calibrating = False
         self.recording: list[_Frame] = []
         self.replay: _Frame | None = None
         self.bwd_pending: dict[int, FP8Meta] = {}
@@ -119,15 +121,32 @@ def backward_update(rec: _Record) -> None:
 
 
 @contextlib.contextmanager
-def fp8_autocast(enabled: bool = True, recipe=None, fp8_group=None):
+def fp8_autocast(enabled: bool = True, recipe=None, fp8_group=None, *,
+                 calibrating: bool = False):
     """Run tpkit linear layers in emulated fp8 with ``recipe`` (a name "delayed",
     "current", "block", "mxfp8", a recipe of tpkit or TE, or a dict; None: delayed).
     Nested contexts may switch fp8 off/on or change the recipe; the outermost one owns
-    the amax group and runs delayed scaling's forward update when it exits normally."""
+    the amax group and runs delayed scaling's forward update when it exits normally.
+
+    ``calibrating=True`` (TE's calibration) with fp8 off: the linear layers compute in
+    high precision, exactly as outside any autocast, and record what fp8 would have used
+    (delayed scaling: the input and weight amaxes into the history, reduced and turned
+    into scales when the outermost autocast exits; current scaling: the scales). Only
+    the forward is calibrated (as TE); expert GEMMs are not. With fp8 on it changes
+    nothing (fp8 computes and records anyway)."""
+    if enabled and is_onnx_export():
+        raise ValueError("fp8_autocast(enabled=True) inside onnx_export(enabled=True): tpkit's "
+                         "emulated fp8 is not exported (its scales are training state); "
+                         "export without fp8_autocast")
     st = _STATE
     rec = from_any(recipe)
     _check_emulated(rec)
-    prev = (st.enabled, st.recipe)
+    if calibrating and not rec.per_tensor:
+        raise ValueError(f"fp8_autocast(calibrating=True) with the {rec.name!r} recipe: "
+                         "block recipes keep no per-tensor amax or scale to calibrate (they "
+                         "scale each block when they cast); calibrate with 'delayed' or "
+                         "'current'")
+    prev = (st.enabled, st.recipe, st.calibrating)
     outermost = st.session is None and st.replay is None
     if outermost:
         session = _Session(fp8_group, getattr(rec, "reduce_amax", True))
@@ -138,13 +157,13 @@ def fp8_autocast(enabled: bool = True, recipe=None, fp8_group=None):
             fp8_group is not st.session.group:
         raise ValueError("a nested fp8_autocast passes another fp8_group than the outermost "
                          "one; pass it to the outermost fp8_autocast only")
-    st.enabled, st.recipe = bool(enabled), rec
+    st.enabled, st.recipe, st.calibrating = bool(enabled), rec, bool(calibrating)
     ok = False
     try:
         yield
         ok = True
     finally:
-        st.enabled, st.recipe = prev
+        st.enabled, st.recipe, st.calibrating = prev
         if outermost:
             st.session = None
             if ok:

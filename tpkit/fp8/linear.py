@@ -33,6 +33,7 @@ from ..nn import linear as _nn_linear
 from ..nn import moe as _nn_moe
 from . import autocast as _ac
 from .amax import GRAD, INPUT, WEIGHT, ExpertMeta, meta_of
+from .params import FP8Weight
 from .quantize import Blocks, amax, cast, current_scale, gemm, quantize_blocks
 
 _QPARAMS = ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad")
@@ -88,8 +89,11 @@ def _forward(ctx, x, weight, bias, rec, out_dtype):
         fprop, dgrad, wgrad = getattr(r, "override_linear_precision", (False,) * 3)
         keep_x, keep_w = wgrad or bo == "high_precision", dgrad or bo == "high_precision"
         sx, sw = rec.scale[INPUT], rec.scale[WEIGHT]
-        xq, wq = cast(x, sx, fwd), cast(weight, sw, fwd)
-        ix, iw = _inv(sx, x.device), _inv(sw, x.device)
+        xq, ix = cast(x, sx, fwd), _inv(sx, x.device)
+        if isinstance(weight, FP8Weight) and weight.codes.dtype == fwd[0]:
+            wq, iw = weight.codes, weight.scale_inv.to(device=x.device, dtype=torch.float32)
+        else:   # fp8_model_init's weights multiply as stored, with their own scale
+            wq, iw = cast(weight, sw, fwd), _inv(sw, x.device)
         out = gemm(x, weight.t()) if fprop else gemm(xq, wq.t(), ix * iw)
         ctx.save_for_backward(x if keep_x else xq, weight if keep_w else wq, ix, iw)
     else:
@@ -218,10 +222,25 @@ def _out_dtype(x):
     return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
 
 
+def _calibrate(layer, r, session, x, weight) -> None:
+    """fp8_autocast(calibrating=True) with fp8 off: what the fp8 forward would record."""
+    meta = meta_of(layer, r)
+    if r.name == "delayed":
+        meta.record(INPUT, x)
+        meta.record(WEIGHT, weight)
+        session.fwd_metas[id(meta)] = meta
+    else:
+        meta.set_scale(INPUT, _current(r, INPUT, x))
+        meta.set_scale(WEIGHT, _current(r, WEIGHT, weight))
+
+
 def linear(layer, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
     """``F.linear(x, weight, bias)``, in emulated fp8 with ``layer``'s meta inside
     fp8_autocast. The hook tpkit.nn's linear function calls."""
-    if not _ac._STATE.enabled:
+    st = _ac._STATE
+    if not st.enabled:
+        if st.calibrating and st.replay is None:
+            _calibrate(layer, st.recipe, st.session, x, weight)
         return F.linear(x, weight, bias)
 
     def fresh(r, session):

@@ -21,8 +21,10 @@ from torch import nn
 from ..data import shard_position_ids, shard_sequence
 from ..nn import (ColumnParallelLinear, RMSNorm, RotaryEmbedding, TransformerLayer,
                   VocabParallelEmbedding, vocab_parallel_cross_entropy)
+from ..offload import get_cpu_offload_context
 from ..recompute import checkpoint
 from ..topology import get_parallel_state
+from .generate import GenerationMixin
 
 
 @dataclasses.dataclass
@@ -44,13 +46,21 @@ class GPTConfig:
     moe_every: int = 1
     moe_aux_coeff: float = 1e-2
     moe_capacity_factor: float | None = None
+    # Activation offload (tpkit.offload, TE's get_cpu_offload_context): the activations of
+    # the first cpu_offload_layers blocks wait for the backward off the compute device.
+    cpu_offload_layers: int = 0
 
 
-class GPT(nn.Module):
+class GPT(GenerationMixin, nn.Module):
     def __init__(self, cfg: GPTConfig, state=None):
         super().__init__()
         self.cfg = cfg
         self.state = state or get_parallel_state()
+        n = cfg.cpu_offload_layers
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n < cfg.num_layers:
+            raise ValueError(f"GPTConfig(cpu_offload_layers={n!r}) must be an int from 0 to "
+                             f"num_layers - 1 = {cfg.num_layers - 1} (the last block's "
+                             "activations are needed first in backward)")
         kw = dict(state=self.state)
         self.embedding = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, **kw)
         self.rope = RotaryEmbedding(cfg.hidden_size // cfg.num_heads)
@@ -129,8 +139,11 @@ class GPT(nn.Module):
         if packed:
             return self._packed_loss(tokens, targets, position_ids, packed)
         x = self.pp_stem(tokens)
+        offload, sync = self._offload()
         for layer in self.layers:
-            x = self.pp_block(layer, x)
+            with offload:
+                x = self.pp_block(layer, x)
+            x = sync(x)
         loss = self.pp_loss(self.pp_head(x), targets)
         for layer in self.layers:
             aux = self.pp_aux_loss(layer)
@@ -138,15 +151,26 @@ class GPT(nn.Module):
                 loss = loss + aux
         return loss
 
+    def _offload(self):
+        """This forward's offload context and synchronizer (TE's pair; disabled: a null
+        context and an identity)."""
+        n = self.cfg.cpu_offload_layers
+        return get_cpu_offload_context(bool(n) and self.training, n, len(self.layers),
+                                       offload_weights=False)
+
     def _packed_loss(self, tokens, labels, position_ids, packed) -> torch.Tensor:
         if self._te_blocks:
             raise ValueError("packed documents need tpkit's torch blocks (backend='torch'); "
                              "TE's TransformerLayer would need attn_input_format='thd'")
         x = self.embedding(tokens[:, None])                      # [t(/tp under SP), 1, h]
         freqs = self.rope(position_ids)                          # restart per document
+        offload, sync = self._offload()
         for layer in self.layers:
-            if self.cfg.recompute and self.training:
-                x = checkpoint(layer, x, rotary_pos_emb=freqs, use_reentrant=False, **packed)
-            else:
-                x = layer(x, rotary_pos_emb=freqs, **packed)
+            with offload:
+                if self.cfg.recompute and self.training:
+                    x = checkpoint(layer, x, rotary_pos_emb=freqs, use_reentrant=False,
+                                   **packed)
+                else:
+                    x = layer(x, rotary_pos_emb=freqs, **packed)
+            x = sync(x)
         return vocab_parallel_cross_entropy(self.pp_head(x), labels[:, None]).sum()

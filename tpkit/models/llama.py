@@ -26,6 +26,7 @@ from ..nn import (ColumnParallelLinear, RMSNorm, RotaryEmbedding, TransformerLay
 from ..recompute import checkpoint
 from ..te import is_te_module
 from ..topology import resolve_state
+from .generate import GenerationMixin
 
 __all__ = ["LlamaConfig", "Llama", "ARCHITECTURES", "ROPE_TYPES", "rope_inv_freq"]
 
@@ -191,7 +192,7 @@ _TE_BLOCK = {
 }
 
 
-class Llama(nn.Module):
+class Llama(GenerationMixin, nn.Module):
     """The decoder on this rank's shard of ``state``'s layout (None: the current one).
     ``init_method`` (default: normal with ``cfg.initializer_range``) initialises every
     weight shard on the RNG tracker's model-parallel stream."""

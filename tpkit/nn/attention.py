@@ -24,6 +24,7 @@ from ._common import (ParallelModule, check_input_format, check_sbh, divide, loc
 from .linear import ColumnParallelLinear, RowParallelLinear, linear_fn
 from .rope import apply_rotary_pos_emb
 from .dot_product_attention import THD_KWARGS, DotProductAttention
+from .inference import check_window
 
 __all__ = ["ParallelSelfAttention", "ReplicatedKV"]
 
@@ -137,13 +138,18 @@ class ParallelSelfAttention(TEBackendMixin, ParallelModule):
 
     def forward(self, hidden_states: torch.Tensor,
                 rotary_pos_emb: torch.Tensor | None = None, attention_mask=None,
-                **packed) -> torch.Tensor:
+                inference_params=None, **packed) -> torch.Tensor:
         """``attention_mask``: TE's padding mask ``[b, 1, 1, s]`` (the core's mask type must
         be a padding one). ``packed``: TE's THD arguments (``cu_seqlens_q``, ...,
         ``PackedBatch.attention_kwargs()``) for one packed row, ``hidden_states``
         ``[t, 1, h]``; the core then runs ``qkv_format="thd"`` with the padding form of
         this layer's mask type, and ``rotary_pos_emb`` holds the angles of the row's
-        per-document positions (``RotaryEmbedding(batch.position_ids)``)."""
+        per-document positions (``RotaryEmbedding(batch.position_ids)``).
+        ``inference_params`` (TE's KV cache, tpkit.nn.inference): as TE's
+        MultiheadAttention, ``rotary_pos_emb`` then holds the angles of every position
+        from 0 (``[>= offset + s, 1 or b, 1, d]``) and the call takes rows ``offset ..
+        offset + s - 1``; an ``attention_mask`` covers every key so far (the core runs the
+        padding form of its mask type)."""
         check_sbh(hidden_states, self.hidden_size, type(self).__name__, self.attn_input_format)
         unknown = sorted(set(packed) - set(THD_KWARGS))
         if unknown:
@@ -160,7 +166,8 @@ class ParallelSelfAttention(TEBackendMixin, ParallelModule):
             qkv = self.linear_qkv(hidden_states)               # [s, b, (hl + 2 gl) * d]
         n0, n1, _ = qkv.shape
         s, b = (n0, n1) if fmt == "sbhd" else (n1, n0)
-        if fmt == "sbhd" and s < b and not getattr(self, "_format_warned", False):
+        if fmt == "sbhd" and s < b and inference_params is None \
+                and not getattr(self, "_format_warned", False):
             self._format_warned = True
             warnings.warn(f"{type(self).__name__} read an input of {s} positions x {b} batch "
                           "rows as sequence-first [s, b, h]; if it is batch-first [b, s, h] "
@@ -169,10 +176,28 @@ class ParallelSelfAttention(TEBackendMixin, ParallelModule):
         d, hl, gl = self.kv_channels, self.heads_local, self.groups_local
         q, k, v = qkv.split([hl * d, gl * d, gl * d], dim=-1)
         q, k, v = q.view(n0, n1, hl, d), k.view(n0, n1, gl, d), v.view(n0, n1, gl, d)
+        if rotary_pos_emb is not None and inference_params is not None:
+            off = check_window(inference_params, s, b, type(self).__name__)[0]
+            if rotary_pos_emb.shape[0] < off + s:
+                raise ValueError(f"{type(self).__name__}: with inference_params, "
+                                 f"rotary_pos_emb holds the angles of every position from 0 "
+                                 f"(TE's rule); it has {rotary_pos_emb.shape[0]}, the call "
+                                 f"needs {off + s} (sequence_len_offset={off} + {s})")
+            rotary_pos_emb = rotary_pos_emb[off:off + s]
         if rotary_pos_emb is not None:
             q = apply_rotary_pos_emb(q, rotary_pos_emb, fmt)
             k = apply_rotary_pos_emb(k, rotary_pos_emb, fmt)
-        if packed.get("cu_seqlens_q") is None:
+        if inference_params is not None:
+            if packed:
+                raise ValueError(f"{type(self).__name__}: inference_params with packed "
+                                 "sequences (cu_seqlens) is not supported; pass [s, b, h] "
+                                 "rows (left-padded, with a padding mask)")
+            mask_type = getattr(self.core_attention, "attn_mask_type", "causal")
+            if attention_mask is not None and not mask_type.startswith("padding"):
+                mask_type = "padding_" + mask_type if mask_type == "causal" else "padding"
+            ctx = self.core_attention(q, k, v, attention_mask, attn_mask_type=mask_type,
+                                      inference_params=inference_params)
+        elif packed.get("cu_seqlens_q") is None:
             args = () if attention_mask is None else (attention_mask,)
             ctx = self.core_attention(q, k, v, *args)           # [s, b, hl * d]
         elif b != 1:

@@ -37,6 +37,7 @@ from ._common import divide, local_kv_heads
 from .attention_ops import select
 from .context_parallel import context_parallel_attention
 from .fused_cp import fused_context_parallel_attention
+from .inference import InferenceParams, cached_attention, kv_padding_mask
 from .packed_attention import packed_attention, padded_attention
 
 MASK_TYPES = ("causal", "no_mask", "padding", "padding_causal")
@@ -223,18 +224,26 @@ class DotProductAttention(TEBackendMixin, torch.nn.Module):
     def forward(self, query_layer, key_layer, value_layer, attention_mask=None,
                 qkv_format: str | None = None, cu_seqlens_q=None, cu_seqlens_kv=None,
                 cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None, max_seqlen_q=None,
-                max_seqlen_kv=None, attn_mask_type: str | None = None):
+                max_seqlen_kv=None, attn_mask_type: str | None = None,
+                inference_params=None):
         """TE's forward (the subset tpkit implements): ``qkv_format`` and
         ``attn_mask_type`` override the constructor's for this call; ``"thd"`` takes
         ``[t, heads, d]`` tensors (this CP rank's shard of the packed row) and the *global*
-        ``cu_seqlens_*`` of the row (``tpkit.data.PackedBatch.attention_kwargs()``)."""
+        ``cu_seqlens_*`` of the row (``tpkit.data.PackedBatch.attention_kwargs()``).
+        ``inference_params`` (TE's KV cache, tpkit.nn.inference): the call's keys and
+        values are appended to this layer's cache at ``sequence_len_offset`` and the
+        queries attend to every cached key; a padding mask then covers every key so far
+        (``[b, 1, 1, offset + s]``). Not under context parallelism (ValueError)."""
         fmt = self.qkv_format if qkv_format is None else qkv_format
         if fmt not in QKV_FORMATS:
             raise ValueError(f"qkv_format={fmt!r} is not supported; use one of {QKV_FORMATS}")
         mask = self.attn_mask_type if attn_mask_type is None else _mask_type(attn_mask_type)
         _check_dropout(fmt, mask, self.attention_dropout)
-        self._check(query_layer, key_layer, value_layer, fmt)
         causal = mask in ("causal", "padding_causal")
+        if inference_params is not None:
+            return self._forward_cached(query_layer, key_layer, value_layer, fmt, mask,
+                                        causal, attention_mask, inference_params)
+        self._check(query_layer, key_layer, value_layer, fmt)
         if fmt == "thd":
             return self._forward_thd(query_layer, key_layer, value_layer, mask, causal,
                                      cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
@@ -279,6 +288,40 @@ class DotProductAttention(TEBackendMixin, torch.nn.Module):
                     out = F.scaled_dot_product_attention(q, k, v, **kw)
             else:
                 out = F.scaled_dot_product_attention(q, k, v, **kw)
+        b, h, s, d = out.shape
+        if fmt == "sbhd":
+            return out.permute(2, 0, 1, 3).reshape(s, b, h * d)
+        return out.permute(0, 2, 1, 3).reshape(b, s, h * d)
+
+    def _forward_cached(self, q, k, v, fmt, mask, causal, attention_mask, params):
+        who = f"{type(self).__name__}.forward(inference_params=...)"
+        if not isinstance(params, InferenceParams):
+            raise ValueError(f"{type(self).__name__}.forward(inference_params={params!r}): "
+                             "not an InferenceParams; pass tpkit.te_api.InferenceParams("
+                             "max_batch_size, max_sequence_length)")
+        if self.cp_size > 1:
+            raise ValueError(
+                f"{who} under context parallelism (cp={self.cp_size}) is not supported: a "
+                "decode step's one new token cannot be split over CP ranks, and each rank "
+                "holds a load-balanced shard of the prefix, not a contiguous cache; generate "
+                "on a layout with cp=1 (load the checkpoint there: tpkit reshards it)")
+        if fmt == "thd":
+            raise ValueError(f"{who} with qkv_format='thd' is not supported; use 'sbhd' or "
+                             "'bshd' (TE's inference layouts)")
+        self._check(q, k, v, fmt)
+        if self.training and self.attention_dropout > 0.0:
+            raise ValueError(f"{who} in training mode with attention_dropout="
+                             f"{self.attention_dropout}: the KV cache is for inference; call "
+                             "model.eval() first")
+        if mask.startswith("padding") != (attention_mask is not None):
+            raise ValueError(f"attention_mask {'is missing' if attention_mask is None else 'is given'}"
+                             f" with attn_mask_type={mask!r}: pass a padding mask exactly with "
+                             "'padding'/'padding_causal'")
+        s, b = (q.shape[0], q.shape[1]) if fmt == "sbhd" else (q.shape[1], q.shape[0])
+        kv_mask = None if attention_mask is None else kv_padding_mask(
+            attention_mask, b, params.sequence_len_offset + s, who)
+        self.kernel = "cached"
+        out = cached_attention(self, params, q, k, v, fmt, causal, kv_mask, self.softmax_scale)
         b, h, s, d = out.shape
         if fmt == "sbhd":
             return out.permute(2, 0, 1, 3).reshape(s, b, h * d)

@@ -15,9 +15,11 @@ exps and, with smoothing, the sum of logits packed in one tensor); none backward
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ..collectives import all_reduce_max, all_reduce_sum, group_rank, group_size
 from ..topology import get_parallel_state
+from .export import check_exportable, is_onnx_export
 
 __all__ = ["vocab_parallel_cross_entropy"]
 
@@ -94,4 +96,12 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, *,
                          "agree on every dim but the last (vocab)")
     if target.dtype.is_floating_point:
         raise ValueError(f"target must hold integer class ids, got {target.dtype}")
+    if is_onnx_export():
+        # torch.export cannot trace the autograd Function's host-side id check; on one
+        # rank the loss is F.cross_entropy's (same definition, global smoothing = local)
+        check_exportable(group_size(group), "vocab_parallel_cross_entropy")
+        loss = F.cross_entropy(logits.float().flatten(0, -2), target.flatten(),
+                               ignore_index=ignore_index, label_smoothing=label_smoothing,
+                               reduction="none")
+        return loss.view(target.shape)
     return _VocabParallelCE.apply(logits, target, float(label_smoothing), ignore_index, group)

@@ -17,6 +17,7 @@ import torch
 from ..collectives import (all_gather, all_reduce_sum, group_size,
                            reduce_scatter, split)
 from ..collectives import all_to_all as _all_to_all
+from .export import check_exportable
 
 __all__ = ["copy_to_tp_region", "reduce_from_tp_region", "scatter_to_tp_region",
            "gather_from_tp_region", "gather_from_sp_region", "reduce_scatter_to_sp_region",
@@ -107,49 +108,71 @@ class _AllToAll(torch.autograd.Function):
 
 
 # --- public API -------------------------------------------------------------------------
+def _one_rank(group, where: str) -> bool:
+    """True for a group of one rank (every function is then the identity); refuses a
+    collective inside onnx_export (tpkit.nn.export)."""
+    n = group_size(group)
+    check_exportable(n, where)
+    return n == 1
+
+
 def copy_to_tp_region(x: torch.Tensor, group, *, inplace_grad: bool = False) -> torch.Tensor:
     """f: identity forward, all-reduce of the gradient backward. ``inplace_grad=True``
     reduces the incoming gradient without a copy: only when ``x``'s sole consumer is a
     matmul, whose input gradient is a fresh tensor (the parallel linear layers)."""
-    return x if group_size(group) == 1 else _CopyToTP.apply(x, group, inplace_grad)
+    if _one_rank(group, "copy_to_tp_region"):
+        return x
+    return _CopyToTP.apply(x, group, inplace_grad)
 
 
 def reduce_from_tp_region(x: torch.Tensor, group, *, inplace: bool = False) -> torch.Tensor:
     """g: all-reduce forward, identity backward. ``inplace=True`` reduces ``x`` itself
     (for a fresh intermediate such as a matmul output) instead of a copy."""
-    return x if group_size(group) == 1 else _ReduceFromTP.apply(x, group, inplace)
+    if _one_rank(group, "reduce_from_tp_region"):
+        return x
+    return _ReduceFromTP.apply(x, group, inplace)
 
 
 def scatter_to_tp_region(x: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
     """Keep this rank's chunk of ``dim`` (default last); all-gather backward."""
-    return x if group_size(group) == 1 else _ScatterToTP.apply(x, dim, group)
+    if _one_rank(group, "scatter_to_tp_region"):
+        return x
+    return _ScatterToTP.apply(x, dim, group)
 
 
 def gather_from_tp_region(x: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
     """All-gather along ``dim`` (default last); keep this rank's chunk backward."""
-    return x if group_size(group) == 1 else _GatherFromTP.apply(x, dim, group)
+    if _one_rank(group, "gather_from_tp_region"):
+        return x
+    return _GatherFromTP.apply(x, dim, group)
 
 
 def gather_from_sp_region(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
     """All-gather of the sequence dim (``dim``; 0 for ``[s, b, h]``) forward, its
     reduce-scatter backward: SP's all-gather, and the CP all-gather of K/V."""
-    return x if group_size(group) == 1 else _GatherFromSP.apply(x, group, dim % x.dim())
+    if _one_rank(group, "gather_from_sp_region"):
+        return x
+    return _GatherFromSP.apply(x, group, dim % x.dim())
 
 
 def reduce_scatter_to_sp_region(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
     """SP reduce-scatter of the sequence dim (``dim``; 0 for ``[s, b, h]``, 1 for
     batch-first activations) forward; its all-gather backward."""
-    return x if group_size(group) == 1 else _ReduceScatterToSP.apply(x, group, dim % x.dim())
+    if _one_rank(group, "reduce_scatter_to_sp_region"):
+        return x
+    return _ReduceScatterToSP.apply(x, group, dim % x.dim())
 
 
 def scatter_to_sp_region(x: torch.Tensor, group) -> torch.Tensor:
     """Keep this rank's chunk of dim 0 (entering SP); all-gather backward."""
-    return x if group_size(group) == 1 else _ScatterToTP.apply(x, 0, group)
+    if _one_rank(group, "scatter_to_sp_region"):
+        return x
+    return _ScatterToTP.apply(x, 0, group)
 
 
 def all_to_all(x: torch.Tensor, group, *, scatter_dim: int, gather_dim: int) -> torch.Tensor:
     """Split ``scatter_dim`` over the group and concatenate received chunks along
     ``gather_dim``; the backward is the reverse all-to-all."""
-    if group_size(group) == 1:
+    if _one_rank(group, "all_to_all"):
         return x
     return _AllToAll.apply(x, scatter_dim % x.dim(), gather_dim % x.dim(), group)

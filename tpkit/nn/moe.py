@@ -53,6 +53,7 @@ from ..param_tags import set_expert_attrs
 from ..random import EXPERT_PARALLEL_RNG, get_rng_tracker
 from ._backend import build_te, resolve_backend
 from ._common import ParallelModule, check_sbh, divide, resolve_sp
+from .export import is_onnx_export
 from .mappings import gather_from_tp_region, reduce_from_tp_region, scatter_to_sp_region
 from .mlp import _GATED, _PLAIN, ACTIVATIONS, ParallelMLP
 
@@ -319,6 +320,11 @@ class MoE(ParallelModule):
     # --- forward --------------------------------------------------------------------
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         check_sbh(hidden_states, self.hidden_size, type(self).__name__)
+        if is_onnx_export():
+            raise ValueError("onnx_export(enabled=True) with a MoE layer: its token dispatch "
+                             "has data-dependent shapes (tokens per expert), which "
+                             "torch.onnx.export cannot trace; MoE models are not exportable "
+                             "yet: export a dense model (moe_experts=0)")
         s = self.state
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])                            # [T, h]

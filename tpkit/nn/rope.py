@@ -1,7 +1,7 @@
 """Rotary position embeddings in TE's convention (non-interleaved halves, sbhd).
 
 ``RotaryEmbedding(kv_channels)(seq_len or position_ids)`` returns angles ``[s, 1, 1, d]``
-(the frequencies repeated over both halves), and ``apply_rotary_pos_emb(t, freqs)``
+(the frequencies repeated over both halves; ``[s, b, 1, d]`` for ``[s, b]`` position ids), and ``apply_rotary_pos_emb(t, freqs)``
 rotates the first ``d`` channels of ``t [s, b, heads, head_dim]``:
 ``t * cos + rotate_half(t) * sin`` with ``rotate_half([x1, x2]) = [-x2, x1]``.
 """
@@ -32,12 +32,14 @@ class RotaryEmbedding(nn.Module):
         if isinstance(position_ids, int):
             pos = torch.arange(position_ids, device=self.inv_freq.device, dtype=torch.float32)
         else:
-            if position_ids.dim() != 1:
-                raise ValueError("position_ids must be 1-D [s] (positions shared by the batch), "
-                                 f"got shape {tuple(position_ids.shape)}")
+            if position_ids.dim() not in (1, 2):
+                raise ValueError("position_ids must be 1-D [s] (positions shared by the batch) "
+                                 "or 2-D [s, b] (one position per row, e.g. left-padded "
+                                 f"prompts), got shape {tuple(position_ids.shape)}")
             pos = position_ids.to(device=self.inv_freq.device, dtype=torch.float32)
-        freqs = torch.outer(pos, self.inv_freq)
-        return torch.cat([freqs, freqs], dim=-1)[:, None, None, :]
+        freqs = pos[..., None] * self.inv_freq                  # [s, (b,) d/2]
+        freqs = torch.cat([freqs, freqs], dim=-1)
+        return freqs[:, None, None, :] if freqs.dim() == 2 else freqs[:, :, None, :]
 
     def extra_repr(self) -> str:
         return f"kv_channels={self.kv_channels}, base={self.base}"

@@ -76,12 +76,14 @@ class TransformerLayer(TEBackendMixin, ParallelModule):
 
     def forward(self, hidden_states: torch.Tensor,
                 rotary_pos_emb: torch.Tensor | None = None, attention_mask=None,
-                **packed) -> torch.Tensor:
-        """``attention_mask`` and ``packed`` (TE's ``cu_seqlens_q``, ... of one packed row)
-        go to ``ParallelSelfAttention.forward``."""
+                inference_params=None, **packed) -> torch.Tensor:
+        """``attention_mask``, ``inference_params`` (TE's KV cache) and ``packed`` (TE's
+        ``cu_seqlens_q``, ... of one packed row) go to ``ParallelSelfAttention.forward``."""
         check_sbh(hidden_states, self.hidden_size, type(self).__name__, self.attn_input_format)
         x = hidden_states
         x = x + self._dropout(self.self_attention(self.input_layernorm(x), rotary_pos_emb,
-                                                  attention_mask, **packed))
+                                                  attention_mask,
+                                                  inference_params=inference_params,
+                                                  **packed))
         x = x + self._dropout(self.mlp(self.pre_mlp_layernorm(x)))
         return x

@@ -161,6 +161,10 @@ class Training:
                           "batches", short="--seed")
     recompute: bool = opt(False, "recompute each block's activations in the backward pass",
                           short="--recompute")
+    cpu_offload_layers: int = opt(0, "move the activations of the first N blocks off the "
+                                     "compute device until their backward (TE's "
+                                     "get_cpu_offload_context; 0: off)",
+                                  short="--cpu-offload-layers")
 
     def check(self, job: "JobConfig") -> None:
         for name in ("steps", "global_batch", "seq_len"):
@@ -168,6 +172,15 @@ class Training:
                 raise job.bad(f"training.{name}", "must be >= 1")
         if self.seed < 0:
             raise job.bad("training.seed", "must be >= 0")
+        n = self.cpu_offload_layers
+        if n and not 0 < n < job.model.layers:
+            raise job.bad("training.cpu_offload_layers",
+                          f"must be from 0 to model.layers - 1 = {job.model.layers - 1} (the "
+                          "last block's activations are needed first in backward)")
+        if n and job.model.init_from_hf:
+            raise job.bad("training.cpu_offload_layers",
+                          f"with {job.show('model.init_from_hf')} is not supported yet (the "
+                          "reference GPT only); drop one")
 
 
 @dataclass
@@ -480,7 +493,8 @@ class JobConfig:
             for path, bad in (("model.init_from_hf", self.model.init_from_hf),
                               ("parallelism.data_parallel",
                                self.parallelism.data_parallel == "fsdp"),
-                              ("precision.mode", self.precision.mode != "32-true")):
+                              ("precision.mode", self.precision.mode != "32-true"),
+                              ("training.cpu_offload_layers", t.cpu_offload_layers > 0)):
                 if bad:
                     raise ValueError(f"{self.show(path)} with --pp {pp}: pipelined training "
                                      "runs the reference GPT in float32 with DDP so far; drop"

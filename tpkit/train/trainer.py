@@ -189,7 +189,8 @@ def gpt_config(job: JobConfig, impl: str | None = None):
                      dropout=m.dropout, recompute=job.training.recompute,
                      backend=impl or m.impl, moe_experts=e.num, moe_topk=e.topk,
                      moe_every=e.every, moe_aux_coeff=e.aux_coeff,
-                     moe_capacity_factor=e.capacity_factor)
+                     moe_capacity_factor=e.capacity_factor,
+                     cpu_offload_layers=job.training.cpu_offload_layers)
 
 
 def full_init(model: torch.nn.Module, seed: int) -> None:
