@@ -96,7 +96,7 @@ def run_train(extra: list[str], steps: int, log) -> dict:
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("step ")]
     if out.returncode != 0 or not lines:
         return {"error": f"exit {out.returncode}: {out.stderr.strip().splitlines()[-1:]}"}
-    # lines at steps 0, 10, 20, 30, ...: every interval after the first is 10 warm steps
+    # progress lines after steps 10, 20, 30, ...: those after the second are 10 warm steps each
     rates = [float(re.search(r"([\d,]+) tokens/s", ln).group(1).replace(",", ""))
              for ln in lines[2:]]
     tps = len(rates) / sum(1.0 / r for r in rates)   # tokens/s over those steps

@@ -301,6 +301,21 @@ LAUNCH = [
         T("--training.steps", "0")),
     Row("train-unknown-flag", "unrecognized arguments: --trainig.steps", "--help",
         T("--trainig.steps", "3")),
+    # issue 37: the trainer's logging section (tpkit.observe)
+    Row("train-profile-steps", "--profile-steps='4' (logging.profile_steps)", "is not A:B",
+        T("--log-dir", "{tmp}/run", "--profile-steps", "4")),
+    Row("train-profile-steps-order", "--profile-steps='3:1'", "0 <= A < B",
+        T("--log-dir", "{tmp}/run", "--profile-steps", "3:1")),
+    Row("train-profile-steps-late", "--profile-steps='5:7'", "choose A < training.steps",
+        T("--log-dir", "{tmp}/run", "--profile-steps", "5:7")),
+    Row("train-profile-without-log-dir", "--profile-steps='0:1' (logging.profile_steps)",
+        "needs --log-dir DIR", T("--profile-steps", "0:1")),
+    Row("train-log-dir-file", "--log-dir='{tmp}/file' (logging.log_dir)", "pass a directory",
+        T("--log-dir", "{tmp}/file"), setup=_write("file", "")),
+    Row("train-peak-tflops", "--peak-tflops=0.0 (logging.peak_tflops)", "must be > 0",
+        T("--peak-tflops", "0")),
+    Row("train-wandb-choice", "invalid choice: 'yes'", "choose from",
+        T("--log-dir", "{tmp}/run", "--wandb", "yes")),
     # issue 44 item 2: tpkit-generate's pre-flight hook
     Row("generate-cli-cp", "cp=2: a decode step's one new token", "generate on a layout "
         "with cp=1", ["--nproc-per-node", "2", "--cp", "2", "-m", "tpkit.cli.generate",

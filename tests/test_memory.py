@@ -155,12 +155,39 @@ def test_suggestions_fit_and_come_cheapest_first():
         assert worst == peak <= 0.9 * 8 * GiB
 
 
+# The trainer's step-1 line as a script reads it (docs/train.md): the steps done, the
+# estimate, then the measured peak and its ratio, or the note that the device has no
+# allocator statistics.
+MEASURED_LINE = re.compile(
+    r"^memory(?: after step (\d+))?: estimated peak ([0-9.]+) (GiB|MiB) per rank"
+    r"(?:, measured ([0-9.]+) (GiB|MiB) \((\d+)% of the estimate\)"
+    r"| \(no allocator statistics on this device\))$")
+
+
+def read_measured_line(line: str) -> tuple[int | None, float, float | None, int | None]:
+    """(steps done or None, estimate bytes, measured bytes or None, percent or None)."""
+    m = MEASURED_LINE.match(line)
+    assert m, line
+    unit = {"GiB": 2.0 ** 30, "MiB": 2.0 ** 20}
+    step = None if m.group(1) is None else int(m.group(1))
+    est = float(m.group(2)) * unit[m.group(3)]
+    if m.group(4) is None:
+        return step, est, None, None
+    return step, est, float(m.group(4)) * unit[m.group(5)], int(m.group(6))
+
+
 def test_measured_line_on_cpu():
     shape = ModelShape(layers=2, hidden=64, ffn=256, heads=4)
     est = estimate_memory(MemoryJob(model=shape, seq_len=128), ParallelConfig(), world_size=1)
     assert measured_peak_bytes("cpu") is None
-    assert "no allocator statistics" in format_measured(est, None)
-    assert "(100% of the estimate)" in format_measured(est, est.peak)
+    step, got, measured, pct = read_measured_line(format_measured(est, None, step=1))
+    assert step == 1 and measured is None and abs(got - est.peak) <= 0.005 * 2 ** 20, \
+        (step, got, est.peak)
+    for m in (est.peak, 1.37 * est.peak, 3 * GiB):   # MiB and GiB; a ratio the line rounds
+        step, got, measured, pct = read_measured_line(format_measured(est, m))
+        unit = 2 ** 30 if m >= 0.1 * GiB else 2 ** 20
+        assert step is None and abs(measured - m) <= 0.005 * unit \
+            and pct == round(100 * m / est.peak), (m, measured, pct)
 
 
 @pytest.mark.gpu

@@ -814,11 +814,14 @@ def measured_peak_bytes(device=None) -> int | None:
     return int(torch.cuda.max_memory_allocated(device))
 
 
-def format_measured(estimate: MemoryEstimate, measured: int | None) -> str:
-    """One line for a trainer's step-1 log: estimate next to the measured peak."""
+def format_measured(estimate: MemoryEstimate, measured: int | None, *,
+                    step: int | None = None) -> str:
+    """One line for a training loop's first step: the estimate next to the measured peak
+    (GiB, MiB below 0.1 GiB); ``step``: the steps done, named as ``memory after step N:``."""
+    head = "memory:" if step is None else f"memory after step {step}:"
     if measured is None:
-        return (f"memory: estimated peak {estimate.peak / GiB:.2f} GiB per rank "
+        return (f"{head} estimated peak {_g(estimate.peak)} per rank "
                 "(no allocator statistics on this device)")
     ratio = measured / estimate.peak if estimate.peak else float("nan")
-    return (f"memory: estimated peak {estimate.peak / GiB:.2f} GiB per rank, measured "
-            f"{measured / GiB:.2f} GiB ({ratio:.0%} of the estimate)")
+    return (f"{head} estimated peak {_g(estimate.peak)} per rank, measured "
+            f"{_g(measured)} ({ratio:.0%} of the estimate)")

@@ -15,7 +15,9 @@ never a 0 or a wrong group.
 from __future__ import annotations
 
 import atexit
+import gc
 import os
+import weakref
 from datetime import timedelta
 
 import torch
@@ -28,9 +30,11 @@ from .shm import shm_allreduce_enabled, shm_p2p_enabled
 from .topology import (ParallelState, build_state, get_parallel_state,  # noqa: F401
                        is_initialized, resolve_state, set_parallel_state)
 
-# The default process group init_parallel created in this process (None: it created none).
-# It outlives every layout and is destroyed once, at interpreter exit (_destroy_default_group).
-_DEFAULT_GROUP = None
+# The default process group init_parallel created in this process (a weak reference: a
+# strong one would keep it alive past its destruction, see release_default_group; None: it
+# created none). It outlives every layout and is destroyed once, at interpreter exit
+# (_destroy_default_group).
+_DEFAULT_GROUP: "weakref.ref | None" = None
 
 
 def _default_backend() -> str:
@@ -76,7 +80,7 @@ def _init_default_group(backend: str | None) -> None:
                                 timeout=timeout)
     if _DEFAULT_GROUP is None:
         atexit.register(_destroy_default_group)
-    _DEFAULT_GROUP = dist.group.WORLD
+    _DEFAULT_GROUP = weakref.ref(dist.group.WORLD)
 
 
 def pg_timeout(env=None) -> timedelta:
@@ -100,8 +104,35 @@ def _destroy_default_group() -> None:
     (NCCL warns about a group left alive; the user may have destroyed it already). No
     barrier: a rank that exits after an error must not wait for the others."""
     if _DEFAULT_GROUP is not None and dist.is_initialized() \
-            and dist.group.WORLD is _DEFAULT_GROUP:
-        dist.destroy_process_group()
+            and dist.group.WORLD is _DEFAULT_GROUP():
+        release_default_group()
+
+
+def release_default_group() -> bool:
+    """Destroy torch.distributed's default process group and every group left, and free
+    them now, before the interpreter finalizes: tpkit-launch's workers and ``tpkit-train``
+    call it when the script is done. True when every group was freed here (their
+    backends' threads joined), False when there was none or something still holds one.
+
+    Why: each gloo group runs worker threads, and a worker thread drops its last
+    collective's Work (and so that Work's tensors) only when it next gets the CPU. If that
+    happens during interpreter finalization, releasing a tensor's Python object needs the
+    GIL, CPython ends the thread (pthread_exit) and the unwinding aborts the process:
+    "terminate called without an active exception", SIGABRT after the script finished
+    (torch issue 190489; likely under CPU load). ``destroy_process_group`` alone does not
+    help while a Python object still holds a group: only a group's destructor joins its
+    worker threads, so this also collects the garbage that may hold them. No barrier: a
+    rank that stops early (an error) must not wait for the others; the peers' last
+    collective has its data already (exiting would close the sockets as well)."""
+    if not dist.is_initialized():
+        return False
+    world = getattr(dist.distributed_c10d, "_world", None)
+    groups = list(getattr(world, "pg_map", {})) or [dist.group.WORLD]
+    refs = [weakref.ref(g) for g in groups]
+    del groups
+    dist.destroy_process_group()
+    gc.collect()   # Fabric's and tpkit's objects may hold them in reference cycles
+    return all(r() is None for r in refs)
 
 
 def init_parallel(tp: int | None = None, cp: int | None = None, pp: int | None = None,

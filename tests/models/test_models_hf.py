@@ -21,13 +21,12 @@ mean cross entropy computed from them.
 import importlib.util
 import json
 import os
-import re
 
 import pytest
 import torch
 
 from dist import run
-from test_userpath import IN_CI, ROOT, SCRIPTS, launched
+from test_userpath import IN_CI, ROOT, SCRIPTS, launched, printed_losses
 
 if importlib.util.find_spec("transformers") is None:   # the reference: tpkit[test]'s extra
     if IN_CI:
@@ -297,7 +296,7 @@ def test_train_init_from_hf_and_export(ckpts, tmp_path):
     out_dir = tmp_path / "trained"
     out, _ = launched("--tp", "2", "--cp", "2", TRAIN, *TRAIN_ARGS, "--recompute",
                       "--init-from-hf", m["dir"], "--export-hf", str(out_dir))
-    first = float(re.search(r"^step +0 +loss ([0-9.]+)", out, re.M).group(1))
+    first = dict(printed_losses(out))[0]
     x, y = corpus.batch(corpus.split(corpus.tokens())[0], 0, 4, 32, seed=1234)
     assert abs(first - hf_loss(hf_logits(m["model"], x), y)) <= 1e-4, out
     from transformers import AutoModelForCausalLM

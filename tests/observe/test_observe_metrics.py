@@ -77,7 +77,7 @@ def test_progress_line_tty_and_plain():
     p.update(9, row)
     p.update(99, row)
     lines = plain.getvalue().splitlines()
-    assert lines[0].startswith("step 10/100  eta 3m00s  loss 2.5000") and "\r" not in lines[0]
+    assert lines[0].startswith("step 10/100  eta 3m00s  loss 2.500000") and "\r" not in lines[0]
     for words in ("1,234 tokens/s", "1.5 TFLOP/s/device", "MFU 0.400", "slowest rank 3 (1.25x)",
                   "fwd+bwd 1.500", "mem 7.50 GiB (rank 1)"):
         assert words in lines[0], (words, lines[0])
@@ -89,7 +89,7 @@ def test_progress_line_tty_and_plain():
     p.update(3, row)
     out = tty.getvalue()
     assert out.startswith("\r\x1b[2K[##########..........]  50% step 2/4")
-    assert "\nstep 2  val_loss 2.0000\n" in out and out.endswith("\n")
+    assert "\nstep 2  val_loss 2.000000\n" in out and out.endswith("\n")
     assert "[####################] 100% step 4/4" in out
 
 

@@ -30,7 +30,7 @@ import time
 import pytest
 
 from dist import run
-from test_userpath import LAUNCH, ROOT, _descendants, _env, _kill_tree
+from test_userpath import LAUNCH, ROOT, _descendants, _env, _kill_tree, printed_losses
 
 FAULTS = os.path.join(ROOT, "tests", "launch_scripts", "recovery_faults.py")
 TRAIN_ARGS = ["--hidden", "64", "--layers", "2", "--heads", "4", "--gqa-groups", "2",
@@ -115,8 +115,7 @@ class Job:
 
 
 def _losses(text: str) -> list[tuple[int, float]]:
-    return [(int(m.group(1)), float(m.group(2)))
-            for m in re.finditer(r"^step +(\d+) +loss ([0-9.]+)", text, re.M)]
+    return printed_losses(text)
 
 
 def _check_curve(text: str, reference: list[float]) -> None:
@@ -172,7 +171,7 @@ def test_sigterm_then_resume_then_kill_during_async_save(tmp_path):
     # the workers: exit 143 with a complete checkpoint of the step
     job = Job(cmd)
     job.wait_for(r"starting fresh")
-    job.wait_for(rf"^step +{term_at} ")
+    job.wait_for(rf"^step {term_at + 1}/")
     hold.touch()
     job.proc.send_signal(signal.SIGTERM)
     job.wait_for(r"rank \d: SIGTERM: finishing this step")
@@ -195,7 +194,7 @@ def test_sigterm_then_resume_then_kill_during_async_save(tmp_path):
     job.wait_for(rf"recovery: resuming from \S+step{saved + 1:06d} ")
     job.wait_for(r"recovery: saved \S+step000010")
     hold.touch()                                       # the save after step 19 stalls
-    job.wait_for(rf"^step +{kill_at} ")
+    job.wait_for(rf"^step {kill_at + 1}/")
     staging = unfinished_saves(ckpt)
     assert [os.path.basename(p)[:15] for p in staging] == ["step000020.tmp-"], staging
     os.kill(rng.choice(job.workers()), signal.SIGKILL)

@@ -36,12 +36,13 @@ REL = 1e-5
 
 
 def _curves(out: str) -> tuple[dict[int, float], dict[int, float]]:
-    """{0-based step: loss}, {0-based step: val_loss} from rank 0's lines 'step K  loss X'
-    and 'step K  val_loss X'."""
-    loss = {int(m.group(1)): float(m.group(2))
-            for m in re.finditer(r"^step\s+(\d+)\s+loss ([0-9.]+)\s", out, re.M)}
-    val = {int(m.group(1)): float(m.group(2))
-           for m in re.finditer(r"^step\s+(\d+)\s+val_loss ([0-9.]+)$", out, re.M)}
+    """{0-based step: loss}, {0-based step: val_loss} from rank 0's progress lines
+    'step N/TOTAL ... loss X ...' and 'step N  val_loss X' (tpkit.observe's ProgressLine,
+    N steps done: step N - 1; six decimals)."""
+    from test_userpath import printed_losses
+    loss = dict(printed_losses(out))
+    val = {int(m.group(1)) - 1: float(m.group(2))
+           for m in re.finditer(r"^step (\d+)  val_loss ([0-9.]+)$", out, re.M)}
     return loss, val
 
 

@@ -110,7 +110,7 @@ class MetricsLogger:
     """Logs a training loop's steps (the module docstring lists the scalars).
 
     ``log_dir``: where TensorBoard's event files and ``metrics.csv`` go (created on rank
-    0). ``tokens_per_step``: the global batch's tokens (``step(tokens=)`` overrides it per
+    0; None: no files, the progress line and the returned rows only). ``tokens_per_step``: the global batch's tokens (``step(tokens=)`` overrides it per
     step). ``flops_per_token``: model FLOPs per token (``model_flops_per_token``; None: no
     TFLOP/s). ``total_steps``: for the progress line's ETA. ``every``: steps per window
     (each window's end is collective: every rank calls ``step``). ``precision``: the
@@ -124,7 +124,7 @@ class MetricsLogger:
     ``ranks`` holds each rank's phase times (the rows hold their mean). ``group``: the ranks to gather
     over (default: the world). Construction is collective over ``group`` (a barrier)."""
 
-    def __init__(self, log_dir: str, *, tokens_per_step: int, flops_per_token: float | None = None,
+    def __init__(self, log_dir: str | None, *, tokens_per_step: int, flops_per_token: float | None = None,
                  total_steps: int | None = None, every: int = 10, device=None,
                  precision: str = "bf16", peak_tflops: float | None = None,
                  peak_tflops_fp8: float | None = None, wandb=None, profile_steps=None,
@@ -143,6 +143,9 @@ class MetricsLogger:
                              "be > 1 (a ratio to the median)")
         if profile_steps is not None:
             profile_steps = parse_profile_steps(profile_steps)
+        if log_dir is None and (profile_steps is not None or wandb):
+            raise ValueError(f"MetricsLogger(log_dir=None, profile_steps={profile_steps!r}, "
+                             f"wandb={wandb!r}): a profile and W&B write files; pass log_dir")
         for name, v in (("peak_tflops", peak_tflops), ("peak_tflops_fp8", peak_tflops_fp8)):
             if v is not None and not v > 0:
                 raise ValueError(f"MetricsLogger({name}={v!r}) must be a positive TFLOP/s")
@@ -162,13 +165,14 @@ class MetricsLogger:
             warnings.warn(f"MFU is not logged: no dense {low} peak is known for "
                           f"{torch.cuda.get_device_name(self.device)!r}; pass "
                           "MetricsLogger(peak_tflops=...) from its datasheet", stacklevel=2)
-        self.log_dir, self.every = str(log_dir), every
+        self.log_dir, self.every = None if log_dir is None else str(log_dir), every
         self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
         self.total_steps, self.group, self.threshold = total_steps, group, straggler_threshold
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
         self.rank0 = _rank_zero()
         self.synchronize = self.device.type == "cuda" if synchronize is None else synchronize
-        self._loggers = self._make_loggers(wandb) if self.rank0 else []
+        self._loggers = self._make_loggers(wandb) if self.rank0 and log_dir is not None \
+            else []
         self.progress = ProgressLine(total_steps, stream=stream) if progress and self.rank0 \
             else None
         self.profiler = StepProfiler(profile_steps, os.path.join(self.log_dir, "profile"),

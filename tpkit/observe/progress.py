@@ -19,7 +19,7 @@ def format_duration(seconds: float) -> str:
 
 def _fields(row: dict) -> list[str]:
     out = []
-    for key, fmt in (("loss", "loss {:.4f}"), ("val_loss", "val_loss {:.4f}"),
+    for key, fmt in (("loss", "loss {:.6f}"), ("val_loss", "val_loss {:.6f}"),
                      ("lr", "lr {:.2e}"), ("grad_norm", "grad_norm {:.3f}"),
                      ("tokens_per_s", "{:,.0f} tokens/s"),
                      ("tflops_per_device", "{:.3g} TFLOP/s/device"), ("mfu", "MFU {:.3f}"),

@@ -374,13 +374,55 @@ class Experts:
 
 @dataclass
 class Logging:
-    """What rank 0 prints."""
-    log_every: int = opt(10, "one progress line (loss, lr, tokens/s) every N steps",
-                         short="--log-every")
+    """tpkit.observe's MetricsLogger (docs/observe.md): rank 0's progress line every
+    ``log_every`` steps; with ``log_dir``, TensorBoard event files and metrics.csv there
+    (and W&B, a profile when asked)."""
+    log_every: int = opt(10, "one progress line and metrics row (loss, lr, tokens/s, TFLOP/s, "
+                             "step-time phases, memory) every N steps", short="--log-every")
+    log_dir: str | None = opt(None, "write TensorBoard event files and metrics.csv there "
+                                    "(needs pip install 'tpkit[observe]'; unset: the "
+                                    "progress line only)", short="--log-dir")
+    peak_tflops: float | None = opt(None, "the device's dense peak TFLOP/s that MFU divides "
+                                          "by (unset: the datasheet table's; none on CPU)",
+                                    short="--peak-tflops")
+    profile_steps: str | None = opt(None, "A:B traces steps A..B-1 (0-based) with "
+                                          "torch.profiler to LOG_DIR/profile/rank<R>.pt.trace"
+                                          ".json (needs log_dir)", short="--profile-steps")
+    wandb: str | None = opt(None, "also log to Weights & Biases, online or offline (needs "
+                                  "log_dir and pip install wandb)", short="--wandb",
+                            choices=("online", "offline"))
 
     def check(self, job: "JobConfig") -> None:
+        import importlib.util
         if self.log_every < 1:
             raise job.bad("logging.log_every", "must be >= 1")
+        if self.log_dir is not None:
+            if os.path.exists(self.log_dir) and not os.path.isdir(self.log_dir):
+                raise job.bad("logging.log_dir", "is a file; pass a directory (TensorBoard "
+                                                 "files and metrics.csv go there)")
+            if importlib.util.find_spec("tensorboard") is None:
+                raise job.bad("logging.log_dir", "needs the tensorboard package to write "
+                                                 "event files; pip install 'tpkit[observe]'")
+        if self.peak_tflops is not None and not self.peak_tflops > 0:
+            raise job.bad("logging.peak_tflops", "must be > 0 (the device's dense TFLOP/s "
+                                                 "from its datasheet, e.g. 989.4)")
+        for name in ("profile_steps", "wandb"):
+            if getattr(self, name) is not None and self.log_dir is None:
+                raise job.bad(f"logging.{name}", "needs --log-dir DIR (logging.log_dir: "
+                                                 "where its files go)")
+        if self.profile_steps is not None:
+            steps = self.profile_steps.split(":")
+            if len(steps) != 2 or not all(re.fullmatch(r"\d+", x.strip()) for x in steps) \
+                    or not int(steps[0]) < int(steps[1]):
+                raise job.bad("logging.profile_steps", "is not A:B with 0 <= A < B (steps "
+                                                       "A..B-1 are traced, e.g. 2:4)")
+            if int(steps[0]) >= job.training.steps:
+                raise job.bad("logging.profile_steps", f"starts after the last step "
+                                                       f"(training.steps={job.training.steps}"
+                                                       "); choose A < training.steps")
+        if self.wandb is not None and importlib.util.find_spec("wandb") is None:
+            raise job.bad("logging.wandb", "needs the wandb package; pip install wandb, or "
+                                           "drop --wandb")
 
 
 SECTIONS: dict[str, type] = {

@@ -252,23 +252,6 @@ def resolve_resume(job: JobConfig) -> str:
     return os.path.join(path, steps[-1]) if steps else path
 
 
-def moe_report(model, job: JobConfig, state) -> str:
-    """The aux loss and per-expert token load (min / max over experts, summed over the
-    MoE layers) of the last step's last micro-batch on this rank's data-parallel replica,
-    over every pipeline stage's MoE layers (collective over pp_group at pp > 1)."""
-    if not job.experts.num:
-        return ""
-    stats = torch.zeros(1 + job.experts.num, dtype=torch.float64)
-    for m in model.moe_layers():   # this rank's stages' own at pp > 1
-        stats[0] += float(m.aux_loss.detach())
-        stats[1:] += m.last_routing.tokens_per_expert.detach().cpu().double()
-    if state.pp_size > 1:
-        from tpkit.collectives import all_reduce_sum
-        stats = all_reduce_sum(stats.to(state.device), state.pp_group).cpu()
-    aux, load = float(stats[0]), stats[1:]
-    return f"  aux {aux:.4f}  load {int(load.min())}-{int(load.max())}"
-
-
 # --- the trainer ----------------------------------------------------------------------------
 class Trainer:
     """Builds ``job`` (a checked JobConfig) and trains it with ``fit()``."""
@@ -331,17 +314,25 @@ class Trainer:
         fallback = {"float32": None, "bfloat16": torch.bfloat16}[p.fp8_compute_dtype]
         return TPKitPrecision("fp8", fallback_compute_dtype=fallback, recipe=p.fp8_recipe)
 
-    def step_loss(self, step: int) -> torch.Tensor:
-        """Forward and backward of step ``step``'s batch; this rank's loss (pp > 1: every
-        stage gets it from the last, tpkit.pipeline)."""
-        fabric, state, device = self.fabric, self.state, self.fabric.device
+    def batch(self, step: int):
+        """Step ``step``'s data on this rank: ("packed", (args, kwargs, labelled tokens)) or
+        ("tokens", (inputs, targets))."""
         if self.job.data.pack:
-            args, kw, labelled = self.data.packed(step, device)
+            return "packed", self.data.packed(step, self.fabric.device)
+        return "tokens", self.data.tokens(step, self.fabric.device)
+
+    def step_loss(self, step: int, batch=None) -> torch.Tensor:
+        """Forward and backward of step ``step``'s batch (``batch(step)`` unless given);
+        this rank's loss (pp > 1: every stage gets it from the last, tpkit.pipeline)."""
+        fabric, state = self.fabric, self.state
+        kind, data = self.batch(step) if batch is None else batch
+        if kind == "packed":
+            args, kw, labelled = data
             # the summed loss scaled so that DDP's average over dp x cp is the global mean
             loss = self.model(*args, **kw) * (state.dp_cp_size / max(1, labelled))
             fabric.backward(loss)
             return loss
-        x, y = self.data.tokens(step, device)
+        x, y = data
         if state.pp_size > 1:
             return fabric.strategy.pipeline_step(x, target=y)
         m = self.job.microbatches(1)
@@ -353,50 +344,95 @@ class Trainer:
             total = total + loss.detach()
         return total
 
+    def metrics_logger(self):
+        """tpkit.observe's MetricsLogger for this job (docs/observe.md, "Wiring it into a
+        trainer"); collective: every rank builds it."""
+        from tpkit.observe import MetricsLogger, model_flops_per_token
+        job, t, lg = self.job, self.job.training, self.job.logging
+        wandb = None if lg.wandb is None else {"offline": lg.wandb == "offline",
+                                               "project": "tpkit-train"}
+        return MetricsLogger(
+            lg.log_dir, tokens_per_step=t.global_batch * t.seq_len,
+            flops_per_token=model_flops_per_token(self.raw_model, t.seq_len),
+            total_steps=t.steps, every=lg.log_every, device=self.fabric.device,
+            precision=job.precision.mode,
+            peak_tflops=lg.peak_tflops, wandb=wandb, profile_steps=lg.profile_steps,
+            start_step=self.start)
+
+    def memory_line(self, steps_done: int = 1) -> str:
+        """tpkit.memory's estimate for this rank next to the measured peak (one line)."""
+        from tpkit.memory import MemoryJob, estimate_memory, format_measured, \
+            measured_peak_bytes
+        est = MemoryJob.from_job(self.job, dp=self.layout.dp, pp=self.layout.pp)
+        if est is None:
+            return (f"memory after step {steps_done}: no estimate (the model's config.json "
+                    "is not there)")
+        estimate = estimate_memory(est, self.layout, rank=self.state.rank)
+        return format_measured(estimate, measured_peak_bytes(self.fabric.device),
+                               step=steps_done)
+
     def evaluate(self, step: int) -> float:
         """The validation loss after step ``step`` (DatasetData.validation_loss), kept in
-        ``self.val_losses`` as ``(step, loss)`` and printed on rank 0."""
+        ``self.val_losses`` as ``(step, loss)`` (``fit`` logs it as ``val_loss``)."""
         self.model.eval()
         with torch.no_grad():
             val = self.data.validation_loss(self.model, self.fabric.device)
         self.model.train()
         self.val_losses.append((step, val))
-        if self.state.rank == 0:
-            print(f"step {step:5d}  val_loss {val:.6f}", flush=True)
         return val
 
     def fit(self) -> list[float]:
-        """Run the loop from the start step; the global mean loss of every step run."""
+        """Run the loop from the start step; the global mean loss of every step run. Each
+        step is logged through tpkit.observe's MetricsLogger (its phases data, fwd_bwd,
+        optimizer and checkpoint; loss, lr, grad_norm and the MoE router's figures), and
+        after the first step rank 0 prints the memory estimate next to the measured peak."""
+        from tpkit.observe import moe_scalars
         job, state, t = self.job, self.state, self.job.training
-        log_every = job.logging.log_every
-        losses, t_last, tokens_since = [], time.perf_counter(), 0
-        for step in range(self.start, t.steps):
-            t_step = time.perf_counter()
-            lr = self.schedule.apply(self.optimizer, step)
-            loss = self.step_loss(step)
-            if job.optimizer.clip > 0:
-                self.fabric.clip_gradients(self.model, self.optimizer,
-                                           max_norm=job.optimizer.clip)
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            own_time = time.perf_counter() - t_step   # before the step's last wait
-            report = loss.detach().float().clone()
-            dist.all_reduce(report, group=state.dp_cp_group)
-            losses.append(report.item() / state.dp_cp_size)
-            tokens_since += t.global_batch * t.seq_len
-            last = step == t.steps - 1
-            if step % log_every == 0 or last:
-                moe = moe_report(self.raw_model, job, state)   # every stage joins at pp > 1
-                if state.rank == 0:
-                    dt = time.perf_counter() - t_last
-                    print(f"step {step:5d}  loss {losses[-1]:.6f}  lr {lr:.2e}  "
-                          f"{tokens_since / dt:,.0f} tokens/s" + moe, flush=True)
-                    t_last, tokens_since = time.perf_counter(), 0
-            every = job.data.eval_every
-            if every and ((step + 1) % every == 0 or last):
-                self.evaluate(step)
-            if self.recovery.step_end(step, self.saved, last=last, seconds=own_time):
-                break
+        every = job.logging.log_every
+        log = self.metrics_logger()
+        losses = []
+        try:
+            for step in range(self.start, t.steps):
+                t_step = time.perf_counter()
+                with log.phase("data"):
+                    batch = self.batch(step)
+                with log.phase("fwd_bwd"):
+                    lr = self.schedule.apply(self.optimizer, step)
+                    loss = self.step_loss(step, batch)
+                with log.phase("optimizer"):
+                    norm = None
+                    if job.optimizer.clip > 0:
+                        norm = self.fabric.clip_gradients(self.model, self.optimizer,
+                                                          max_norm=job.optimizer.clip)
+                    self.optimizer.step()
+                    self.optimizer.zero_grad(set_to_none=True)
+                own_time = time.perf_counter() - t_step   # before the step's last wait
+                report = loss.detach().float().clone()
+                dist.all_reduce(report, group=state.dp_cp_group)
+                losses.append(report.item() / state.dp_cp_size)
+                last = step == t.steps - 1
+                window = (step + 1) % every == 0 or last
+                moe = moe_scalars(self.raw_model, state) if window else {}   # pp: collective
+                tokens = None
+                if batch[0] == "packed":   # the documents' tokens, labelled + one each
+                    tokens = batch[1][2] + t.global_batch
+                if step == self.start:     # before log.step resets the allocator's peak
+                    line = self.memory_line(step + 1)
+                    if state.rank == 0:
+                        print(line, flush=True)
+                val = None
+                if job.data.eval_every and ((step + 1) % job.data.eval_every == 0 or last):
+                    val = self.evaluate(step)
+                with log.phase("checkpoint"):
+                    stop = self.recovery.step_end(step, self.saved, last=last,
+                                                  seconds=own_time)
+                log.step(step, tokens=tokens, loss=losses[-1], lr=lr, grad_norm=norm, **moe)
+                if val is not None:
+                    log.log(step, val_loss=val)
+                if stop:
+                    break
+        finally:
+            log.close()
         self.recovery.close()
         if self.recovery.stopped_by:
             raise SystemExit(self.recovery.exit_code)
@@ -556,6 +592,6 @@ def cli(prog: str | None = None) -> None:
     layout and the process group torn down."""
     main(prog=prog)
     import tpkit
+    from tpkit.parallel_state import release_default_group
     tpkit.destroy_parallel()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    release_default_group()   # now, not at interpreter finalization (its docstring)
