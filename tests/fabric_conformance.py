@@ -62,7 +62,9 @@ class Ref(nn.Module):
             self.norm.bias.uniform_(-0.5, 0.5)
 
     def forward(self, tokens, linear=F.linear):
-        return self.head(self.body(tokens, linear))
+        # the plain head too: TPKitPrecision("fp8") replaces plain nn.Linear layers by
+        # default, as Lightning's TransformerEnginePrecision(replace_layers=None)
+        return linear(self.body(tokens, linear), self.head.weight, self.head.bias)
 
     def body(self, tokens, linear=F.linear):
         x = self.emb(tokens)
