@@ -55,14 +55,15 @@ def fatbin(entries):
     return struct.pack("<IHHQ", 0xBA55ED50, 1, 16, len(body)) + body
 
 
-def test_prune_keeps_sm90_and_zeroes_the_rest():
+def test_prune_keeps_sm90_and_drops_the_rest():
     prune = load("fatbin.py").prune
-    kept = fatbin([(2, 80, b"\x80" * 40), (2, 90, b"\x90" * 48), (2, 100, b"\xa0" * 56)])
+    sm90 = [(2, 90, b"\x90" * 48), (2, 90, b"\x9a" * 16)]        # sm_90 and sm_90a
+    kept = fatbin([(2, 80, b"\x80" * 40)] + sm90 + [(2, 100, b"\xa0" * 56)])
     whole = fatbin([(2, 100, b"\xb0" * 24)])        # nothing for sm_90: left as it is
-    data = bytearray(b"ELF..." + kept + b"host" + whole + b"end")
+    data = bytearray(b"ELF...12" + kept + b"host" + whole + b"end")
     stats = prune(data, 90)
-    assert stats == {"fatbins": 2, "kept": 1, "zeroed": 2, "zeroed_bytes": 96, "left_whole": 1}
-    expect = bytearray(kept)
-    for start, size in ((16 + 64, 40), (16 + 3 * 64 + 40 + 48, 56)):
-        expect[start:start + size] = bytes(size)
-    assert data == b"ELF..." + expect + b"host" + whole + b"end"
+    assert stats == {"fatbins": 2, "kept": 2, "dropped": 2, "freed_bytes": 2 * 64 + 96,
+                     "left_whole": 1}
+    pruned = fatbin(sm90)                   # what a build for sm_90 alone would hold
+    expect = pruned + bytes(len(kept) - len(pruned))
+    assert data == b"ELF...12" + expect + b"host" + whole + b"end"
