@@ -121,9 +121,15 @@ def _forget_parent_groups() -> None:
     set_parallel_state(None)
 
 
-def _entry(rank, layout, port, jobs, full_sds, send, fork):
+def _entry(rank, layout, port, jobs, full_sds, send, fork, go=None):
     """One rank: the default gloo group, the layout, run_rank for every job (a job that
-    raises is answered with its traceback); ``send(bytes)`` the results to the parent."""
+    raises is answered with its traceback); ``send(bytes)`` the results to the parent.
+    ``go``: an event the parent sets once every rank is forked; nothing here touches a
+    socket before it (see _forked)."""
+    if go is not None and not go.wait(timeout=120):
+        send(pickle.dumps(("err", f"rank {rank}: the parent did not finish forking the "
+                                  "ranks within 120 s")))
+        os._exit(0)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(layout.world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(layout.world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), OMP_NUM_THREADS="1")
@@ -163,17 +169,24 @@ def _entry(rank, layout, port, jobs, full_sds, send, fork):
 
 
 def _forked(layout, port, jobs, full_sds, deadline):
-    """The ranks forked from this process; yields (rank, reply bytes or None)."""
+    """The ranks forked from this process; yields (rank, reply bytes or None).
+
+    Every rank waits on ``go`` until all are forked: a rank that connected at once made
+    the parent's TCPStore server thread resolve its address (getnameinfo) while the next
+    rank was being forked, and that child inherited glibc's resolver lock held, hanging
+    in its own getnameinfo for good (seen: ranks stuck in ``__resolv_context_get``)."""
     ctx = mp.get_context("fork")
+    go = ctx.Event()
     procs, waiting = [], {}
     for rank in range(layout.world):
         parent, child = ctx.Pipe(duplex=False)
         p = ctx.Process(target=_entry, daemon=True,
-                        args=(rank, layout, port, jobs, full_sds, child.send_bytes, True))
+                        args=(rank, layout, port, jobs, full_sds, child.send_bytes, True, go))
         p.start()
         child.close()
         procs.append(p)
         waiting[rank] = parent
+    go.set()
     try:
         while waiting:
             ready = mp.connection.wait(list(waiting.values()),
