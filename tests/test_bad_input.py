@@ -350,6 +350,18 @@ LAUNCH = [
     Row("train-resume-other-model", "'model.embedding.weight'", "load a checkpoint of this model",
         ["--tp", "2", TRAIN, *SMALL, "--hidden", "32", "--resume",
          "{train_ckpt}/step000001"]),
+    # issue 51: a deeper model's checkpoint (its extra layers were dropped), one already
+    # past --steps (exit 0, nothing printed)
+    Row("train-resume-deeper-model", "holds 6 tensors this model does not have, first "
+        "'model.layers.1.input_layernorm.weight'", "or load only the shared tensors with "
+        "strict=False (tpkit-train: --resume-partial)",
+        ["--tp", "2", TRAIN, *SMALL, "--steps", "3", "--resume", "{deep_ckpt}"]),
+    Row("train-resume-past-steps", "--resume='{train_ckpt}/step000001' (checkpoint.resume) -> "
+        "{train_ckpt}/step000001 has 1 steps done, which reaches --steps=1 (training.steps)",
+        "nothing to train; raise --steps above 1 to train on",
+        ["--tp", "2", TRAIN, *SMALL, "--steps", "1", "--resume", "{train_ckpt}/step000001"]),
+    Row("train-resume-partial-alone", "--resume-partial (checkpoint.resume_partial)",
+        "needs --resume CKPT or --auto-resume", T("--resume-partial")),
 ]
 
 
@@ -361,8 +373,10 @@ def test_launch_mistake_is_one_line_exit_2(row, capsys, no_workers, monkeypatch,
         if te_available():
             pytest.skip("TE runs here: --backend te is valid")
     paths = {"tmp": str(tmp_path)}
-    if any("{train_ckpt}" in a for a in row.argv):
-        paths["train_ckpt"] = request.getfixturevalue("damaged")["train_ckpt"]
+    if any("{train_ckpt}" in a or "{deep_ckpt}" in a for a in row.argv):
+        fixture = request.getfixturevalue("damaged")
+        paths["train_ckpt"] = fixture["train_ckpt"]
+        paths["deep_ckpt"] = os.path.join(fixture["base"], "deep")
     if row.setup:
         row.setup(tmp_path)
     for k, v in row.env.items():
@@ -832,6 +846,11 @@ CHECKPOINTS = [   # (id, value the message names, fix), results from _damage_on_
     Row("fabric-shard-truncated", "step000020/__1_0.distcp has", "{prev}"),
     Row("train-resume-shard-truncated", "step000002/__1_0.distcp has",
         "resume from the previous checkpoint: {train_ckpt}/step000001"),
+    # issue 51: a deeper model's checkpoint would drop its extra layers and their state
+    Row("deeper-model", "holds 16 tensors this model does not have, first 'model.1.0.bias'",
+        "load only the shared tensors with strict=False"),
+    Row("train-resume-deeper", "holds 24 tensors this model does not have, first "
+        "'model.layers.1.input_layernorm.weight'", "tpkit-train: --resume-partial"),
 ]
 
 
@@ -910,6 +929,17 @@ def _damage_on_2_ranks(base: str) -> dict:
     out["other-model-shape"] = _refused(
         lambda: load(ck / "step000010", {"model": big[0], "optimizer": big[1]}), *big)
     out["other-model-keys"] = _refused(lambda: load(ck / "step000010", {"net": m3}), m3, o3)
+    torch.manual_seed(0)   # one block more: its tensors (and their Adam state) in the file
+    deep = torch.nn.Sequential(build()[0], build()[0])
+    deep_opt = torch.optim.AdamW(deep.parameters(), lr=0.1)
+    deep(torch.randn(4, 2, 8)).pow(2).sum().backward()
+    deep_opt.step()
+    save(ck / "deep", {"model": deep, "optimizer": deep_opt})
+    shallow = torch.nn.Sequential(trained(4)[0])
+    shallow_opt = torch.optim.AdamW(shallow.parameters(), lr=0.1)
+    out["deeper-model"] = _refused(
+        lambda: load(ck / "deep", {"model": shallow, "optimizer": shallow_opt}),
+        shallow, shallow_opt)
     tpkit.destroy_parallel()
 
     from fabric_helpers import Block, full_model, launch_fabric, shard_into
@@ -930,6 +960,18 @@ def _damage_on_2_ranks(base: str) -> dict:
     from tpkit.train import trainer as train
     tck = base / "train"
     train.main(SMALL + ["--tp", "2", "--save", str(tck), "--save-every", "1"])
+    tpkit.destroy_parallel()
+    train.main(SMALL + ["--tp", "2", "--layers", "2", "--save", str(base / "deep")])
+    tpkit.destroy_parallel()
+    try:   # the deeper job's checkpoint into SMALL's one layer
+        train.main(SMALL + ["--tp", "2", "--steps", "3", "--resume", str(base / "deep")])
+        out["train-resume-deeper"] = ("LOADED", False)
+    except ValueError as e:
+        out["train-resume-deeper"] = (str(e), True)
+    tpkit.destroy_parallel()
+    # ... and explicitly partial: the shared tensors load, the job trains its last step
+    out["partial-losses"] = train.main(SMALL + ["--tp", "2", "--steps", "3", "--resume",
+                                                str(base / "deep"), "--resume-partial"])
     tpkit.destroy_parallel()
     damage(tck / "step000002", DAMAGES["shard-truncated"])
     try:
@@ -959,6 +1001,12 @@ def test_damaged_checkpoint_is_refused_unchanged(row, damaged):
         for msg, unchanged in zip(res[::2], res[1::2]):
             assert row.value in msg and fix in msg, msg
             assert unchanged, f"{row.id}: the model or optimizer changed before the error"
+
+
+def test_partial_resume_trains_on(damaged):
+    """--resume-partial of the deeper job's checkpoint (2 steps done) trains step 3."""
+    for r in damaged["results"]:
+        assert len(r["partial-losses"]) == 1 and 0 < r["partial-losses"][0] < 10, r
 
 
 # --- launched: a mistake only the workers can see ------------------------------------------

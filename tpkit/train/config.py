@@ -263,6 +263,9 @@ class Checkpoint:
     save_every: int = opt(0, "save every N steps (0: only at the end)", short="--save-every")
     resume: str | None = opt(None, "a checkpoint (SAVE/stepNNNNNN) or a save directory (its "
                                    "latest), written at any layout", short="--resume")
+    resume_partial: bool = opt(False, "with resume: load only the tensors the checkpoint "
+                                      "and this model share (the others stay as initialized;"
+                                      " shapes must still match)", short="--resume-partial")
     keep: int | None = opt(None, "keep the newest N checkpoints in save (never the one "
                                  "resumed from; unset: all)", short="--keep")
     async_save: bool = opt(False, "write checkpoints in the background (the next save waits "
@@ -281,6 +284,9 @@ class Checkpoint:
             if getattr(self, name) and not self.save:
                 raise job.bad(f"checkpoint.{name}", "needs --save DIR (checkpoint.save: "
                                                     "where to write them)")
+        if self.resume_partial and not (self.resume or job.recovery.auto_resume):
+            raise job.bad("checkpoint.resume_partial", "needs --resume CKPT or --auto-resume "
+                                                       "(what to load partially)")
         if self.keep is not None and self.keep < 1:
             raise job.bad("checkpoint.keep", "must be >= 1 (how many checkpoints to keep); "
                                              "leave it unset to keep them all")
