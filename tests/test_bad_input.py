@@ -360,6 +360,13 @@ LAUNCH = [
         "{train_ckpt}/step000001 has 1 steps done, which reaches --steps=1 (training.steps)",
         "nothing to train; raise --steps above 1 to train on",
         ["--tp", "2", TRAIN, *SMALL, "--steps", "1", "--resume", "{train_ckpt}/step000001"]),
+    # issue 51: a repeated option (argparse keeps the last silently)
+    Row("tp-twice", "--tp given twice (--tp 2, then --tp 4)", "pass it once",
+        ["--tp", "2", "--nproc-per-node", "4", "--tp=4", SCRIPT]),
+    Row("train-config-twice", "--config given 2 times ({tmp}/a.toml, {tmp}/b.toml)",
+        "pass one job file", T("--config", "{tmp}/a.toml", "--config", "{tmp}/b.toml"),
+        setup=lambda tmp: [_write(n, "[training]\nsteps = 5\n")(tmp)
+                           for n in ("a.toml", "b.toml")]),
     Row("train-resume-partial-alone", "--resume-partial (checkpoint.resume_partial)",
         "needs --resume CKPT or --auto-resume", T("--resume-partial")),
 ]

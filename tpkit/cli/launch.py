@@ -516,13 +516,42 @@ def _warn_flags_after_script(args) -> None:
               f"{PROG} {given} {script} ...", file=sys.stderr, flush=True)
 
 
+def check_repeated(parser, argv: list[str]) -> None:
+    """LaunchError when one of tpkit-launch's own options (before the script) is given
+    twice with different values, e.g. ``--tp 2 ... --tp 4``: argparse keeps the last one
+    silently. Spellings of one option (``--nproc-per-node``, ``--nproc_per_node``) count
+    as one."""
+    seen: dict[str, tuple[str, str]] = {}
+    i = 0
+    while i < len(argv):
+        tok = argv[i]
+        if tok == "--" or not tok.startswith("-") or tok == "-m":
+            return   # the script (or -m MODULE) starts: the rest is the script's
+        name, eq, inline = tok.partition("=")
+        action = parser._option_string_actions.get(name)
+        if action is None:
+            i += 1
+            continue
+        if eq or action.nargs == 0:
+            value, i = (inline if eq else "(set)"), i + 1
+        else:
+            value, i = (argv[i + 1] if i + 1 < len(argv) else ""), i + 2
+        if action.dest in seen and seen[action.dest][1] != value:
+            first, before = seen[action.dest]
+            _raise(f"{name} given twice ({first} {before}, then {name} {value}); "
+                   f"{PROG} would use the last one silently: pass it once")
+        seen[action.dest] = (name, value)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Console entry: returns the exit code (0 ok, 1 a worker failed, 2 bad invocation)."""
     argv = sys.argv[1:] if argv is None else argv
     if _asks_for_help(argv):
         help_parser().parse_args(["--help"])   # prints, SystemExit(0); torch not imported
     try:
-        args = build_parser().parse_args(argv)
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        check_repeated(parser, argv)
         plan = resolve(args, os.environ)
         answer = preflight(args, plan)
     except (LaunchError, PreflightError) as e:

@@ -723,8 +723,8 @@ def build_parser(prog: str | None = None, description: str | None = None
     ap = argparse.ArgumentParser(
         prog=prog, description=description, allow_abbrev=False,
         formatter_class=argparse.RawDescriptionHelpFormatter, argument_default=argparse.SUPPRESS)
-    ap.add_argument("--config", metavar="FILE", default=None,
-                    help="a TOML job file (flags override its values)")
+    ap.add_argument("--config", metavar="FILE", default=None, action="append",
+                    help="a TOML job file (flags override its values); one")
     ap.add_argument("--print-config", action="store_true", default=False,
                     help="print the resolved job as TOML and exit")
     for name, cls in SECTIONS.items():
@@ -775,6 +775,11 @@ def parse(argv=None, *, prog: str | None = None, description: str | None = None,
     ns = argparse.Namespace(_flags=[])
     ns = ap.parse_args(argv, namespace=ns)
     job = JobConfig()
+    if ns.config and len(ns.config) > 1:   # the second silently replaced the first
+        raise ValueError(f"--config given {len(ns.config)} times ({', '.join(ns.config)}); "
+                         "pass one job file (flags override its values; tpkit-train "
+                         "--config A --print-config > B writes one to edit)")
+    ns.config = ns.config[0] if ns.config else None
     if ns.config:
         read_toml(ns.config, job)
     for dest, value, flag in ns._flags:
