@@ -367,6 +367,15 @@ LAUNCH = [
         "pass one job file", T("--config", "{tmp}/a.toml", "--config", "{tmp}/b.toml"),
         setup=lambda tmp: [_write(n, "[training]\nsteps = 5\n")(tmp)
                            for n in ("a.toml", "b.toml")]),
+    # issue 51: output paths, before any worker starts (not at the first save)
+    Row("train-save-under-file", "--save='{tmp}/file/ck' (checkpoint.save) is under {tmp}/file,"
+        " which is a file", "pass a directory", T("--save", "{tmp}/file/ck"),
+        setup=_write("file", "")),
+    Row("train-log-dir-under-file", "--log-dir='{tmp}/file/run' (logging.log_dir) is under "
+        "{tmp}/file, which is a file", "pass a directory", T("--log-dir", "{tmp}/file/run"),
+        setup=_write("file", "")),
+    Row("train-save-read-only", "cannot be written: /proc/1 is not writable by this user",
+        "pass a directory", T("--save", "/proc/1/tpkit-ck")),
     Row("train-resume-partial-alone", "--resume-partial (checkpoint.resume_partial)",
         "needs --resume CKPT or --auto-resume", T("--resume-partial")),
 ]

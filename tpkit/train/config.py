@@ -42,6 +42,21 @@ def opt(default, doc: str, *, short: str | tuple = (), choices=None):
                  metadata={"doc": doc, "short": short, "choices": choices})
 
 
+def output_dir_problem(path: str) -> str | None:
+    """Why the job could not write the directory ``path`` (checked before any worker
+    starts, not at the first save hours in), or None."""
+    probe = os.path.abspath(path)
+    if os.path.exists(probe) and not os.path.isdir(probe):
+        return "is a file"
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        return f"is under {probe}, which is a file"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return f"cannot be written: {probe} is not writable by this user"
+    return None
+
+
 # --- the sections ------------------------------------------------------------------------
 @dataclass
 class Parallelism:
@@ -277,9 +292,11 @@ class Checkpoint:
     def check(self, job: "JobConfig") -> None:
         if self.save_every < 0:
             raise job.bad("checkpoint.save_every", "must be >= 0 (0: only at the end)")
-        if self.save and os.path.exists(self.save) and not os.path.isdir(self.save):
-            raise job.bad("checkpoint.save", "is a file; pass a directory (checkpoints go in "
-                                             "SAVE/stepNNNNNN)")
+        for name, what in (("save", "checkpoints go in SAVE/stepNNNNNN"),
+                           ("export_hf", "config.json and the weights go there")):
+            problem = getattr(self, name) and output_dir_problem(getattr(self, name))
+            if problem:
+                raise job.bad(f"checkpoint.{name}", f"{problem}; pass a directory ({what})")
         for name in ("save_every", "keep", "async_save"):
             if getattr(self, name) and not self.save:
                 raise job.bad(f"checkpoint.{name}", "needs --save DIR (checkpoint.save: "
@@ -403,8 +420,9 @@ class Logging:
         if self.log_every < 1:
             raise job.bad("logging.log_every", "must be >= 1")
         if self.log_dir is not None:
-            if os.path.exists(self.log_dir) and not os.path.isdir(self.log_dir):
-                raise job.bad("logging.log_dir", "is a file; pass a directory (TensorBoard "
+            problem = output_dir_problem(self.log_dir)
+            if problem:
+                raise job.bad("logging.log_dir", f"{problem}; pass a directory (TensorBoard "
                                                  "files and metrics.csv go there)")
             if importlib.util.find_spec("tensorboard") is None:
                 raise job.bad("logging.log_dir", "needs the tensorboard package to write "
