@@ -329,6 +329,21 @@ LAUNCH = [
     Row("generate-cli-hf-dir", "has no config.json", "pass a Hugging Face model directory",
         ["--nproc-per-node", "2", "-m", "tpkit.cli.generate", "--hf", "{tmp}",
          "--ids", "1,2"]),
+    # issue 51: ids beyond the vocabulary (a sharded embedding read them as zeros), a
+    # tokenizer other than the job's
+    Row("generate-cli-id-vocab", "--ids '1,300': token id 300 is outside the model's "
+        "vocabulary of 256 (ids 0..255, from {tmp}/config.json)", "pass ids below 256",
+        ["--nproc-per-node", "2", "-m", "tpkit.cli.generate", "--hf", "{tmp}",
+         "--ids", "1,300"], setup=_write("config.json", TINY_LLAMA)),
+    Row("generate-cli-eos-vocab", "--eos-token-id 256 is outside the model's vocabulary of "
+        "256", "pass an id below 256",
+        ["--nproc-per-node", "2", "-m", "tpkit.cli.generate", "--hf", "{tmp}",
+         "--ids", "1,2", "--eos-token-id", "256"], setup=_write("config.json", TINY_LLAMA)),
+    Row("generate-cli-tokenizer-vs-job", "--tokenizer {tmp}/tok.json: the job "
+        "{tmp}/job.toml trained on the built-in corpus' UTF-8 bytes", "drop --tokenizer",
+        ["--nproc-per-node", "2", "-m", "tpkit.cli.generate", "--checkpoint", "{tmp}",
+         "--config", "{tmp}/job.toml", "--tokenizer", "{tmp}/tok.json", "--prompt", "hi"],
+        setup=_write("job.toml", "[training]\nsteps = 5\n")),
     # issue 22: mixture of experts
     Row("ep-vs-stage", "etp*ep = 2*4 = 8 does not divide tp*cp*dp = 2*1*3 = 6",
         "choose ep and etp whose product divides 6",
@@ -736,6 +751,10 @@ API = [
         "pass do_sample=False", call=_at(1, lambda st: _llama(st).generate(
             torch.zeros(1, 3, dtype=torch.long), max_new_tokens=2, do_sample=True,
             temperature=0))),
+    Row("generate-id-vocab", "token id 16 is outside the model's vocabulary (vocab_size=16: "
+        "ids 0..15)", "encode the prompt with the tokenizer the model was trained with",
+        call=_at(2, lambda st: _llama(st).generate(torch.tensor([[1, 16]]),
+                                                   max_new_tokens=1))),
     Row("generate-max-new-tokens", "generate(max_new_tokens=0)", "a positive integer",
         call=_at(1, lambda st: _llama(st).generate(torch.zeros(1, 3, dtype=torch.long),
                                                    max_new_tokens=0))),

@@ -228,3 +228,19 @@ def test_tpkit_generate_from_a_train_checkpoint_at_another_layout(tmp_path):
     rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     assert [r["prompt"] for r in rows] == [list(t.encode()) for t in TEXTS]
     assert [r["ids"] for r in rows] == want.tolist()
+
+
+def test_generate_cli_encodes_with_the_jobs_tokenizer():
+    """--checkpoint + --config: --prompt is encoded with the job's data.tokenizer (it was
+    ignored: UTF-8 bytes); a --tokenizer naming the same file is fine (issue 51)."""
+    from types import SimpleNamespace
+
+    from tpkit.cli.generate import _tokenizer
+    job = SimpleNamespace(data=SimpleNamespace(tokenizer="data/tok.json"))
+    args = SimpleNamespace(checkpoint="ck", config="job.toml", tokenizer=None)
+    assert _tokenizer(args, job) == "data/tok.json"
+    args.tokenizer = "./data/tok.json"
+    assert _tokenizer(args, job) == "data/tok.json"
+    args.tokenizer = "other.json"
+    with pytest.raises(ValueError, match="not the tokenizer the job job.toml trained with"):
+        _tokenizer(args, job)
