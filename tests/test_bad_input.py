@@ -213,7 +213,8 @@ LAUNCH = [
         T("--tp", "2", "--sequence-parallel", "--seq-len", "15")),
     Row("train-resume-missing", "--resume='{tmp}/nope'", "pass a checkpoint written by --save",
         T("--resume", "{tmp}/nope")),
-    Row("train-tp-vs-launch", "tp=4 from --tp", "smaller tp/cp/pp",
+    Row("train-tp-vs-launch", "tp=4 from --tp contradicts tp=2 from tpkit-launch --tp",
+        "give the layout once: drop one of them, or make them agree",
         ["--tp", "2", TRAIN, *SMALL, "--tp", "4"]),
     Row("train-log-every", "--log-every=0", "must be >= 1", T("--log-every", "0")),
     Row("train-steps", "--steps=0", "must be >= 1", T("--steps", "0")),
@@ -391,6 +392,8 @@ LAUNCH = [
         setup=_write("file", "")),
     Row("train-save-read-only", "cannot be written: /proc/1 is not writable by this user",
         "pass a directory", T("--save", "/proc/1/tpkit-ck")),
+    Row("env-stale-dp", "dp=4 from $TPKIT_DP", "unset TPKIT_DP (a value left from another "
+        "job?) or set TPKIT_DP=2", ["--nproc-per-node", "2", SCRIPT], env={"TPKIT_DP": "4"}),
     Row("train-resume-partial-alone", "--resume-partial (checkpoint.resume_partial)",
         "needs --resume CKPT or --auto-resume", T("--resume-partial")),
 ]
@@ -576,9 +579,16 @@ API = [
         call=lambda tmp: __import__("tpkit.config").config.ParallelConfig.from_env(
             {"TPKIT_TP": "x"})),
     # issue 15, defect 2: the message says where a value came from
-    Row("config-env-dp", "dp=2 from $TPKIT_DP", "leave dp unset",
+    Row("config-env-dp", "dp=2 from $TPKIT_DP", "unset TPKIT_DP (a value left from another "
+        "job?) or set TPKIT_DP=1",
         call=lambda tmp: __import__("tpkit.config").config.ParallelConfig.from_env(
             {"TPKIT_TP": "1", "TPKIT_DP": "2"}).validate(1)),
+    # issue 51: init_parallel(tp=2) in a script launched with tpkit-launch --tp 4
+    Row("init-tp-vs-launch", "tp=2 from init_parallel's tp argument contradicts tp=4 from "
+        "tpkit-launch --tp", "give the layout once",
+        call=lambda tmp: __import__("tpkit.config").config.ParallelConfig.from_env(
+            {"TPKIT_TP": "4", "TPKIT_LAUNCH_GIVEN": "tp"},
+            given_as="init_parallel's {name} argument", tp=2)),
     Row("init-tp-vs-world", "tp=3 from init_parallel's tp argument", "smaller tp/cp/pp",
         call=lambda tmp: __import__("tpkit").init_parallel(tp=3)),
     Row("init-backend", "backend='mpi'", "use 'nccl' or 'gloo'",
@@ -606,6 +616,14 @@ API = [
         call=_at(2, lambda s: _plans().parallelize(
             torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)),
             {"0": _plans().Column()}, s))),
+    # issue 51: a fused gate/up given Column() without segments= trained wrong, silently
+    Row("parallelize-fused-column", "plan style Column() for 'gate_up_proj' (nn.Linear 4 -> 8):"
+        " the name says it is a fused projection ('gate_up')",
+        "pass Column(segments=...) with the part sizes, e.g. (4, 4) for gate/up, or "
+        "Column(segments=(8,)) if it is one projection",
+        call=_at(2, lambda s: _plans().parallelize(
+            torch.nn.ModuleDict({"gate_up_proj": torch.nn.Linear(4, 8)}),
+            {"gate_up_proj": _plans().Column()}, s))),
     Row("parallelize-cp-no-shard-inputs", "has no shard_inputs", "give the plan a shard_inputs",
         call=_at(1, lambda s: _plans().parallelize(
             torch.nn.Sequential(torch.nn.Linear(4, 4)), {"0": _plans().Replicate()}, s),

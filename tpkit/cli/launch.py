@@ -192,7 +192,7 @@ def _visible_gpus() -> int:
 
 def resolve(args, env: Mapping[str, str]) -> Plan:
     """Check the invocation against the layout, the machine and Slurm; raise LaunchError."""
-    from tpkit.config import ParallelConfig, env_flag, fused_attn_enabled
+    from tpkit.config import LAUNCH_GIVEN, ParallelConfig, env_flag, fused_attn_enabled
     from tpkit.shm import shm_allreduce_enabled, shm_p2p_enabled
     from .slurm import slurm_info
     try:
@@ -202,7 +202,8 @@ def resolve(args, env: Mapping[str, str]) -> Plan:
         env_flag("TPKIT_TRACEBACK", env, default=False,
                  fix="use 1 (print every failing rank's traceback) or 0")
         config = ParallelConfig.from_env(
-            env, tp=args.tp, cp=args.cp, pp=args.pp, dp=args.dp,
+            {k: v for k, v in env.items() if k != LAUNCH_GIVEN},
+            tp=args.tp, cp=args.cp, pp=args.pp, dp=args.dp,
             sequence_parallel=args.sequence_parallel, cp_comm_type=args.cp_comm_type,
             cp_a2a_size=args.cp_a2a_size, ep=args.ep, etp=args.etp, given_as="tpkit-launch --{flag}")
         slurm = slurm_info(env)
@@ -268,6 +269,9 @@ def resolve(args, env: Mapping[str, str]) -> Plan:
                           "--backend gloo")
     command = _command(args, env)
     exports = dict(config.to_env(), TPKIT_BACKEND=backend)
+    exports[LAUNCH_GIVEN] = ",".join(   # a script's init_parallel may not contradict them
+        f for f in ("tp", "cp", "pp", "dp", "ep", "etp", "sequence_parallel", "cp_comm_type",
+                    "cp_a2a_size") if getattr(args, f, None) is not None)
     if backend == "nccl":
         exports.update({k: v for k, v in NCCL_FLIGHT_RECORDER.items() if k not in env})
         if args.log_dir and "TORCH_NCCL_DEBUG_INFO_TEMP_FILE" not in env:
