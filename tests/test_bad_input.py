@@ -643,6 +643,11 @@ API = [
     Row("attention-mask", "attn_mask_type='arbitrary'", "use one of",
         call=_at(1, lambda s: _nn("DotProductAttention")(2, 8, attn_mask_type="arbitrary",
                                                          state=s))),
+    # issue 51 (from issue 15's list): a padding mask type without the mask
+    Row("attention-padding-without-mask", "attention_mask is missing with "
+        "attn_mask_type='padding'", "pass TE's padding mask [b, 1, 1, s] (True: padding)",
+        call=_at(1, lambda s: _nn("DotProductAttention")(2, 8, attn_mask_type="padding",
+                                                         state=s)(*[torch.zeros(4, 2, 2, 8)] * 3))),
     # issue 18: packed sequences
     Row("thd-dropout", "attention_dropout=0.1", "use attention_dropout=0 or backend='te'",
         call=_at(1, lambda s: _nn("DotProductAttention")(
