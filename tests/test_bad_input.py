@@ -394,6 +394,12 @@ LAUNCH = [
         "pass a directory", T("--save", "/proc/1/tpkit-ck")),
     Row("env-stale-dp", "dp=4 from $TPKIT_DP", "unset TPKIT_DP (a value left from another "
         "job?) or set TPKIT_DP=2", ["--nproc-per-node", "2", SCRIPT], env={"TPKIT_DP": "4"}),
+    # issue 51: a vocabulary that does not split over tp (it blamed --hidden/--heads)
+    Row("train-vocab-vs-tp", "the built-in corpus' vocabulary of 256, padded to a multiple of "
+        "model.vocab_multiple=128 (default), is 256, which tp=3 does not divide",
+        "use --vocab-multiple 384 or a multiple of it",
+        ["--nproc-per-node", "3", TRAIN, *SMALL, "--tp", "3", "--heads", "3", "--gqa-groups",
+         "3", "--hidden", "48"]),
     Row("train-resume-partial-alone", "--resume-partial (checkpoint.resume_partial)",
         "needs --resume CKPT or --auto-resume", T("--resume-partial")),
 ]

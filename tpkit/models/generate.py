@@ -164,7 +164,8 @@ class GenerationMixin:
         logits = self.output(self.final_norm(x[-1:]))               # [1, b, V/tp]
         if isinstance(logits, tuple):
             logits = logits[0]
-        return gather_from_tp_region(logits, self.state.tp_group)[0]
+        logits = gather_from_tp_region(logits, self.state.tp_group)[0]
+        return logits[..., :self.cfg.vocab_size]   # a padded vocabulary's rows never win
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,

@@ -97,13 +97,17 @@ class Model:
                           short="--gqa-groups")
     ffn: int = opt(512, "MLP hidden size (each expert's, with experts)", short="--ffn")
     dropout: float = opt(0.0, "hidden and attention dropout", short="--dropout")
+    vocab_multiple: int = opt(128, "pad the reference GPT's vocabulary to a multiple of this "
+                                   "(Megatron's make-vocab-size-divisible-by; the padded logits"
+                                   " are masked out of the loss and of generation)",
+                              short="--vocab-multiple")
     init_from_hf: str | None = opt(
         None, "fine-tune the model of this Hugging Face directory (config.json + "
               "*.safetensors) instead of the reference GPT; its vocabulary must hold the "
               "corpus' 256 byte ids", short="--init-from-hf")
 
     def check(self, job: "JobConfig") -> None:
-        for name in ("hidden", "layers", "heads", "gqa_groups", "ffn"):
+        for name in ("hidden", "layers", "heads", "gqa_groups", "ffn", "vocab_multiple"):
             if getattr(self, name) < 1:
                 raise job.bad(f"model.{name}", "must be >= 1")
         if not 0.0 <= self.dropout < 1.0:

@@ -190,7 +190,24 @@ def gpt_config(job: JobConfig, impl: str | None = None):
                      backend=impl or m.impl, moe_experts=e.num, moe_topk=e.topk,
                      moe_every=e.every, moe_aux_coeff=e.aux_coeff,
                      moe_capacity_factor=e.capacity_factor,
-                     cpu_offload_layers=job.training.cpu_offload_layers)
+                     cpu_offload_layers=job.training.cpu_offload_layers,
+                     vocab_multiple=job.model.vocab_multiple)
+
+
+def check_vocab(job: JobConfig, tp: int) -> None:
+    """The reference GPT's padded vocabulary must split over ``tp``: ValueError naming the
+    vocabulary, where it came from and the model.vocab_multiple to use."""
+    if job.model.init_from_hf:
+        return
+    cfg = gpt_config(job)
+    if cfg.padded_vocab_size % tp:
+        where = (f"{job.show('data.tokenizer')}'s" if job.data.path is not None
+                 else "the built-in corpus'")
+        raise ValueError(f"{where} vocabulary of {cfg.vocab_size}, padded to a multiple of "
+                         f"{job.show('model.vocab_multiple')}, is {cfg.padded_vocab_size}, "
+                         f"which tp={tp} does not divide; use --vocab-multiple "
+                         f"{math.lcm(job.model.vocab_multiple, tp)} or a multiple of it (the "
+                         "padded rows are masked out of the loss and of generation)")
 
 
 def full_init(model: torch.nn.Module, seed: int) -> None:
@@ -304,6 +321,7 @@ class Trainer:
         self.fabric.launch()
         self.state = state = self.fabric.strategy.parallel_state
         job.check_layout(state)
+        check_vocab(job, state.tp_size)
 
         self.raw_model = build_model(job, state)
         if job.training.compile:   # in place: names, checkpoints and stages are unchanged
@@ -536,6 +554,7 @@ def preflight(argv, launch):
     hf_cfg = check_hf_dir(job) if job.model.init_from_hf and not launch.dry_run else None
     with fake_state(config, launch.world_size) as state:
         job.check_layout(state)
+        check_vocab(job, state.tp_size)
         try:
             with torch.random.fork_rng(devices=[]), torch.device("meta"):
                 model_parallel_seed(job.training.seed, state)   # the layers draw TP shards
