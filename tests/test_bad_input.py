@@ -630,6 +630,10 @@ API = [
         call=_at(2, lambda s: _plans().parallelize(
             torch.nn.ModuleDict({"gate_up_proj": torch.nn.Linear(4, 8)}),
             {"gate_up_proj": _plans().Column()}, s))),
+    Row("save-hf-other-model", "save_hf(Linear): writes a tpkit.models.Llama or a Hugging Face",
+        "tpkit.checkpoint.full_state_dict(model) gives its full tensors",
+        call=lambda tmp: __import__("tpkit.models.hf").models.hf.save_hf(
+            torch.nn.Linear(2, 2), str(tmp / "out"))),
     Row("parallelize-cp-no-shard-inputs", "has no shard_inputs", "give the plan a shard_inputs",
         call=_at(1, lambda s: _plans().parallelize(
             torch.nn.Sequential(torch.nn.Linear(4, 4)), {"0": _plans().Replicate()}, s),
