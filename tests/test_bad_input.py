@@ -400,6 +400,9 @@ LAUNCH = [
         "use --vocab-multiple 384 or a multiple of it",
         ["--nproc-per-node", "3", TRAIN, *SMALL, "--tp", "3", "--heads", "3", "--gqa-groups",
          "3", "--hidden", "48"]),
+    Row("train-vocab-multiple-hf", "--vocab-multiple=64 (model.vocab_multiple) cannot be "
+        "combined with --init-from-hf", "drop them", T("--vocab-multiple", "64",
+                                                       "--init-from-hf", "{tmp}")),
     Row("train-resume-partial-alone", "--resume-partial (checkpoint.resume_partial)",
         "needs --resume CKPT or --auto-resume", T("--resume-partial")),
 ]

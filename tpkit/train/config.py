@@ -114,7 +114,7 @@ class Model:
             raise job.bad("model.dropout", "must be in [0, 1)")
         if self.init_from_hf:
             given = [job.show(f"model.{n}") for n in ("hidden", "layers", "heads",
-                                                      "gqa_groups", "ffn")
+                                                      "gqa_groups", "ffn", "vocab_multiple")
                      if not job.is_default(f"model.{n}")]
             if given:
                 raise ValueError(f"{', '.join(given)} cannot be combined with "
