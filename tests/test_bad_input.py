@@ -213,7 +213,8 @@ LAUNCH = [
         T("--tp", "2", "--sequence-parallel", "--seq-len", "15")),
     Row("train-resume-missing", "--resume='{tmp}/nope'", "pass a checkpoint written by --save",
         T("--resume", "{tmp}/nope")),
-    Row("train-tp-vs-launch", "tp=4 from --tp", "smaller tp/cp/pp",
+    Row("train-tp-vs-launch", "tp=4 from --tp contradicts tp=2 from tpkit-launch --tp",
+        "give the layout once: drop one of them, or make them agree",
         ["--tp", "2", TRAIN, *SMALL, "--tp", "4"]),
     Row("train-log-every", "--log-every=0", "must be >= 1", T("--log-every", "0")),
     Row("train-steps", "--steps=0", "must be >= 1", T("--steps", "0")),
@@ -329,6 +330,21 @@ LAUNCH = [
     Row("generate-cli-hf-dir", "has no config.json", "pass a Hugging Face model directory",
         ["--nproc-per-node", "2", "-m", "tpkit.cli.generate", "--hf", "{tmp}",
          "--ids", "1,2"]),
+    # issue 51: ids beyond the vocabulary (a sharded embedding read them as zeros), a
+    # tokenizer other than the job's
+    Row("generate-cli-id-vocab", "--ids '1,300': token id 300 is outside the model's "
+        "vocabulary of 256 (ids 0..255, from {tmp}/config.json)", "pass ids below 256",
+        ["--nproc-per-node", "2", "-m", "tpkit.cli.generate", "--hf", "{tmp}",
+         "--ids", "1,300"], setup=_write("config.json", TINY_LLAMA)),
+    Row("generate-cli-eos-vocab", "--eos-token-id 256 is outside the model's vocabulary of "
+        "256", "pass an id below 256",
+        ["--nproc-per-node", "2", "-m", "tpkit.cli.generate", "--hf", "{tmp}",
+         "--ids", "1,2", "--eos-token-id", "256"], setup=_write("config.json", TINY_LLAMA)),
+    Row("generate-cli-tokenizer-vs-job", "--tokenizer {tmp}/tok.json: the job "
+        "{tmp}/job.toml trained on the built-in corpus' UTF-8 bytes", "drop --tokenizer",
+        ["--nproc-per-node", "2", "-m", "tpkit.cli.generate", "--checkpoint", "{tmp}",
+         "--config", "{tmp}/job.toml", "--tokenizer", "{tmp}/tok.json", "--prompt", "hi"],
+        setup=_write("job.toml", "[training]\nsteps = 5\n")),
     # issue 22: mixture of experts
     Row("ep-vs-stage", "etp*ep = 2*4 = 8 does not divide tp*cp*dp = 2*1*3 = 6",
         "choose ep and etp whose product divides 6",
@@ -350,6 +366,45 @@ LAUNCH = [
     Row("train-resume-other-model", "'model.embedding.weight'", "load a checkpoint of this model",
         ["--tp", "2", TRAIN, *SMALL, "--hidden", "32", "--resume",
          "{train_ckpt}/step000001"]),
+    # issue 51: a deeper model's checkpoint (its extra layers were dropped), one already
+    # past --steps (exit 0, nothing printed)
+    Row("train-resume-deeper-model", "holds 6 tensors this model does not have, first "
+        "'model.layers.1.input_layernorm.weight'", "or load only the shared tensors with "
+        "strict=False (tpkit-train: --resume-partial)",
+        ["--tp", "2", TRAIN, *SMALL, "--steps", "3", "--resume", "{deep_ckpt}"]),
+    Row("train-resume-past-steps", "--resume='{train_ckpt}/step000001' (checkpoint.resume) -> "
+        "{train_ckpt}/step000001 has 1 steps done, which reaches --steps=1 (training.steps)",
+        "nothing to train; raise --steps above 1 to train on",
+        ["--tp", "2", TRAIN, *SMALL, "--steps", "1", "--resume", "{train_ckpt}/step000001"]),
+    # issue 51: a repeated option (argparse keeps the last silently)
+    Row("tp-twice", "--tp given twice (--tp 2, then --tp 4)", "pass it once",
+        ["--tp", "2", "--nproc-per-node", "4", "--tp=4", SCRIPT]),
+    Row("train-config-twice", "--config given 2 times ({tmp}/a.toml, {tmp}/b.toml)",
+        "pass one job file", T("--config", "{tmp}/a.toml", "--config", "{tmp}/b.toml"),
+        setup=lambda tmp: [_write(n, "[training]\nsteps = 5\n")(tmp)
+                           for n in ("a.toml", "b.toml")]),
+    # issue 51: output paths, before any worker starts (not at the first save)
+    Row("train-save-under-file", "--save='{tmp}/file/ck' (checkpoint.save) is under {tmp}/file,"
+        " which is a file", "pass a directory", T("--save", "{tmp}/file/ck"),
+        setup=_write("file", "")),
+    Row("train-log-dir-under-file", "--log-dir='{tmp}/file/run' (logging.log_dir) is under "
+        "{tmp}/file, which is a file", "pass a directory", T("--log-dir", "{tmp}/file/run"),
+        setup=_write("file", "")),
+    Row("train-save-read-only", "cannot be written: /proc/1 is not writable by this user",
+        "pass a directory", T("--save", "/proc/1/tpkit-ck")),
+    Row("env-stale-dp", "dp=4 from $TPKIT_DP", "unset TPKIT_DP (a value left from another "
+        "job?) or set TPKIT_DP=2", ["--nproc-per-node", "2", SCRIPT], env={"TPKIT_DP": "4"}),
+    # issue 51: a vocabulary that does not split over tp (it blamed --hidden/--heads)
+    Row("train-vocab-vs-tp", "the built-in corpus' vocabulary of 256, padded to a multiple of "
+        "model.vocab_multiple=128 (default), is 256, which tp=3 does not divide",
+        "use --vocab-multiple 384 or a multiple of it",
+        ["--nproc-per-node", "3", TRAIN, *SMALL, "--tp", "3", "--heads", "3", "--gqa-groups",
+         "3", "--hidden", "48"]),
+    Row("train-vocab-multiple-hf", "--vocab-multiple=64 (model.vocab_multiple) cannot be "
+        "combined with --init-from-hf", "drop them", T("--vocab-multiple", "64",
+                                                       "--init-from-hf", "{tmp}")),
+    Row("train-resume-partial-alone", "--resume-partial (checkpoint.resume_partial)",
+        "needs --resume CKPT or --auto-resume", T("--resume-partial")),
 ]
 
 
@@ -361,8 +416,10 @@ def test_launch_mistake_is_one_line_exit_2(row, capsys, no_workers, monkeypatch,
         if te_available():
             pytest.skip("TE runs here: --backend te is valid")
     paths = {"tmp": str(tmp_path)}
-    if any("{train_ckpt}" in a for a in row.argv):
-        paths["train_ckpt"] = request.getfixturevalue("damaged")["train_ckpt"]
+    if any("{train_ckpt}" in a or "{deep_ckpt}" in a for a in row.argv):
+        fixture = request.getfixturevalue("damaged")
+        paths["train_ckpt"] = fixture["train_ckpt"]
+        paths["deep_ckpt"] = os.path.join(fixture["base"], "deep")
     if row.setup:
         row.setup(tmp_path)
     for k, v in row.env.items():
@@ -531,9 +588,16 @@ API = [
         call=lambda tmp: __import__("tpkit.config").config.ParallelConfig.from_env(
             {"TPKIT_TP": "x"})),
     # issue 15, defect 2: the message says where a value came from
-    Row("config-env-dp", "dp=2 from $TPKIT_DP", "leave dp unset",
+    Row("config-env-dp", "dp=2 from $TPKIT_DP", "unset TPKIT_DP (a value left from another "
+        "job?) or set TPKIT_DP=1",
         call=lambda tmp: __import__("tpkit.config").config.ParallelConfig.from_env(
             {"TPKIT_TP": "1", "TPKIT_DP": "2"}).validate(1)),
+    # issue 51: init_parallel(tp=2) in a script launched with tpkit-launch --tp 4
+    Row("init-tp-vs-launch", "tp=2 from init_parallel's tp argument contradicts tp=4 from "
+        "tpkit-launch --tp", "give the layout once",
+        call=lambda tmp: __import__("tpkit.config").config.ParallelConfig.from_env(
+            {"TPKIT_TP": "4", "TPKIT_LAUNCH_GIVEN": "tp"},
+            given_as="init_parallel's {name} argument", tp=2)),
     Row("init-tp-vs-world", "tp=3 from init_parallel's tp argument", "smaller tp/cp/pp",
         call=lambda tmp: __import__("tpkit").init_parallel(tp=3)),
     Row("init-backend", "backend='mpi'", "use 'nccl' or 'gloo'",
@@ -561,6 +625,18 @@ API = [
         call=_at(2, lambda s: _plans().parallelize(
             torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)),
             {"0": _plans().Column()}, s))),
+    # issue 51: a fused gate/up given Column() without segments= trained wrong, silently
+    Row("parallelize-fused-column", "plan style Column() for 'gate_up_proj' (nn.Linear 4 -> 8):"
+        " the name says it is a fused projection ('gate_up')",
+        "pass Column(segments=...) with the part sizes, e.g. (4, 4) for gate/up, or "
+        "Column(segments=(8,)) if it is one projection",
+        call=_at(2, lambda s: _plans().parallelize(
+            torch.nn.ModuleDict({"gate_up_proj": torch.nn.Linear(4, 8)}),
+            {"gate_up_proj": _plans().Column()}, s))),
+    Row("save-hf-other-model", "save_hf(Linear): writes a tpkit.models.Llama or a Hugging Face",
+        "tpkit.checkpoint.full_state_dict(model) gives its full tensors",
+        call=lambda tmp: __import__("tpkit.models.hf").models.hf.save_hf(
+            torch.nn.Linear(2, 2), str(tmp / "out"))),
     Row("parallelize-cp-no-shard-inputs", "has no shard_inputs", "give the plan a shard_inputs",
         call=_at(1, lambda s: _plans().parallelize(
             torch.nn.Sequential(torch.nn.Linear(4, 4)), {"0": _plans().Replicate()}, s),
@@ -580,6 +656,11 @@ API = [
     Row("attention-mask", "attn_mask_type='arbitrary'", "use one of",
         call=_at(1, lambda s: _nn("DotProductAttention")(2, 8, attn_mask_type="arbitrary",
                                                          state=s))),
+    # issue 51 (from issue 15's list): a padding mask type without the mask
+    Row("attention-padding-without-mask", "attention_mask is missing with "
+        "attn_mask_type='padding'", "pass TE's padding mask [b, 1, 1, s] (True: padding)",
+        call=_at(1, lambda s: _nn("DotProductAttention")(2, 8, attn_mask_type="padding",
+                                                         state=s)(*[torch.zeros(4, 2, 2, 8)] * 3))),
     # issue 18: packed sequences
     Row("thd-dropout", "attention_dropout=0.1", "use attention_dropout=0 or backend='te'",
         call=_at(1, lambda s: _nn("DotProductAttention")(
@@ -706,6 +787,10 @@ API = [
         "pass do_sample=False", call=_at(1, lambda st: _llama(st).generate(
             torch.zeros(1, 3, dtype=torch.long), max_new_tokens=2, do_sample=True,
             temperature=0))),
+    Row("generate-id-vocab", "token id 16 is outside the model's vocabulary (vocab_size=16: "
+        "ids 0..15)", "encode the prompt with the tokenizer the model was trained with",
+        call=_at(2, lambda st: _llama(st).generate(torch.tensor([[1, 16]]),
+                                                   max_new_tokens=1))),
     Row("generate-max-new-tokens", "generate(max_new_tokens=0)", "a positive integer",
         call=_at(1, lambda st: _llama(st).generate(torch.zeros(1, 3, dtype=torch.long),
                                                    max_new_tokens=0))),
@@ -832,6 +917,11 @@ CHECKPOINTS = [   # (id, value the message names, fix), results from _damage_on_
     Row("fabric-shard-truncated", "step000020/__1_0.distcp has", "{prev}"),
     Row("train-resume-shard-truncated", "step000002/__1_0.distcp has",
         "resume from the previous checkpoint: {train_ckpt}/step000001"),
+    # issue 51: a deeper model's checkpoint would drop its extra layers and their state
+    Row("deeper-model", "holds 16 tensors this model does not have, first 'model.1.0.bias'",
+        "load only the shared tensors with strict=False"),
+    Row("train-resume-deeper", "holds 24 tensors this model does not have, first "
+        "'model.layers.1.input_layernorm.weight'", "tpkit-train: --resume-partial"),
 ]
 
 
@@ -910,6 +1000,17 @@ def _damage_on_2_ranks(base: str) -> dict:
     out["other-model-shape"] = _refused(
         lambda: load(ck / "step000010", {"model": big[0], "optimizer": big[1]}), *big)
     out["other-model-keys"] = _refused(lambda: load(ck / "step000010", {"net": m3}), m3, o3)
+    torch.manual_seed(0)   # one block more: its tensors (and their Adam state) in the file
+    deep = torch.nn.Sequential(build()[0], build()[0])
+    deep_opt = torch.optim.AdamW(deep.parameters(), lr=0.1)
+    deep(torch.randn(4, 2, 8)).pow(2).sum().backward()
+    deep_opt.step()
+    save(ck / "deep", {"model": deep, "optimizer": deep_opt})
+    shallow = torch.nn.Sequential(trained(4)[0])
+    shallow_opt = torch.optim.AdamW(shallow.parameters(), lr=0.1)
+    out["deeper-model"] = _refused(
+        lambda: load(ck / "deep", {"model": shallow, "optimizer": shallow_opt}),
+        shallow, shallow_opt)
     tpkit.destroy_parallel()
 
     from fabric_helpers import Block, full_model, launch_fabric, shard_into
@@ -930,6 +1031,18 @@ def _damage_on_2_ranks(base: str) -> dict:
     from tpkit.train import trainer as train
     tck = base / "train"
     train.main(SMALL + ["--tp", "2", "--save", str(tck), "--save-every", "1"])
+    tpkit.destroy_parallel()
+    train.main(SMALL + ["--tp", "2", "--layers", "2", "--save", str(base / "deep")])
+    tpkit.destroy_parallel()
+    try:   # the deeper job's checkpoint into SMALL's one layer
+        train.main(SMALL + ["--tp", "2", "--steps", "3", "--resume", str(base / "deep")])
+        out["train-resume-deeper"] = ("LOADED", False)
+    except ValueError as e:
+        out["train-resume-deeper"] = (str(e), True)
+    tpkit.destroy_parallel()
+    # ... and explicitly partial: the shared tensors load, the job trains its last step
+    out["partial-losses"] = train.main(SMALL + ["--tp", "2", "--steps", "3", "--resume",
+                                                str(base / "deep"), "--resume-partial"])
     tpkit.destroy_parallel()
     damage(tck / "step000002", DAMAGES["shard-truncated"])
     try:
@@ -959,6 +1072,12 @@ def test_damaged_checkpoint_is_refused_unchanged(row, damaged):
         for msg, unchanged in zip(res[::2], res[1::2]):
             assert row.value in msg and fix in msg, msg
             assert unchanged, f"{row.id}: the model or optimizer changed before the error"
+
+
+def test_partial_resume_trains_on(damaged):
+    """--resume-partial of the deeper job's checkpoint (2 steps done) trains step 3."""
+    for r in damaged["results"]:
+        assert len(r["partial-losses"]) == 1 and 0 < r["partial-losses"][0] < 10, r
 
 
 # --- launched: a mistake only the workers can see ------------------------------------------

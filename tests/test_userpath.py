@@ -239,6 +239,10 @@ def test_train_save_kill_resume(tmp_path):
                        str(ckpt))
     resumed = _printed_losses(out2)
     assert sorted(resumed) == list(range(latest, 30)), (latest, sorted(resumed))
+    batch = int(SMALL[SMALL.index("--global-batch") + 1])   # issue 51: what it restores
+    assert (f"resumed from {ckpt / f'step{latest:06d}'}: {latest} steps done; training steps "
+            f"{latest + 1}..30 from the data stream's sample {latest * batch} (step "
+            f"{latest + 1}'s batch of {batch})") in out2, out2[:3000]
     assert "done:" in out2
     for curve in (_printed_losses(out1), resumed):
         for step, loss in curve.items():

@@ -22,6 +22,7 @@ class Mistakes:
     transposed_down: bool = False    # mlp.down uses its weight as [in, out]; Row() splits [out, in]
     same_dropout: bool = False       # the MLP's dropout outside the model-parallel RNG stream
     cached_params: bool = False      # configure_optimizers uses parameters listed at __init__
+    fused_gate_up: bool = False      # one fused gate/up projection, chunked in the forward
 
 
 class RMSNorm(nn.Module):
@@ -66,12 +67,19 @@ class SelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, h, ffn, m: Mistakes, dropout):
         super().__init__()
-        self.gate, self.up = nn.Linear(h, ffn, bias=False), nn.Linear(h, ffn, bias=False)
+        if m.fused_gate_up:   # named as no ready plan and no name check would recognise
+            self.proj_in = nn.Linear(h, 2 * ffn, bias=False)
+        else:
+            self.gate, self.up = nn.Linear(h, ffn, bias=False), nn.Linear(h, ffn, bias=False)
         self.down = (TransposedLinear if m.transposed_down else nn.Linear)(ffn, h)
         self.drop, self.same_dropout = nn.Dropout(dropout), m.same_dropout
 
     def forward(self, x):
-        y = F.silu(self.gate(x)) * self.up(x)                      # split over TP
+        if hasattr(self, "proj_in"):
+            gate, up = self.proj_in(x).chunk(2, -1)
+            y = F.silu(gate) * up
+        else:
+            y = F.silu(self.gate(x)) * self.up(x)                  # split over TP
         if self.same_dropout:
             y = self.drop(y)
         else:
@@ -127,13 +135,16 @@ class Keep(Style):
         return module
 
 
-def plan(*, qkv=("q_proj", "k_proj", "v_proj"), norm=None, shard=shard_inputs):
+def plan(*, qkv=("q_proj", "k_proj", "v_proj"), norm=None, shard=shard_inputs,
+         fused=None):
+    """The Decoder's plan; ``fused``: the style of a fused gate/up ``mlp.proj_in``."""
+    mlp = {"layers.*.mlp.proj_in": fused} if fused is not None else {
+        "layers.*.mlp.gate": Column(), "layers.*.mlp.up": Column()}
     return Plan({
         "embed": VocabEmbedding(),
         "*norm": norm or Norm(),
         "layers.*.attn": Attention(heads="heads", kv_heads="kv_heads", qkv=qkv, out="o_proj"),
-        "layers.*.mlp.gate": Column(),
-        "layers.*.mlp.up": Column(),
+        **mlp,
         "layers.*.mlp.down": Row(),
         "head": VocabHead(),
     }, batch_first=True, shard_inputs=shard, name="Decoder's plan")

@@ -625,6 +625,37 @@ def _check_against(path: str, meta: dict, flat: dict, strict: bool) -> list[str]
     return missing
 
 
+_SEGMENT = re.compile(r"\.(seg\d+|seg_dim)$")
+
+
+def unexpected_keys(md, live: dict, flat_keys, extra_keys=()) -> list[str]:
+    """The checkpoint's tensors under a module (or an optimizer's ``state``) of ``live``
+    that the target lacks: what a load of a deeper or other model would silently drop.
+    ``flat_keys``: the target's flattened keys; ``extra_keys``: other ranks' (pipeline
+    stages hold only their blocks). Segments (``<key>.seg<i>``) count as their key."""
+    have = {_SEGMENT.sub("", k) for k in (*flat_keys, *extra_keys)}
+    with_state = {k.split(".", 2)[0] for k in have if k.split(".", 2)[1:2] == ["state"]}
+    out = []
+    for key, path in _paths(md).items():
+        obj = live.get(path[0])
+        if obj is None or key.endswith(EXTRA_STATE_SUFFIX) or _SEGMENT.sub("", key) in have:
+            continue
+        if isinstance(obj, torch.optim.Optimizer) and (
+                len(path) < 2 or path[1] != "state" or path[0] not in with_state):
+            continue   # hyper-parameters; a fresh optimizer in verify has no state to match
+        out.append(_SEGMENT.sub("", key))
+    return sorted(set(out))
+
+
+def unexpected_error(path: str, keys: list[str]) -> ValueError:
+    return ValueError(
+        f"checkpoint {path} holds {len(keys)} tensors this model does not have, first "
+        f"{keys[0]!r} ({keys[:4]}{' ...' if len(keys) > 4 else ''}): it was written by a "
+        "larger or other model (e.g. more layers), and loading it would drop them; build "
+        "the model the checkpoint was saved from, or load only the shared tensors with "
+        "strict=False (tpkit-train: --resume-partial)")
+
+
 def verify(path: str | os.PathLike, state_dict: dict[str, Any] | None = None, *,
            strict: bool = True, state=None) -> None:
     """Check the checkpoint at ``path`` without restoring anything: its ``.metadata`` and
@@ -642,7 +673,12 @@ def verify(path: str | os.PathLike, state_dict: dict[str, Any] | None = None, *,
     saved, live = _entries(path, md, state_dict, strict)
     if live:
         views, _ = _build(live, for_load=True, init_optimizers=False, state=state)
-        _check_against(path, md.state_dict_metadata, flatten_state_dict(views)[0], strict)
+        flat = flatten_state_dict(views)[0]
+        _check_against(path, md.state_dict_metadata, flat, strict)
+        if strict and resolve_state(state).pp_size == 1:   # pp: the stages' keys together
+            extra = unexpected_keys(md, live, flat)
+            if extra:
+                raise unexpected_error(path, extra)
 
 
 def _entries(path: str, md, state_dict: dict, strict: bool) -> tuple[set, dict]:
@@ -733,6 +769,8 @@ def load(path: str | os.PathLike, state_dict: dict[str, Any], *,
         except ValueError as e:
             error = e
         agree(error)  # every rank stops here if any rank found a problem
+        if live and strict:   # the checkpoint's tensors the target lacks (a deeper model)
+            agree(_unexpected_problem(path, md, live, flat))
     except BaseException:
         for opt in fresh:
             opt.state.clear()
@@ -755,6 +793,19 @@ def load(path: str | os.PathLike, state_dict: dict[str, Any], *,
         else:
             state_dict[key] = value
     return state_dict
+
+
+def _unexpected_problem(path: str, md, live: dict, flat: dict) -> ValueError | None:
+    """unexpected_keys' error, or None; collective over the pipeline group (each stage
+    holds only its blocks: the keys of every stage together are the model's)."""
+    extra = ()
+    state = resolve_state(None)
+    if state.pp_size > 1:
+        every = [None] * state.pp_size
+        dist.all_gather_object(every, sorted(flat), group=state.pp_group)
+        extra = [k for keys in every for k in keys]
+    keys = unexpected_keys(md, live, flat, extra)
+    return unexpected_error(path, keys) if keys else None
 
 
 def _restore_optimizer_scalars(opt, loaded: dict, names: dict) -> None:
@@ -807,7 +858,10 @@ def read(path: str | os.PathLike, keys=None, *, exclude=(),
                      else torch.empty(tuple(meta.size), dtype=meta.properties.dtype))
     if not flat:
         return {}
-    _dcp_load(flat, path, md, weights_only)
+    if all(v is None for v in flat.values()):   # plain entries only: no collective
+        flat.update(_read_plain(path, md, list(flat), weights_only))
+    else:
+        _dcp_load(flat, path, md, weights_only)
     out: dict[str, Any] = {}
     for key, value in flat.items():
         set_element(out, paths[key], value)

@@ -25,7 +25,7 @@ from .collectives import all_gather, group_size
 from .param_tags import is_expert, partition_dim, tp_spec
 from .topology import resolve_state
 
-__all__ = ["full_state_dict", "load_full_state_dict", "load_full_optimizer_state_dict",
+__all__ = ["full_state_dict", "user_module", "load_full_state_dict", "load_full_optimizer_state_dict",
            "load_full", "full_shapes", "gather_param", "shard_tensor"]
 
 
@@ -52,13 +52,33 @@ def shard_tensor(full: torch.Tensor, dim: int, sizes, rank: int, n: int) -> torc
     return out.movedim(0, dim)
 
 
+def user_module(model: nn.Module) -> nn.Module:
+    """The user's module inside the wrappers that rename its parameters: Lightning
+    Fabric's ``_FabricModule`` (``fabric.setup_module``), DDP, ``torch.compile``. Their
+    state dicts carry the inner names, their ``named_parameters`` a prefix: read through
+    one of them the names would not match, and shards would pass for full tensors."""
+    while True:
+        inner = getattr(model, "_original_module", None)   # lightning's _FabricModule
+        if not isinstance(inner, nn.Module):
+            inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) \
+                else getattr(model, "_orig_mod", None)
+        if not isinstance(inner, nn.Module):
+            return model
+        model = inner
+
+
 def full_state_dict(model: nn.Module, state=None) -> dict[str, torch.Tensor]:
-    """The unsharded state dict, identical on every TP rank (collective over TP: every
-    rank must call it). Sharded params are all-gathered; the rest is cloned."""
+    """The unsharded state dict, identical on every rank (collective over TP, and over
+    dp x cp for FSDP2 parameters: every rank must call it). Sharded params are
+    all-gathered; the rest is cloned. ``model`` may be wrapped (``user_module``)."""
     state = resolve_state(state)
+    model = user_module(model)
     params = dict(model.named_parameters(remove_duplicate=False))
     out = {}
     for name, t in model.state_dict(keep_vars=True).items():
+        if isinstance(t, DTensor):   # FSDP2: its dp(x cp) pieces -> the TP-local tensor
+            with torch.no_grad():
+                t = t.full_tensor()
         p = params.get(name)
         dim = partition_dim(p) if p is not None else None
         if p is not None and is_expert(p):
@@ -75,6 +95,7 @@ def full_shapes(model: nn.Module, state=None) -> dict[str, torch.Size]:
     """The full (unsharded) shape of every state-dict entry, without communication: what
     full_state_dict would return shapes of, e.g. to draw a layout-independent init."""
     n = resolve_state(state).tp_size
+    model = user_module(model)
     params = dict(model.named_parameters(remove_duplicate=False))
     out = {}
     for name, t in model.state_dict(keep_vars=True).items():
@@ -140,6 +161,7 @@ def load_full_state_dict(model: nn.Module, sd: dict[str, torch.Tensor], state=No
     alone."""
     state = resolve_state(state)
     n = state.tp_size
+    model = user_module(model)
     own = {k: v for k, v in model.state_dict(keep_vars=True).items()
            if isinstance(v, torch.Tensor)}
     missing, unexpected = sorted(set(own) - set(sd)), sorted(

@@ -166,10 +166,13 @@ class ParallelConfig:
                 f"{self.model_size} or smaller tp/cp/pp", ("tp", "cp", "pp")))
         dp = world_size // self.model_size
         if self.dp is not None and self.dp != dp:
+            var = ENV_VARS["dp"]
+            fix = (f"unset {var} (a value left from another job?) or set {var}={dp}"
+                   if (self.origin or {}).get("dp") == f"${var}" else
+                   f"pass dp={dp} or leave dp unset")
             raise ValueError(self._with_origin(
                 f"dp={self.dp} is inconsistent with world size {world_size} and tp*cp*pp="
-                f"{self.model_size} (which leave dp={dp}); pass dp={dp} or leave dp unset",
-                ("dp", "tp", "cp", "pp")))
+                f"{self.model_size} (which leave dp={dp}); {fix}", ("dp", "tp", "cp", "pp")))
         stage = self.tp * self.cp * dp
         if stage % (self.expert_tp * self.ep):
             raise ValueError(self._with_origin(
@@ -217,8 +220,10 @@ class ParallelConfig:
         changes are dropped rather than contradicted: ``TPKIT_DP`` (the rest of the world at
         the exported tp*cp*pp) when tp, cp or pp is overridden with another value (dp is
         then re-derived), and ``TPKIT_CP_A2A_SIZE`` when cp_comm_type is overridden with
-        something other than "a2a+p2p". So ``init_parallel(tp=4)`` under
-        ``tpkit-launch --tp 2`` builds tp=4 with dp = world / 4."""
+        something other than "a2a+p2p". So ``init_parallel(tp=4)`` under a plain
+        ``tpkit-launch`` builds tp=4 with dp = world / 4; under ``tpkit-launch --tp 2``
+        (a size the launch was given, listed in ``$TPKIT_LAUNCH_GIVEN``) a different value
+        is a ValueError: the layout is given once."""
         env = os.environ if env is None else env
         kwargs: dict = {}
         origin: dict = {}
@@ -237,6 +242,14 @@ class ParallelConfig:
                 except ValueError:
                     raise ValueError(f"{var}={raw!r} is not an integer; set e.g. {var}=1") from None
         overrides = {k: v for k, v in overrides.items() if v is not None}
+        given = {f for f in env.get(LAUNCH_GIVEN, "").split(",") if f}
+        for k, v in overrides.items():   # a size the launch was given, contradicted
+            if k in given and k in kwargs and v != kwargs[k]:
+                raise ValueError(
+                    f"{k}={v!r} from {given_as.format(name=k, flag=k.replace('_', '-'))} "
+                    f"contradicts {k}={kwargs[k]!r} from tpkit-launch --{k.replace('_', '-')} "
+                    f"(this job's launch, exported as ${ENV_VARS[k]}); give the layout once: "
+                    f"drop one of them, or make them agree")
         if "dp" not in overrides and any(
                 k in overrides and overrides[k] != kwargs.get(k, 1) for k in ("tp", "cp", "pp")):
             kwargs.pop("dp", None)
@@ -252,6 +265,11 @@ class ParallelConfig:
         env = os.environ if env is None else env
         return any(var in env for var in ENV_VARS.values())
 
+
+
+#: The layout flags tpkit-launch was given (comma-separated field names), exported to the
+#: workers: a script's own value for one of them that differs is refused (from_env).
+LAUNCH_GIVEN = "TPKIT_LAUNCH_GIVEN"
 
 
 def env_flag(name: str, env: Mapping[str, str] | None = None, *, default: bool,

@@ -66,7 +66,7 @@ def test_defaults_single_node_cpu():
     assert (plan.rdzv_backend, plan.rdzv_endpoint) == ("c10d", "localhost:0")
     assert plan.exports == {"TPKIT_TP": "2", "TPKIT_CP": "2", "TPKIT_PP": "1", "TPKIT_DP": "1",
                             "TPKIT_SEQUENCE_PARALLEL": "0", "TPKIT_CP_COMM_TYPE": "p2p",
-                            "TPKIT_BACKEND": "gloo",
+                            "TPKIT_BACKEND": "gloo", "TPKIT_LAUNCH_GIVEN": "tp,cp",
                             "OMP_NUM_THREADS": str(max(1, len(os.sched_getaffinity(0)) // 4))}
     assert ParallelConfig.from_env(plan.exports) == plan.config
     assert plan.command[1:] == ["-u", launch.WORKER, SCRIPT, "--lr", "3"]

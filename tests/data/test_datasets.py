@@ -29,15 +29,15 @@ def _texts(n, seed=0, lo=3, hi=40):
     return [" ".join(rng.choice(WORDS, int(rng.integers(lo, hi)))) for _ in range(n)]
 
 
-def make_tokenizer(directory) -> str:
-    """A byte-level BPE of 300 tokens trained here (no download), with <|endoftext|>,
-    saved as DIRECTORY/tokenizer.json."""
+def make_tokenizer(directory, vocab_size: int = 300) -> str:
+    """A byte-level BPE of ``vocab_size`` tokens trained here (no download), with
+    <|endoftext|>, saved as DIRECTORY/tokenizer.json."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.train_from_iterator(_texts(300, seed=1), trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<unk>", "<|endoftext|>"],
+        vocab_size=vocab_size, special_tokens=["<unk>", "<|endoftext|>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
     tok.save(os.path.join(str(directory), "tokenizer.json"))
     return str(directory)

@@ -228,3 +228,57 @@ def test_tpkit_generate_from_a_train_checkpoint_at_another_layout(tmp_path):
     rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     assert [r["prompt"] for r in rows] == [list(t.encode()) for t in TEXTS]
     assert [r["ids"] for r in rows] == want.tolist()
+
+
+def test_generate_cli_encodes_with_the_jobs_tokenizer():
+    """--checkpoint + --config: --prompt is encoded with the job's data.tokenizer (it was
+    ignored: UTF-8 bytes); a --tokenizer naming the same file is fine (issue 51)."""
+    from types import SimpleNamespace
+
+    from tpkit.cli.generate import _tokenizer
+    job = SimpleNamespace(data=SimpleNamespace(tokenizer="data/tok.json"))
+    args = SimpleNamespace(checkpoint="ck", config="job.toml", tokenizer=None)
+    assert _tokenizer(args, job) == "data/tok.json"
+    args.tokenizer = "./data/tok.json"
+    assert _tokenizer(args, job) == "data/tok.json"
+    args.tokenizer = "other.json"
+    with pytest.raises(ValueError, match="not the tokenizer the job job.toml trained with"):
+        _tokenizer(args, job)
+
+
+def _padded_vocabulary():
+    import torch.nn.functional as F
+
+    import tpkit
+    from tpkit.models import GPT, GPTConfig
+    st = tpkit.init_parallel(tp=1, seed=1)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=250, hidden_size=32, num_layers=1, num_heads=4,
+                          num_gqa_groups=2, ffn_hidden_size=64, vocab_multiple=128), st)
+    rows = (model.output.weight.shape[0], model.embedding.weight.shape[0])
+    with torch.no_grad():
+        model.output.weight[250:] = 5 * model.final_norm.weight   # would win unmasked
+    x = torch.randint(0, 250, (2, 8), generator=torch.Generator().manual_seed(1))
+    y = torch.randint(0, 250, (2, 8), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        h = model.embedding(x.t().contiguous())
+        freqs = model.rope(8)
+        for layer in model.layers:
+            h = layer(h, rotary_pos_emb=freqs)
+        logits = F.linear(model.final_norm(h), model.output.weight[:250])   # [s, b, 250]
+        want = float(F.cross_entropy(logits.flatten(0, 1), y.t().flatten()))
+        got = float(model(x, y))
+    out = model.generate(x, max_new_tokens=4, return_dict_in_generate=True,
+                         output_logits=True)
+    tpkit.destroy_parallel()
+    return rows, got, want, int(out.sequences[:, 8:].max()), tuple(out.logits[0].shape)
+
+
+def test_padded_vocabulary_is_masked_in_the_loss_and_generation():
+    """GPTConfig(vocab_multiple=128) pads 250 ids to 256 rows (issue 51): the loss is the
+    cross-entropy over the 250 real logits (torch's, on the same weights), and greedy
+    generation never picks a padded id even where its row would win."""
+    ((rows, got, want, top, shape),) = run(_padded_vocabulary, 1)
+    assert rows == (256, 256)
+    assert abs(got - want) <= 1e-5 * abs(want), (got, want)
+    assert top < 250 and shape == (2, 250), (top, shape)

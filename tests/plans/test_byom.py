@@ -209,3 +209,74 @@ def test_every_layout_group_times_out_like_the_default_group():
     some ranks never enter (fabric.clip_gradients on rank 0 only) hung that long."""
     for default, *groups in run(_group_timeouts, 4):
         assert groups == [default], (default, groups)
+
+
+def _export_roads(work: str) -> dict:
+    """Issue 51, one export road for every model tpkit trains: a Hugging Face Llama set up
+    by Fabric at tp=2 x dp=2 through ``partial(tpkit.parallelize, plan=...)`` (DDP) and
+    through tpkit.parallelize with FSDP2: ``full_state_dict`` of the Fabric-wrapped model
+    (full shapes, the original values) and ``hf.save_hf`` of it. Then torch's own DTensor
+    TP as parallelize_fn: refused at setup_module (a ValueError, no false warning)."""
+    import functools
+    import warnings
+
+    from lightning.fabric import Fabric
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    import tpkit
+    from byom_models import hf_llama
+    from tpkit.checkpoint import full_state_dict
+    from tpkit.fabric import TPKitStrategy
+    from tpkit.models import hf
+    from tpkit.plans import ready_plan
+    ref = hf_llama().state_dict()
+    out = {}
+    for name, kw in (("partial+ddp", {}), ("fsdp", {"data_parallel": "fsdp"})):
+        fn = functools.partial(tpkit.parallelize, plan=ready_plan(hf_llama())) \
+            if name == "partial+ddp" else tpkit.parallelize
+        strategy = TPKitStrategy(tp=2, parallelize_fn=fn, **kw)
+        fabric = Fabric(accelerator="cpu", devices=4, strategy=strategy)
+        fabric.launch()
+        model = fabric.setup_module(hf_llama())
+        full = full_state_dict(model)
+        out[name] = {k: (tuple(v.shape), float((v - ref[k]).abs().max()) if k in ref else -1)
+                     for k, v in full.items()}
+        hf.save_hf(model, f"{work}/{name}")
+        strategy.teardown()
+
+    def torch_tp(module, state):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))["tp"]
+        return parallelize_module(module, mesh, {"lm_head": ColwiseParallel()})
+
+    strategy = TPKitStrategy(tp=2, parallelize_fn=torch_tp)
+    fabric = Fabric(accelerator="cpu", devices=4, strategy=strategy)
+    fabric.launch()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            fabric.setup_module(hf_llama())
+            out["torch-tp"] = "SET UP"
+        except ValueError as e:
+            out["torch-tp"] = str(e)
+    out["warnings"] = [str(w.message) for w in caught if "TP-sharded" in str(w.message)]
+    strategy.teardown()
+    return out
+
+
+def test_export_roads_and_parallelize_fns_under_fabric(tmp_path):
+    from transformers import LlamaForCausalLM
+
+    from byom_models import hf_llama
+    ref = hf_llama().state_dict()
+    want = {k: tuple(v.shape) for k, v in ref.items()}
+    for r in run(_export_roads, 4, str(tmp_path)):
+        for name in ("partial+ddp", "fsdp"):
+            assert {k: s for k, (s, _) in r[name].items()} == want, (name, r[name])
+            assert max(d for _, d in r[name].values()) == 0.0, (name, r[name])
+        assert "DTensors after parallelize_fn" in r["torch-tp"], r["torch-tp"]
+        assert r["warnings"] == [], r["warnings"]
+    for name in ("partial+ddp", "fsdp"):
+        saved = LlamaForCausalLM.from_pretrained(str(tmp_path / name)).state_dict()
+        assert saved.keys() == ref.keys()
+        assert all(torch.equal(saved[k], ref[k]) for k in ref), name

@@ -164,3 +164,13 @@ def test_the_layout_is_resolved_once_and_handed_over(tmp_path):
     assert TPKitStrategy(layout=cfg).config is cfg
     with pytest.raises(ValueError, match="not both"):
         TPKitStrategy(layout=cfg, tp=2)
+
+
+def test_a_flag_given_twice_takes_the_last_value():
+    """docs/train.md: a repeated flag (any spelling of the field) takes the last value,
+    and messages name that flag (issue 51: documented, not silent)."""
+    job, _ = parse(["--steps", "5", "--training.steps", "7"], env={})
+    assert job.training.steps == 7 and job.show("training.steps") == \
+        "--training.steps=7 (training.steps)"
+    job, _ = parse(["--training.steps", "7", "--steps", "5"], env={})
+    assert job.training.steps == 5

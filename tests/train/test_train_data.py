@@ -29,9 +29,17 @@ def _train(layout, extra=()):
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
+    return _data(tmp_path_factory.mktemp("data"), 300)
+
+
+@pytest.fixture(scope="module")
+def odd_data(tmp_path_factory):
+    return _data(tmp_path_factory.mktemp("odd"), 301)
+
+
+def _data(d, vocab_size):
     from tpkit.data.preprocess import parse_args, run as run_cli
-    d = tmp_path_factory.mktemp("data")
-    tok = make_tokenizer(d)
+    tok = make_tokenizer(d, vocab_size)
     with open(d / "c.jsonl", "w") as f:
         for t in _texts(200, seed=3):
             f.write(json.dumps({"text": t}) + "\n")
@@ -70,3 +78,16 @@ def test_own_data_saved_at_dp2_resumed_at_dp4(reference, data, tmp_path):
     for losses, val in resumed:
         _same(losses, reference[0][4:])   # step000004: 4 steps done
         _same([v for _, v in val], [reference[1][1][1]])
+
+
+def test_odd_vocabulary_is_padded_and_trains_at_tp2(odd_data):
+    """Issue 51: a 301-token vocabulary (GPT-2's 50,257 is odd too) cannot split over tp=2;
+    --vocab-multiple 128 (the default) pads it to 384 rows and masks the padded logits out
+    of the loss. Reference: the one-process curve of the unpadded model (--vocab-multiple 1,
+    the same weights: the padded rows extend the drawn tensors); tp=2 follows it."""
+    from tpkit.data import Tokenizer
+    assert Tokenizer(odd_data[-1]).vocab_size == 301
+    ((reference, val_ref),) = run(_train, 1, (1, 1), odd_data + ["--vocab-multiple", "1"])
+    for losses, val in run(_train, 2, (2, 1), odd_data):
+        _same(losses, reference)
+        _same([v for _, v in val], [v for _, v in val_ref])

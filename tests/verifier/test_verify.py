@@ -15,7 +15,7 @@ import torch
 
 import byom_models
 import verify_models as vm
-from tpkit.plans import Attention, Plan
+from tpkit.plans import Attention, Column, Plan
 from tpkit.verifier import Layout, expected_piece, parse_layouts, verify_all
 
 LAYOUTS = "2x1x1,2x2x1+sp,1x2x2"
@@ -55,6 +55,12 @@ PLANTED = {
     "wrong KV-head split under GQA": (
         _case(M(tile_kv=True)),
         {lay: ("output", "layers.0.attn") for lay in ALL}),
+    # issue 51: a fused gate/up given Column() without segments= (trained wrong, no word)
+    "fused gate/up without segments": (
+        _case(M(fused_gate_up=True), plan=vm.plan(fused=Column())),
+        {lay: ("output", "layers.0.mlp") for lay in TP2}),
+    "fused gate/up with segments": (
+        _case(M(fused_gate_up=True), plan=vm.plan(fused=Column(segments=(64, 64)))), {}),
     # a plan that makes a layer raise (kv_heads=4 for the model's 2): named with its error
     "a plan whose attention raises": (
         _case(plan=Plan({**vm.plan().layers, "layers.*.attn": Attention(
@@ -102,6 +108,9 @@ def test_planted_mistake_reported_at_its_first_module(reports, name):
         assert "add up to the reference's" in text
     if name == "a plan whose attention raises":
         assert "raised RuntimeError" in text and "every module before it agrees" in text
+    if name == "fused gate/up without segments":
+        assert "child 'layers.0.mlp.proj_in' has no segments" in text and \
+            "Column(segments=(size, size, ...))" in text
     if name == "optimizer holding swapped-out parameters":
         assert "not the model's parameters" in text
 

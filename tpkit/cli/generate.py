@@ -8,8 +8,9 @@ by ``tpkit.models.hf.from_hf``, each rank its own shard) or a checkpoint of
 ``tpkit-train`` (``--checkpoint``: a ``--save`` step directory, with the job's
 ``--config`` TOML that built it; read with ``tpkit.checkpoint.load``, resharded to this
 layout). Prompts are text (``--prompt``, encoded by ``--tokenizer``, a local Hugging Face
-tokenizer.json or directory; without one, UTF-8 bytes: the trainer's built-in corpus)
-or token ids (``--ids 1,2,3``); several prompts of different lengths are left-padded with
+tokenizer.json or directory; with ``--checkpoint``, the job's own data.tokenizer; without
+one, UTF-8 bytes: the trainer's built-in corpus)
+or token ids (``--ids 1,2,3``, each below the model's vocabulary size); several prompts of different lengths are left-padded with
 ``--pad-token-id`` and an attention mask, as Hugging Face does. Rank 0 prints one JSON
 line per prompt: ``{"prompt": [...ids], "ids": [...new ids], "text": ...}``.
 
@@ -100,6 +101,58 @@ def _check_source(args, tp: int, cp: int, sp: bool, files: bool = True) -> None:
                              "that wrote the checkpoint (tpkit-train --print-config)")
 
 
+def _job(args):
+    """The tpkit-train job of ``--config`` (None with ``--hf``)."""
+    if not args.checkpoint:
+        return None
+    from tpkit.train import parse
+    return parse(["--config", args.config], env={})[0]
+
+
+def _vocab(args, job) -> tuple[int, str]:
+    """The model's vocabulary size and where it comes from."""
+    if args.hf:
+        from tpkit.models.hf import read_config
+        return read_config(args.hf)[0].vocab_size, f"{args.hf}/config.json"
+    from tpkit.train.trainer import vocab_size
+    return vocab_size(job), f"the job {args.config}"
+
+
+def _tokenizer(args, job) -> str | None:
+    """The tokenizer of ``--prompt``: ``--tokenizer``, or with ``--checkpoint`` the job's
+    own (data.tokenizer; none: the built-in corpus' UTF-8 bytes). ValueError when they
+    disagree."""
+    if job is None:
+        return args.tokenizer
+    own = job.data.tokenizer
+    if args.tokenizer and own is None:
+        raise ValueError(f"--tokenizer {args.tokenizer}: the job {args.config} trained on the "
+                         "built-in corpus' UTF-8 bytes, not a tokenizer; drop --tokenizer")
+    import os
+    if args.tokenizer and os.path.realpath(args.tokenizer) != os.path.realpath(own):
+        raise ValueError(f"--tokenizer {args.tokenizer} is not the tokenizer the job "
+                         f"{args.config} trained with (data.tokenizer={own!r}); drop "
+                         "--tokenizer (the job's is used)")
+    return own
+
+
+def _check_ids(args, prompts, vocab: int, where: str) -> None:
+    """Every id of ``--ids``, ``--pad-token-id``, ``--eos-token-id`` in the vocabulary."""
+    for p in prompts:
+        bad = [i for i in p if i >= vocab]
+        if bad:
+            raise ValueError(f"--ids {','.join(map(str, p))!r}: token id {bad[0]} is outside "
+                             f"the model's vocabulary of {vocab} (ids 0..{vocab - 1}, from "
+                             f"{where}); pass ids below {vocab}")
+    for flag, ids in (("--pad-token-id", [args.pad_token_id]),
+                      ("--eos-token-id", args.eos_token_id or [])):
+        for i in ids:
+            if i is not None and not 0 <= i < vocab:
+                raise ValueError(f"{flag} {i} is outside the model's vocabulary of {vocab} "
+                                 f"(ids 0..{vocab - 1}, from {where}); pass an id below "
+                                 f"{vocab}")
+
+
 def tpkit_preflight(argv, launch):
     """tpkit-launch's pre-flight hook (tpkit.cli.preflight): the flags, the layout and
     (unless a dry run, which may plan for files not there yet) the checkpoint, checked
@@ -110,6 +163,10 @@ def tpkit_preflight(argv, launch):
         _ids(t, "--ids")
     c = launch.config
     _check_source(args, c.tp, c.cp, c.sequence_parallel, files=not launch.dry_run)
+    if not launch.dry_run:
+        job = _job(args)
+        _tokenizer(args, job)
+        _check_ids(args, [_ids(t, "--ids") for t in args.ids], *_vocab(args, job))
 
 
 def _model(args, state, dtype):
@@ -118,10 +175,8 @@ def _model(args, state, dtype):
         from tpkit.models import hf
         return hf.from_hf(args.hf, state, dtype=dtype)
     from tpkit.checkpoint import load
-    from tpkit.train import parse
     from tpkit.train.trainer import build_model
-    job, _ = parse(["--config", args.config])
-    model = build_model(job, state)
+    model = build_model(_job(args), state)
     load(args.checkpoint, {"model": model})
     return model.to(dtype) if dtype != torch.float32 else model
 
@@ -131,19 +186,21 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _check(args)
         prompts = [_ids(t, "--ids") for t in args.ids]
+        job = _job(args)
+        tokenizer = _tokenizer(args, job)
+        vocab = _vocab(args, job)
+        _check_ids(args, prompts, *vocab)
     except ValueError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
     import torch
     import tpkit
     tok = None
-    if args.prompt:
-        if args.tokenizer:
-            from tpkit.data import Tokenizer
-            tok = Tokenizer(args.tokenizer)
-            prompts += [list(tok.encode(t)) for t in args.prompt]
-        else:
-            prompts += [list(t.encode("utf-8")) for t in args.prompt]
+    if tokenizer:
+        from tpkit.data import Tokenizer
+        tok = Tokenizer(tokenizer)
+    for t in args.prompt:
+        prompts.append(list(tok.encode(t)) if tok is not None else list(t.encode("utf-8")))
     dtype = getattr(torch, args.dtype)
     state = tpkit.init_parallel()
     try:

@@ -192,7 +192,7 @@ def _visible_gpus() -> int:
 
 def resolve(args, env: Mapping[str, str]) -> Plan:
     """Check the invocation against the layout, the machine and Slurm; raise LaunchError."""
-    from tpkit.config import ParallelConfig, env_flag, fused_attn_enabled
+    from tpkit.config import LAUNCH_GIVEN, ParallelConfig, env_flag, fused_attn_enabled
     from tpkit.shm import shm_allreduce_enabled, shm_p2p_enabled
     from .slurm import slurm_info
     try:
@@ -202,7 +202,8 @@ def resolve(args, env: Mapping[str, str]) -> Plan:
         env_flag("TPKIT_TRACEBACK", env, default=False,
                  fix="use 1 (print every failing rank's traceback) or 0")
         config = ParallelConfig.from_env(
-            env, tp=args.tp, cp=args.cp, pp=args.pp, dp=args.dp,
+            {k: v for k, v in env.items() if k != LAUNCH_GIVEN},
+            tp=args.tp, cp=args.cp, pp=args.pp, dp=args.dp,
             sequence_parallel=args.sequence_parallel, cp_comm_type=args.cp_comm_type,
             cp_a2a_size=args.cp_a2a_size, ep=args.ep, etp=args.etp, given_as="tpkit-launch --{flag}")
         slurm = slurm_info(env)
@@ -268,6 +269,9 @@ def resolve(args, env: Mapping[str, str]) -> Plan:
                           "--backend gloo")
     command = _command(args, env)
     exports = dict(config.to_env(), TPKIT_BACKEND=backend)
+    exports[LAUNCH_GIVEN] = ",".join(   # a script's init_parallel may not contradict them
+        f for f in ("tp", "cp", "pp", "dp", "ep", "etp", "sequence_parallel", "cp_comm_type",
+                    "cp_a2a_size") if getattr(args, f, None) is not None)
     if backend == "nccl":
         exports.update({k: v for k, v in NCCL_FLIGHT_RECORDER.items() if k not in env})
         if args.log_dir and "TORCH_NCCL_DEBUG_INFO_TEMP_FILE" not in env:
@@ -516,13 +520,42 @@ def _warn_flags_after_script(args) -> None:
               f"{PROG} {given} {script} ...", file=sys.stderr, flush=True)
 
 
+def check_repeated(parser, argv: list[str]) -> None:
+    """LaunchError when one of tpkit-launch's own options (before the script) is given
+    twice with different values, e.g. ``--tp 2 ... --tp 4``: argparse keeps the last one
+    silently. Spellings of one option (``--nproc-per-node``, ``--nproc_per_node``) count
+    as one."""
+    seen: dict[str, tuple[str, str]] = {}
+    i = 0
+    while i < len(argv):
+        tok = argv[i]
+        if tok == "--" or not tok.startswith("-") or tok == "-m":
+            return   # the script (or -m MODULE) starts: the rest is the script's
+        name, eq, inline = tok.partition("=")
+        action = parser._option_string_actions.get(name)
+        if action is None:
+            i += 1
+            continue
+        if eq or action.nargs == 0:
+            value, i = (inline if eq else "(set)"), i + 1
+        else:
+            value, i = (argv[i + 1] if i + 1 < len(argv) else ""), i + 2
+        if action.dest in seen and seen[action.dest][1] != value:
+            first, before = seen[action.dest]
+            _raise(f"{name} given twice ({first} {before}, then {name} {value}); "
+                   f"{PROG} would use the last one silently: pass it once")
+        seen[action.dest] = (name, value)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Console entry: returns the exit code (0 ok, 1 a worker failed, 2 bad invocation)."""
     argv = sys.argv[1:] if argv is None else argv
     if _asks_for_help(argv):
         help_parser().parse_args(["--help"])   # prints, SystemExit(0); torch not imported
     try:
-        args = build_parser().parse_args(argv)
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        check_repeated(parser, argv)
         plan = resolve(args, os.environ)
         answer = preflight(args, plan)
     except (LaunchError, PreflightError) as e:

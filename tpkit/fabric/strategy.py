@@ -222,10 +222,11 @@ class TPKitStrategy(ParallelStrategy):
         _refuse_dtensors(module)
         if self._parallelize_fn is not None:
             before = {id(p): (weakref.ref(p), n) for n, p in module.named_parameters()}
-            module = self._parallelize_fn(module, state)
+            module = _call_parallelize_fn(self._parallelize_fn, module, state)
             if not isinstance(module, nn.Module):
                 raise TypeError(f"parallelize_fn must return an nn.Module, got "
                                 f"{type(module).__name__}")
+            _refuse_dtensors(module, "parallelize_fn")   # e.g. torch's parallelize_module
             for p in module.parameters():
                 before.pop(id(p), None)
             self._swapped.update(before)
@@ -547,13 +548,35 @@ _TIMED_OUT = re.compile(r"timed out|timeout|connection closed|connection reset|"
                         r"closed by peer|broken pipe", re.IGNORECASE)
 
 
-def _refuse_dtensors(module: nn.Module) -> None:
+def _call_parallelize_fn(fn, module: nn.Module, state):
+    """``fn(module, state)``, or ``fn(module, state=state)`` for a function whose second
+    positional parameter is taken already, e.g. ``partial(tpkit.parallelize, plan=plan)``
+    (positionally, the state would land on ``plan`` twice)."""
+    import inspect
+    try:
+        inspect.signature(fn).bind(module, state)
+    except TypeError:
+        try:
+            inspect.signature(fn).bind(module, state=state)
+        except TypeError:
+            raise TypeError(f"parallelize_fn {fn!r} cannot be called as fn(module, state) nor "
+                            "fn(module, state=state); pass a function of the module and the "
+                            "tpkit ParallelState, e.g. partial(tpkit.parallelize, plan=plan)"
+                            ) from None
+        return fn(module, state=state)
+    except ValueError:   # no signature (a builtin): call it as documented
+        pass
+    return fn(module, state)
+
+
+def _refuse_dtensors(module: nn.Module, where: str = "") -> None:
     """DTensor parameters (torch's parallelize_module) are refused: tpkit's clipping and
     checkpoints read tpkit's tags and meshes, and would compute a wrong norm."""
     names = [n for n, p in module.named_parameters() if isinstance(p, DTensor)]
     if names:
         raise ValueError(
-            f"{len(names)} parameter(s) of the model are DTensors ({names[:3]}, ...: torch's "
+            f"{len(names)} parameter(s) of the model are DTensors"
+            f"{' after ' + where if where else ''} ({names[:3]}, ...: torch's "
             "parallelize_module or fully_shard): TPKitStrategy's gradient clipping and "
             "checkpoints work on tpkit's TP shards and would compute a wrong norm and fail "
             "to save them; parallelize with tpkit.parallelize (TPKitStrategy(parallelize_fn="

@@ -138,6 +138,21 @@ class GenerationMixin:
                              "tpkit's KV cache runs in its torch blocks; build the model "
                              "with backend='torch' for generation")
 
+    def _check_vocab(self, input_ids, attention_mask, pad: int, eos: list) -> None:
+        """Every prompt token, the pad and eos ids inside the vocabulary (a sharded
+        embedding reads an id beyond it as zeros, silently)."""
+        v = self.cfg.vocab_size
+        ids = input_ids if attention_mask is None else input_ids[attention_mask.bool()]
+        if ids.numel() and (int(ids.max()) >= v or int(ids.min()) < 0):
+            bad = int(ids.max()) if int(ids.max()) >= v else int(ids.min())
+            raise ValueError(f"generate(input_ids=...): token id {bad} is outside the model's "
+                             f"vocabulary (vocab_size={v}: ids 0..{v - 1}); encode the prompt "
+                             "with the tokenizer the model was trained with")
+        for what, i in (("pad_token_id", pad), *(("eos_token_id", e) for e in eos)):
+            if i >= v:
+                raise ValueError(f"generate({what}={i}) is outside the model's vocabulary "
+                                 f"(vocab_size={v}: ids 0..{v - 1}); pass an id below {v}")
+
     def _step_logits(self, ids: torch.Tensor, params: InferenceParams, freqs: torch.Tensor,
                      kv_mask: torch.Tensor | None) -> torch.Tensor:
         """The full-vocabulary logits ``[b, V]`` of the last of ``ids [b, s]`` (this call's
@@ -149,7 +164,8 @@ class GenerationMixin:
         logits = self.output(self.final_norm(x[-1:]))               # [1, b, V/tp]
         if isinstance(logits, tuple):
             logits = logits[0]
-        return gather_from_tp_region(logits, self.state.tp_group)[0]
+        logits = gather_from_tp_region(logits, self.state.tp_group)[0]
+        return logits[..., :self.cfg.vocab_size]   # a padded vocabulary's rows never win
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
@@ -164,6 +180,7 @@ class GenerationMixin:
         eos = _check_args(input_ids, attention_mask, max_new_tokens, do_sample, temperature,
                           top_k, top_p, eos_token_id)
         pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else 0)
+        self._check_vocab(input_ids, attention_mask, pad, eos)
         dev = self.state.device
         ids = input_ids.to(dev, torch.long)
         b, p = ids.shape

@@ -49,6 +49,15 @@ class GPTConfig:
     # Activation offload (tpkit.offload, TE's get_cpu_offload_context): the activations of
     # the first cpu_offload_layers blocks wait for the backward off the compute device.
     cpu_offload_layers: int = 0
+    # Vocabulary padding (Megatron's make-vocab-size-divisible-by): the embedding and the
+    # output layer hold padded_vocab_size rows, so that any tp dividing it shards them; the
+    # padded logits are masked out of the loss and of generation (ids < vocab_size only).
+    vocab_multiple: int = 1
+
+    @property
+    def padded_vocab_size(self) -> int:
+        m = self.vocab_multiple
+        return -(-self.vocab_size // m) * m
 
 
 class GPT(GenerationMixin, nn.Module):
@@ -62,7 +71,7 @@ class GPT(GenerationMixin, nn.Module):
                              f"num_layers - 1 = {cfg.num_layers - 1} (the last block's "
                              "activations are needed first in backward)")
         kw = dict(state=self.state)
-        self.embedding = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, **kw)
+        self.embedding = VocabParallelEmbedding(cfg.padded_vocab_size, cfg.hidden_size, **kw)
         self.rope = RotaryEmbedding(cfg.hidden_size // cfg.num_heads)
         self.layers = nn.ModuleList(
             TransformerLayer(cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_heads,
@@ -83,7 +92,7 @@ class GPT(GenerationMixin, nn.Module):
         # rank's chunks itself; tpkit's takes the angles of this rank's positions.
         self._te_blocks = any(is_te_module(m) for m in self.layers)
         self.final_norm = RMSNorm(cfg.hidden_size, **kw)
-        self.output = ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size, bias=False,
+        self.output = ColumnParallelLinear(cfg.hidden_size, cfg.padded_vocab_size, bias=False,
                                            gather_output=False, **kw)
 
     # --- pipeline protocol (tpkit.pipeline): stem, blocks, head and loss -------------
@@ -111,7 +120,17 @@ class GPT(GenerationMixin, nn.Module):
         return layer(x, rotary_pos_emb=freqs)
 
     def pp_head(self, x: torch.Tensor) -> torch.Tensor:
-        return self.output(self.final_norm(x))                      # [s_cp, b, V/tp]
+        return self._mask_padding(self.output(self.final_norm(x)))  # [s_cp, b, V/tp]
+
+    def _mask_padding(self, logits: torch.Tensor) -> torch.Tensor:
+        """This rank's logits with the padded vocabulary's (ids >= vocab_size) at the
+        dtype's lowest value: no probability, no gradient."""
+        v, n = self.cfg.vocab_size, logits.shape[-1]
+        start = self.state.tp_rank * n
+        if start + n <= v:
+            return logits
+        pad = torch.arange(start, start + n, device=logits.device) >= v
+        return logits.masked_fill(pad, torch.finfo(logits.dtype).min)
 
     def pp_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         targets = shard_sequence(targets, 1, self.state).t().contiguous()

@@ -445,5 +445,38 @@ def save_hf(model, path: str, *, dtype: torch.dtype | None = None,
     """Write ``model`` (a ``tpkit.models.Llama``) to ``path``/config.json and safetensors
     shards (at most ``max_shard_size`` bytes each, with an index when there are several)
     that ``transformers`` loads unchanged. Collective (every rank calls it); rank 0 writes,
-    gathering one tensor at a time. ``dtype``: the tensors' (default: the parameters')."""
-    save_llama(model, path, dtype=dtype, max_shard_size=max_shard_size)
+    gathering one tensor at a time. ``dtype``: the tensors' (default: the parameters').
+
+    Also a Hugging Face ``transformers`` model parallelized by ``tpkit.parallelize``
+    (wrapped by Fabric, DDP or FSDP2 or not): its full state dict
+    (``tpkit.checkpoint.full_state_dict``, full shapes under its own names) written by its
+    own ``save_pretrained`` on rank 0."""
+    from ..checkpoint import user_module
+    from .llama import Llama
+    inner = user_module(model)
+    if isinstance(inner, Llama):
+        return save_llama(inner, path, dtype=dtype, max_shard_size=max_shard_size)
+    if not (hasattr(inner, "save_pretrained") and hasattr(inner, "config")):
+        raise ValueError(f"save_hf({type(inner).__name__}): writes a tpkit.models.Llama or a "
+                         "Hugging Face (transformers) model parallelized by tpkit.parallelize;"
+                         " for another model, tpkit.checkpoint.full_state_dict(model) gives "
+                         "its full tensors (collective) to save as you like")
+    _save_pretrained(inner, path, dtype=dtype, max_shard_size=max_shard_size)
+
+
+def _save_pretrained(model, path: str, *, dtype, max_shard_size: int) -> None:
+    """save_hf of a tpkit.parallelize'd transformers model. Collective."""
+    from ..checkpoint import full_state_dict
+    from ..topology import resolve_state
+    sd = full_state_dict(model)
+    if dtype is not None:
+        sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}
+    error = None
+    if resolve_state(None).rank == 0:
+        try:
+            model.save_pretrained(os.path.abspath(os.fspath(path)), state_dict=sd,
+                                  max_shard_size=max_shard_size, safe_serialization=True)
+        except OSError as e:
+            error = ValueError(f"save_hf({path!r}): rank 0 cannot write there ({e}); pass a "
+                               "directory you can write")
+    agree(error)   # every rank learns rank 0's outcome (and waits for it)

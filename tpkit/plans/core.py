@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import re
 from typing import Callable
 
 import torch
@@ -73,11 +74,32 @@ class Style:
         raise NotImplementedError
 
 
+# Names of fused projections (gate/up, q/k/v) in the models people bring: Column() on them
+# without segments= trains wrong (each rank a slice of the concatenation).
+_FUSED = re.compile(r"(gate_up|up_gate|w13|w1_3|qkv|query_key_value|c_attn)", re.I)
+
+
 @dataclasses.dataclass(frozen=True)
 class Column(Style):
     gather_output: bool = False
     segments: tuple | None = None
     kinds = (nn.Linear,)
+
+    def check(self, name, module):
+        super().check(name, module)
+        fused = _FUSED.search(name.rsplit(".", 1)[-1])
+        if fused and self.segments is None and not self.gather_output:
+            n = module.out_features
+            eg = f"({n // 2}, {n // 2}) for gate/up" if "qkv" not in fused.group(1).lower() \
+                and fused.group(1).lower() not in ("query_key_value", "c_attn") \
+                else "(q, k, v) sizes, e.g. (heads*d, kv_heads*d, kv_heads*d), for q/k/v"
+            raise ValueError(
+                f"plan style Column() for {name!r} (nn.Linear {module.in_features} -> {n}): "
+                f"the name says it is a fused projection ({fused.group(1)!r}) whose parts "
+                "must each be sharded on its own, else every rank holds a slice of the "
+                "concatenation and the model trains wrong; pass Column(segments=...) with "
+                f"the part sizes, e.g. {eg}, or Column(segments=({n},)) if it is one "
+                "projection")
 
     def apply(self, name, module, ctx):
         return column(module, gather_output=self.gather_output, segments=self.segments,

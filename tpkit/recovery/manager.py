@@ -96,11 +96,11 @@ class Recovery:
         return exit_code(self.stopped_by) if self.stopped_by else 0
 
     # --- resume ---------------------------------------------------------------------
-    def resume(self, state: dict) -> int:
+    def resume(self, state: dict, *, strict: bool = True) -> int:
         """Load the newest complete checkpoint of ``save_dir`` (written at any layout) into
         ``state``, passing over (and naming) newer ones that are incomplete or damaged;
         returns the index of the next step (0, and says so, when there is none).
-        Collective."""
+        ``strict``: as ``tpkit.checkpoint.load``'s. Collective."""
         found, skipped = _broadcast((dirs.latest_checkpoint(self.save_dir),
                                      dirs.skipped_checkpoints(self.save_dir))
                                     if _rank() == 0 else None)
@@ -109,9 +109,9 @@ class Recovery:
         if found is None:
             _say(f"no complete checkpoint in {self.save_dir}: starting fresh")
             return 0
-        loaded = checkpoint.load(found, {**_unwrap(state), "step": None})
+        loaded = checkpoint.load(found, {**_unwrap(state), "step": None}, strict=strict)
         self.resumed_from = found
-        _say(f"resuming from {found} (after step {loaded['step']})")
+        _say(f"resuming from {found} ({int(loaded['step']) + 1} steps done)")
         self._beat(loaded["step"])
         return int(loaded["step"]) + 1
 

@@ -42,6 +42,21 @@ def opt(default, doc: str, *, short: str | tuple = (), choices=None):
                  metadata={"doc": doc, "short": short, "choices": choices})
 
 
+def output_dir_problem(path: str) -> str | None:
+    """Why the job could not write the directory ``path`` (checked before any worker
+    starts, not at the first save hours in), or None."""
+    probe = os.path.abspath(path)
+    if os.path.exists(probe) and not os.path.isdir(probe):
+        return "is a file"
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        return f"is under {probe}, which is a file"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return f"cannot be written: {probe} is not writable by this user"
+    return None
+
+
 # --- the sections ------------------------------------------------------------------------
 @dataclass
 class Parallelism:
@@ -82,20 +97,24 @@ class Model:
                           short="--gqa-groups")
     ffn: int = opt(512, "MLP hidden size (each expert's, with experts)", short="--ffn")
     dropout: float = opt(0.0, "hidden and attention dropout", short="--dropout")
+    vocab_multiple: int = opt(128, "pad the reference GPT's vocabulary to a multiple of this "
+                                   "(Megatron's make-vocab-size-divisible-by; the padded logits"
+                                   " are masked out of the loss and of generation)",
+                              short="--vocab-multiple")
     init_from_hf: str | None = opt(
         None, "fine-tune the model of this Hugging Face directory (config.json + "
               "*.safetensors) instead of the reference GPT; its vocabulary must hold the "
               "corpus' 256 byte ids", short="--init-from-hf")
 
     def check(self, job: "JobConfig") -> None:
-        for name in ("hidden", "layers", "heads", "gqa_groups", "ffn"):
+        for name in ("hidden", "layers", "heads", "gqa_groups", "ffn", "vocab_multiple"):
             if getattr(self, name) < 1:
                 raise job.bad(f"model.{name}", "must be >= 1")
         if not 0.0 <= self.dropout < 1.0:
             raise job.bad("model.dropout", "must be in [0, 1)")
         if self.init_from_hf:
             given = [job.show(f"model.{n}") for n in ("hidden", "layers", "heads",
-                                                      "gqa_groups", "ffn")
+                                                      "gqa_groups", "ffn", "vocab_multiple")
                      if not job.is_default(f"model.{n}")]
             if given:
                 raise ValueError(f"{', '.join(given)} cannot be combined with "
@@ -263,6 +282,9 @@ class Checkpoint:
     save_every: int = opt(0, "save every N steps (0: only at the end)", short="--save-every")
     resume: str | None = opt(None, "a checkpoint (SAVE/stepNNNNNN) or a save directory (its "
                                    "latest), written at any layout", short="--resume")
+    resume_partial: bool = opt(False, "with resume: load only the tensors the checkpoint "
+                                      "and this model share (the others stay as initialized;"
+                                      " shapes must still match)", short="--resume-partial")
     keep: int | None = opt(None, "keep the newest N checkpoints in save (never the one "
                                  "resumed from; unset: all)", short="--keep")
     async_save: bool = opt(False, "write checkpoints in the background (the next save waits "
@@ -274,13 +296,18 @@ class Checkpoint:
     def check(self, job: "JobConfig") -> None:
         if self.save_every < 0:
             raise job.bad("checkpoint.save_every", "must be >= 0 (0: only at the end)")
-        if self.save and os.path.exists(self.save) and not os.path.isdir(self.save):
-            raise job.bad("checkpoint.save", "is a file; pass a directory (checkpoints go in "
-                                             "SAVE/stepNNNNNN)")
+        for name, what in (("save", "checkpoints go in SAVE/stepNNNNNN"),
+                           ("export_hf", "config.json and the weights go there")):
+            problem = getattr(self, name) and output_dir_problem(getattr(self, name))
+            if problem:
+                raise job.bad(f"checkpoint.{name}", f"{problem}; pass a directory ({what})")
         for name in ("save_every", "keep", "async_save"):
             if getattr(self, name) and not self.save:
                 raise job.bad(f"checkpoint.{name}", "needs --save DIR (checkpoint.save: "
                                                     "where to write them)")
+        if self.resume_partial and not (self.resume or job.recovery.auto_resume):
+            raise job.bad("checkpoint.resume_partial", "needs --resume CKPT or --auto-resume "
+                                                       "(what to load partially)")
         if self.keep is not None and self.keep < 1:
             raise job.bad("checkpoint.keep", "must be >= 1 (how many checkpoints to keep); "
                                              "leave it unset to keep them all")
@@ -397,8 +424,9 @@ class Logging:
         if self.log_every < 1:
             raise job.bad("logging.log_every", "must be >= 1")
         if self.log_dir is not None:
-            if os.path.exists(self.log_dir) and not os.path.isdir(self.log_dir):
-                raise job.bad("logging.log_dir", "is a file; pass a directory (TensorBoard "
+            problem = output_dir_problem(self.log_dir)
+            if problem:
+                raise job.bad("logging.log_dir", f"{problem}; pass a directory (TensorBoard "
                                                  "files and metrics.csv go there)")
             if importlib.util.find_spec("tensorboard") is None:
                 raise job.bad("logging.log_dir", "needs the tensorboard package to write "
@@ -717,8 +745,8 @@ def build_parser(prog: str | None = None, description: str | None = None
     ap = argparse.ArgumentParser(
         prog=prog, description=description, allow_abbrev=False,
         formatter_class=argparse.RawDescriptionHelpFormatter, argument_default=argparse.SUPPRESS)
-    ap.add_argument("--config", metavar="FILE", default=None,
-                    help="a TOML job file (flags override its values)")
+    ap.add_argument("--config", metavar="FILE", default=None, action="append",
+                    help="a TOML job file (flags override its values); one")
     ap.add_argument("--print-config", action="store_true", default=False,
                     help="print the resolved job as TOML and exit")
     for name, cls in SECTIONS.items():
@@ -769,6 +797,11 @@ def parse(argv=None, *, prog: str | None = None, description: str | None = None,
     ns = argparse.Namespace(_flags=[])
     ns = ap.parse_args(argv, namespace=ns)
     job = JobConfig()
+    if ns.config and len(ns.config) > 1:   # the second silently replaced the first
+        raise ValueError(f"--config given {len(ns.config)} times ({', '.join(ns.config)}); "
+                         "pass one job file (flags override its values; tpkit-train "
+                         "--config A --print-config > B writes one to edit)")
+    ns.config = ns.config[0] if ns.config else None
     if ns.config:
         read_toml(ns.config, job)
     for dest, value, flag in ns._flags:

@@ -190,7 +190,24 @@ def gpt_config(job: JobConfig, impl: str | None = None):
                      backend=impl or m.impl, moe_experts=e.num, moe_topk=e.topk,
                      moe_every=e.every, moe_aux_coeff=e.aux_coeff,
                      moe_capacity_factor=e.capacity_factor,
-                     cpu_offload_layers=job.training.cpu_offload_layers)
+                     cpu_offload_layers=job.training.cpu_offload_layers,
+                     vocab_multiple=job.model.vocab_multiple)
+
+
+def check_vocab(job: JobConfig, tp: int) -> None:
+    """The reference GPT's padded vocabulary must split over ``tp``: ValueError naming the
+    vocabulary, where it came from and the model.vocab_multiple to use."""
+    if job.model.init_from_hf:
+        return
+    cfg = gpt_config(job)
+    if cfg.padded_vocab_size % tp:
+        where = (f"{job.show('data.tokenizer')}'s" if job.data.path is not None
+                 else "the built-in corpus'")
+        raise ValueError(f"{where} vocabulary of {cfg.vocab_size}, padded to a multiple of "
+                         f"{job.show('model.vocab_multiple')}, is {cfg.padded_vocab_size}, "
+                         f"which tp={tp} does not divide; use --vocab-multiple "
+                         f"{math.lcm(job.model.vocab_multiple, tp)} or a multiple of it (the "
+                         "padded rows are masked out of the loss and of generation)")
 
 
 def full_init(model: torch.nn.Module, seed: int) -> None:
@@ -252,6 +269,33 @@ def resolve_resume(job: JobConfig) -> str:
     return os.path.join(path, steps[-1]) if steps else path
 
 
+def steps_done(job: JobConfig, path: str, extras: dict) -> int:
+    """The steps the checkpoint at ``path`` has done (its ``step`` entry + 1); ValueError
+    when it has none, or when they reach training.steps (nothing would train)."""
+    if "step" not in extras:
+        raise job.bad("checkpoint.resume", f"-> {path} has no 'step' entry: it was not "
+                                           "written by tpkit-train --save; resume from one "
+                                           "that was")
+    done = int(extras["step"]) + 1
+    if done >= job.training.steps:
+        raise job.bad("checkpoint.resume", f"-> {path} has {done} steps done, which reaches "
+                                           f"{job.show('training.steps')}: nothing to train; "
+                                           f"raise --steps above {done} to train on")
+    return done
+
+
+def resume_line(job: JobConfig, path: str, done: int) -> str:
+    """What a resume restores, in one line: the steps done and where the data goes on."""
+    t = job.training
+    if done >= t.steps:   # --auto-resume of a finished job
+        return (f"resumed from {path}: {done} steps done, which reaches "
+                f"{job.show('training.steps')}: nothing to train; raise --steps above {done} "
+                "to train on")
+    return (f"resumed from {path}: {done} steps done; training steps {done + 1}..{t.steps} "
+            f"from the data stream's sample {done * t.global_batch} (step {done + 1}'s "
+            f"batch of {t.global_batch})")
+
+
 # --- the trainer ----------------------------------------------------------------------------
 class Trainer:
     """Builds ``job`` (a checked JobConfig) and trains it with ``fit()``."""
@@ -277,6 +321,7 @@ class Trainer:
         self.fabric.launch()
         self.state = state = self.fabric.strategy.parallel_state
         job.check_layout(state)
+        check_vocab(job, state.tp_size)
 
         self.raw_model = build_model(job, state)
         if job.training.compile:   # in place: names, checkpoints and stages are unchanged
@@ -300,11 +345,20 @@ class Trainer:
             signals=(signal.SIGTERM, signal.SIGUSR1) if c.save else (),
             straggler_every=job.logging.log_every if state.world_size > 1 else None)
         self.start = 0
+        strict = not c.resume_partial
         if c.resume:
-            extra = self.fabric.load(resolve_resume(job), self.saved)
-            self.start = int(extra["step"]) + 1
+            path = resolve_resume(job)
+            self.start = steps_done(job, path, self.fabric.load(path, self.saved,
+                                                                 strict=strict))
+            self._say(resume_line(job, path, self.start))
         if job.recovery.auto_resume:
-            self.start = self.recovery.resume(self.saved)
+            self.start = self.recovery.resume(self.saved, strict=strict)
+            if self.recovery.resumed_from:
+                self._say(resume_line(job, self.recovery.resumed_from, self.start))
+
+    def _say(self, line: str) -> None:
+        if self.state.rank == 0:
+            print(line, flush=True)
 
     def _precision(self):
         p = self.job.precision
@@ -500,6 +554,7 @@ def preflight(argv, launch):
     hf_cfg = check_hf_dir(job) if job.model.init_from_hf and not launch.dry_run else None
     with fake_state(config, launch.world_size) as state:
         job.check_layout(state)
+        check_vocab(job, state.tp_size)
         try:
             with torch.random.fork_rng(devices=[]), torch.device("meta"):
                 model_parallel_seed(job.training.seed, state)   # the layers draw TP shards
@@ -519,8 +574,11 @@ def preflight(argv, launch):
         if launch.dry_run and state.pp_size > 1:
             print("\n".join(pipeline_stages(job, state)))
         if job.checkpoint.resume and not launch.dry_run:   # a dry run may plan a future save
-            verify(resolve_resume(job), None if model is None else {"model": model},
-                   state=state)
+            from tpkit.checkpoint import read
+            path = resolve_resume(job)
+            verify(path, None if model is None else {"model": model}, state=state,
+                   strict=not job.checkpoint.resume_partial)
+            steps_done(job, path, read(path, keys=["step"]))
     if job.training.verify and not launch.dry_run:
         report = verify_job(job, config)
         print(report, flush=True)

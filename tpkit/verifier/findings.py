@@ -105,6 +105,18 @@ def hint_output(f, key, step, ref, ranks, ctx):
                       "Column() for the first of two projections, Row() for the second, "
                       "Column(segments=...) for a fused weight (gate/up, q/k/v)")
         return
+    mods = ranks[0]["meta"]["modules"]
+    columns = [m for m, info in mods.items() if m.startswith(f"{name}.")
+               and "." not in m[len(name) + 1:] and info.get("cls") == "ColumnParallelLinear"
+               and info.get("split_dim") == 0 and info.get("sizes") is None]
+    if columns:   # a fused projection split in the forward (gate/up, q/k/v), one segment
+        f.hint = (f"'{name}' ({cls}) is the first module whose output differs and its inputs "
+                  f"agree; its column-parallel child '{columns[0]}' has no segments: if "
+                  f"'{name}' splits that output into parts (a fused gate/up or q/k/v "
+                  "projection, .chunk/.split), each rank holds a slice of the concatenation, "
+                  "not its share of every part: give it Column(segments=(size, size, ...)) "
+                  "in the plan")
+        return
     f.hint = (f"'{name}' ({cls}) is the first module whose output differs; the modules "
               "before it agree, so look at what it computes or receives besides its input")
 
