@@ -71,7 +71,12 @@ class Parallelism:
 
 @dataclass
 class Model:
-    """The reference GPT (tpkit.models.GPT), or a Hugging Face model to fine-tune."""
+    """The reference GPT (tpkit.models.GPT) or a Llama (tpkit.models.Llama) from a random
+    init, or a Hugging Face model to fine-tune."""
+    arch: str = opt("gpt", "the architecture trained from scratch: the reference GPT (GELU "
+                           "MLP) or Llama (RMSNorm, SwiGLU, RoPE, grouped-query attention, "
+                           "untied head) at the sizes below", short="--arch",
+                    choices=("gpt", "llama"))
     impl: str = opt("torch", "the transformer blocks' implementation: tpkit's torch layers, "
                              "Transformer Engine's (GPUs), or TE where it can run",
                     choices=IMPLS)
@@ -82,6 +87,12 @@ class Model:
                           short="--gqa-groups")
     ffn: int = opt(512, "MLP hidden size (each expert's, with experts)", short="--ffn")
     dropout: float = opt(0.0, "hidden and attention dropout", short="--dropout")
+    rope_theta: float = opt(10000.0, "with arch llama: RoPE's base (Llama 3: 500000)",
+                            short="--rope-theta")
+    hf_config: str | None = opt(
+        None, "train from a random init the Llama-family model of this Hugging Face "
+              "config.json (or its directory; no weights read): sizes, RoPE and its "
+              "scaling, vocabulary (at least the data's)", short="--hf-config")
     init_from_hf: str | None = opt(
         None, "fine-tune the model of this Hugging Face directory (config.json + "
               "*.safetensors) instead of the reference GPT; its vocabulary must hold the "
@@ -101,6 +112,8 @@ class Model:
                 raise ValueError(f"{', '.join(given)} cannot be combined with "
                                  f"{job.show('model.init_from_hf')} (the sizes come from "
                                  f"{self.init_from_hf}/config.json); drop them")
+        from .arch import check
+        check(job)
 
 
 @dataclass
@@ -226,6 +239,10 @@ class Optimizer:
     lr: float = opt(3e-3, "peak learning rate", short="--lr")
     warmup: int = opt(10, "linear warmup steps (0: none)", short="--warmup")
     clip: float = opt(1.0, "clip the gradient norm to this (0: off)", short="--clip")
+    impl: str = opt("auto", "AdamW's implementation: fused (torch's fused=True: one kernel "
+                            "per dtype and device for all parameters), foreach (torch's "
+                            "multi-tensor), or auto: fused on CUDA, foreach elsewhere",
+                    short="--optimizer-impl", choices=("auto", "fused", "foreach"))
 
     def check(self, job: "JobConfig") -> None:
         if not self.lr > 0:
@@ -268,7 +285,8 @@ class Checkpoint:
     async_save: bool = opt(False, "write checkpoints in the background (the next save waits "
                                   "for it)", short="--async-save")
     export_hf: str | None = opt(None, "write the trained model there as a Hugging Face "
-                                      "checkpoint (needs model.init_from_hf)",
+                                      "checkpoint (needs a Llama: model.arch llama, "
+                                      "model.hf_config or model.init_from_hf)",
                                 short="--export-hf")
 
     def check(self, job: "JobConfig") -> None:
@@ -284,9 +302,11 @@ class Checkpoint:
         if self.keep is not None and self.keep < 1:
             raise job.bad("checkpoint.keep", "must be >= 1 (how many checkpoints to keep); "
                                              "leave it unset to keep them all")
-        if self.export_hf and not job.model.init_from_hf:
-            raise ValueError(f"{job.show('checkpoint.export_hf')} needs --init-from-hf (the "
-                             "reference GPT has no Hugging Face architecture)")
+        from .arch import is_llama
+        if self.export_hf and not (job.model.init_from_hf or is_llama(job)):
+            raise ValueError(f"{job.show('checkpoint.export_hf')} needs a Llama (--arch llama,"
+                             " --hf-config or --init-from-hf): the reference GPT has no "
+                             "Hugging Face architecture")
 
 
 @dataclass
@@ -526,7 +546,9 @@ class JobConfig:
                                  "accumulation at pp=1) runs the reference GPT on token "
                                  "batches; drop --init-from-hf or --microbatches")
         else:
+            from .arch import is_llama
             for path, bad in (("model.init_from_hf", self.model.init_from_hf),
+                              ("model.arch", is_llama(self)),
                               ("parallelism.data_parallel",
                                self.parallelism.data_parallel == "fsdp"),
                               ("precision.mode", self.precision.mode != "32-true"),
