@@ -356,8 +356,6 @@ LAUNCH = [
         "add --arch llama or drop it", T("--rope-theta", "500000")),
     Row("train-llama-moe", "--moe-experts=4 (experts.num) with a Llama", "use --arch gpt",
         T("--arch", "llama", "--moe-experts", "4")),
-    Row("train-llama-pp", "--arch='llama' (model.arch) with --pp 2", "use --pp 1",
-        ["--nproc-per-node", "2", "--pp", "2", TRAIN, "--arch", "llama"]),
     Row("train-resume-damaged", "{train_ckpt}/step000002/__1_0.distcp",
         "resume from the previous checkpoint: {train_ckpt}/step000001",
         ["--tp", "2", TRAIN, *SMALL, "--resume", "{train_ckpt}"]),

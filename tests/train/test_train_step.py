@@ -3,7 +3,9 @@ gradient reduction once per step, not once per micro-batch (DDP's bucket all-red
 counted through a comm hook, every other collective by tests/commcount.py), and gives the
 losses of the same global batch without accumulation; the fused AdamW
 (``--optimizer-impl fused``, torch's ``fused=True``) trains to the same losses as the
-multi-tensor one. Pool (tests/dist.py), a Llama (``--arch llama``) at dp=2."""
+multi-tensor one; a Llama from scratch trains to the one-process losses at pp=2, pp=2 x
+tp=2, tp=2 x cp=2 with SP and FSDP2 with recompute. Pool (tests/dist.py), a Llama
+(``--arch llama``)."""
 import pytest
 
 from dist import run
@@ -69,3 +71,26 @@ def test_fused_adamw_trains_as_the_multi_tensor_one(one_microbatch):
     for a, b in zip(losses, one_microbatch[0]):
         assert a == pytest.approx(b, rel=REL)
     assert losses[-1] < losses[0]
+
+
+def _losses(extra):
+    from tpkit.train import Trainer, parse
+    job, _ = parse(ARGS + ["--seq-len", "32"] + list(extra))
+    return Trainer(job).fit()
+
+
+@pytest.fixture(scope="module")
+def llama_ref():
+    return run(_losses, 1, ["--optimizer-impl", "foreach"])[0]
+
+
+@pytest.mark.parametrize("nproc,layout", [
+    (4, ["--tp", "2", "--cp", "2", "--sequence-parallel"]),
+    (4, ["--pp", "2", "--tp", "2", "--microbatches", "4", "--optimizer-impl", "fused"]),
+    (2, ["--data-parallel", "fsdp", "--recompute"])], ids=["tp2-cp2-sp", "pp2-tp2",
+                                                           "fsdp2-recompute"])
+def test_llama_trains_the_same_at_every_layout(llama_ref, nproc, layout):
+    """A Llama from scratch (the layout-independent init) gives the one-process losses at
+    the reference GPT's layouts, pipeline stages included (Llama's pp protocol)."""
+    for losses in run(_losses, nproc, layout):
+        assert losses == pytest.approx(llama_ref, rel=REL), (layout, losses, llama_ref)

@@ -11,7 +11,8 @@ from __future__ import annotations
 import json
 import os
 
-__all__ = ["ARCHS", "is_llama", "llama_config", "check", "hf_config_path", "vocab_size"]
+__all__ = ["ARCHS", "is_llama", "llama_config", "check", "hf_config_path", "vocab_size",
+           "num_layers"]
 
 ARCHS = ("gpt", "llama")
 
@@ -24,6 +25,15 @@ def is_llama(job) -> bool:
 def hf_config_path(path: str) -> str:
     """model.hf_config's config.json (a directory holding one, or the file)."""
     return os.path.join(path, "config.json") if os.path.isdir(path) else path
+
+
+def num_layers(job) -> int:
+    """The job's transformer blocks: model.hf_config's num_hidden_layers, else
+    model.layers (read without torch: the pipeline plan checks it before any worker)."""
+    if job.model.hf_config is not None:
+        with open(hf_config_path(job.model.hf_config)) as f:
+            return int(json.load(f)["num_hidden_layers"])
+    return job.model.layers
 
 
 def vocab_size(job) -> int:
@@ -69,9 +79,6 @@ def check(job) -> None:
         if not os.path.isfile(path):
             raise job.bad("model.hf_config", f"has no {path}; pass a Hugging Face "
                                              "config.json or the directory holding one")
-        if not job.is_default("model.arch") and m.arch != "llama":
-            raise ValueError(f"{job.show('model.arch')} with {job.show('model.hf_config')}: "
-                             "the config.json describes a Llama-family model; drop --arch")
         given = [job.show(f"model.{n}") for n in ("hidden", "layers", "heads", "gqa_groups",
                                                    "ffn", "rope_theta")
                  if not job.is_default(f"model.{n}")]

@@ -546,9 +546,7 @@ class JobConfig:
                                  "accumulation at pp=1) runs the reference GPT on token "
                                  "batches; drop --init-from-hf or --microbatches")
         else:
-            from .arch import is_llama
             for path, bad in (("model.init_from_hf", self.model.init_from_hf),
-                              ("model.arch", is_llama(self)),
                               ("parallelism.data_parallel",
                                self.parallelism.data_parallel == "fsdp"),
                               ("precision.mode", self.precision.mode != "32-true"),
@@ -558,12 +556,13 @@ class JobConfig:
                                      "runs the reference GPT in float32 with DDP so far; drop"
                                      " it or use --pp 1")
             from ..pipeline import plan_pipeline
+            from .arch import num_layers
             try:
-                plan_pipeline(pp=pp, num_blocks=self.model.layers, microbatches=m,
+                plan_pipeline(pp=pp, num_blocks=num_layers(self), microbatches=m,
                               schedule=p.schedule, virtual_stages=p.virtual_stages,
                               recompute=t.recompute)
             except ValueError as e:
-                raise ValueError(f"--pp {pp} --layers {self.model.layers} --microbatches {m} "
+                raise ValueError(f"--pp {pp} --layers {num_layers(self)} --microbatches {m} "
                                  f"--pp-schedule {p.schedule}: {e}") from None
         if (t.global_batch // state.dp_size) % m:
             raise ValueError(f"{self.show('training.global_batch')} does not split into dp x "

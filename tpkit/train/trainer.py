@@ -451,7 +451,8 @@ def pipeline_stages(job: JobConfig, state) -> list[str]:
     """The dry run's lines: which stages and blocks every pp rank (and its ranks) runs."""
     from tpkit.pipeline import plan_pipeline
     from tpkit.planning import format_ranks
-    layers = job.model.layers
+    from .arch import num_layers
+    layers = num_layers(job)
     plan = plan_pipeline(pp=state.pp_size, num_blocks=layers,
                          microbatches=job.microbatches(state.pp_size),
                          schedule=job.pipeline.schedule,
