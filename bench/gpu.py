@@ -64,6 +64,10 @@ ROWS = {
     "hand te fp8 delayed": ("hand", ["te", "fp8"], 90),
     # tpkit's Llama in the hand loop: splits tpkit's overhead between the model and Fabric
     "hand loop tpkit llama te bf16": ("hand", ["tpkit", "bf16"], 90),
+    # issue 50 item 2: the fused AdamW's gain, against torch's multi-tensor one
+    "tpkit te bf16 foreach adamw": ("tpkit", ["--model.impl", "te", "--precision",
+                                              "bf16-mixed", "--optimizer-impl", "foreach"],
+                                    100),
 }
 FP8 = ("fp8",)
 
@@ -455,7 +459,9 @@ def main(argv=None) -> dict:
                      "tpkit te bf16 / hand te bf16 (goal >= 0.98)":
                      ratio("tpkit te bf16", "hand te bf16"),
                      "hand loop tpkit llama / hand te bf16":
-                     ratio("hand loop tpkit llama te bf16", "hand te bf16")}
+                     ratio("hand loop tpkit llama te bf16", "hand te bf16"),
+                     "fused / foreach AdamW (tpkit te bf16)":
+                     ratio("tpkit te bf16", "tpkit te bf16 foreach adamw")}
     print(json.dumps(res["ratios"]), flush=True)
     save()
     return res

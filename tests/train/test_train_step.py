@@ -89,6 +89,7 @@ def llama_ref():
     (4, ["--pp", "2", "--tp", "2", "--microbatches", "4", "--optimizer-impl", "fused"]),
     (2, ["--data-parallel", "fsdp", "--recompute"])], ids=["tp2-cp2-sp", "pp2-tp2",
                                                            "fsdp2-recompute"])
+@pytest.mark.slow
 def test_llama_trains_the_same_at_every_layout(llama_ref, nproc, layout):
     """A Llama from scratch (the layout-independent init) gives the one-process losses at
     the reference GPT's layouts, pipeline stages included (Llama's pp protocol)."""
