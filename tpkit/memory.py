@@ -226,7 +226,7 @@ class MemoryJob:
         else:
             model = ModelShape(layers=m.layers, hidden=m.hidden, ffn=m.ffn,
                                heads=m.heads, kv_heads=m.gqa_groups,
-                               vocab=256,   # the built-in corpus's byte vocabulary
+                               vocab=vocab,
                                activation="gelu", norm="RMSNorm", bias=False,
                                experts=e.num, topk=e.topk, moe_every=e.every,
                                capacity_factor=e.capacity_factor)

@@ -210,7 +210,7 @@ def full_init(model: torch.nn.Module, seed: int) -> None:
 def adamw(params, job: JobConfig, device) -> torch.optim.AdamW:
     """The job's AdamW (betas 0.9, 0.95, no weight decay): torch's fused kernel
     (``fused=True``) on CUDA or with optimizer.impl fused, its multi-tensor one
-    (``foreach=True``) otherwise (docs/train.md, "The optimizer")."""
+    (``foreach=True``) otherwise (docs/train.md, "The optimizer step")."""
     impl = job.optimizer.impl
     fused = impl == "fused" or (impl == "auto" and torch.device(device).type == "cuda")
     return torch.optim.AdamW(params, lr=job.optimizer.lr, betas=(0.9, 0.95),
