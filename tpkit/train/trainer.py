@@ -560,8 +560,8 @@ def verify_job(job: JobConfig, config):
 
 
 # --- entry points ----------------------------------------------------------------------------
-DESCRIPTION = """Train the reference GPT (tpkit.models.GPT) or a Hugging Face Llama-family model
-on the built-in corpus with Fabric + TPKitStrategy + TPKitPrecision (docs/train.md).
+DESCRIPTION = """Train the reference GPT (tpkit.models.GPT), a Llama from scratch (--arch llama,
+--hf-config) or a Hugging Face Llama-family model on the built-in corpus with Fabric + TPKitStrategy + TPKitPrecision (docs/train.md).
 
     tpkit-launch --tp 2 --cp 2 launch/train.py                     # CPU: 4 gloo ranks
     tpkit-launch --tp 2 --cp 2 -m tpkit.train --config job.toml --training.steps 100
