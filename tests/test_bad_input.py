@@ -360,6 +360,18 @@ LAUNCH = [
     Row("train-pack-hf", "--pack (data.pack) trains the reference GPT",
         "drop --init-from-hf or --pack",
         T("--pack", "--init-from-hf", "{tmp}")),
+    # issue 50: a Llama from scratch (tpkit.train.arch)
+    Row("train-hf-config-missing", "--hf-config='{tmp}/none.json' (model.hf_config)",
+        "pass a Hugging Face config.json", T("--hf-config", "{tmp}/none.json")),
+    Row("train-hf-config-sizes", "--ffn=128 (model.ffn) cannot be combined with "
+        "--hf-config", "drop them", T("--hf-config", "{tmp}/c.json", "--hidden", "32"),
+        setup=_write("c.json", '{"model_type": "llama", "hidden_size": 64, '
+                               '"intermediate_size": 96, "num_hidden_layers": 2, '
+                               '"num_attention_heads": 4, "vocab_size": 300}')),
+    Row("train-rope-theta-gpt", "--rope-theta=500000.0 (model.rope_theta)",
+        "add --arch llama or drop it", T("--rope-theta", "500000")),
+    Row("train-llama-moe", "--moe-experts=4 (experts.num) with a Llama", "use --arch gpt",
+        T("--arch", "llama", "--moe-experts", "4")),
     Row("train-resume-damaged", "{train_ckpt}/step000002/__1_0.distcp",
         "resume from the previous checkpoint: {train_ckpt}/step000001",
         ["--tp", "2", TRAIN, *SMALL, "--resume", "{train_ckpt}"]),

@@ -278,3 +278,26 @@ def test_hf_config_parameters_equal_the_built_llamas(hf):
         finally:
             get_rng_tracker().reset()
     assert est.terms["parameters"] == 4 * n
+
+
+def test_trainer_llama_job_is_estimated_as_its_model(tmp_path):
+    """issue 50: MemoryJob.from_job of a Llama from scratch (--arch llama sizes, or
+    --hf-config) has the shape of the LlamaConfig the trainer builds (SwiGLU, its GQA,
+    the config.json's vocabulary), read through tpkit.models' own config path."""
+    import json
+
+    from tpkit.memory import MemoryJob, ModelShape
+    from tpkit.train import parse
+    from tpkit.train.arch import llama_config
+    sizes = ["--arch", "llama", "--hidden", "64", "--layers", "3", "--heads", "4",
+             "--gqa-groups", "2", "--ffn", "96"]
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"model_type": "llama", "hidden_size": 64,
+                               "intermediate_size": 96, "num_hidden_layers": 3,
+                               "num_attention_heads": 4, "num_key_value_heads": 2,
+                               "vocab_size": 300}))
+    for argv in (sizes, ["--hf-config", str(cfg)]):
+        job, _ = parse(argv)
+        got = MemoryJob.from_job(job).model
+        assert got == ModelShape.from_llama_config(llama_config(job)), argv
+        assert got.gated and got.kv_heads == 2

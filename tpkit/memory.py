@@ -205,7 +205,20 @@ class MemoryJob:
         micro-batch count there). None when ``model.init_from_hf``'s directory has no
         config.json yet (a dry run may plan its download: nothing to estimate)."""
         m, e, t = job.model, job.experts, job.training
-        if m.init_from_hf:
+        vocab = 256   # the built-in corpus's byte vocabulary, else the tokenizer's
+        if job.data.path is not None and job.data.tokenizer is not None:
+            from .data import Tokenizer
+            vocab = Tokenizer(job.data.tokenizer).vocab_size
+        if getattr(m, "hf_config", None):       # a Llama from scratch (tpkit.train.arch)
+            path = m.hf_config if not os.path.isdir(m.hf_config) else \
+                os.path.join(m.hf_config, "config.json")
+            model = ModelShape.from_hf_config(path)
+            model = dataclasses.replace(model, vocab=max(model.vocab, vocab))
+        elif getattr(m, "arch", "gpt") == "llama":
+            model = ModelShape(layers=m.layers, hidden=m.hidden, ffn=m.ffn, heads=m.heads,
+                               kv_heads=m.gqa_groups, vocab=vocab, activation="swiglu",
+                               norm="RMSNorm", bias=False)
+        elif m.init_from_hf:
             path = os.path.join(m.init_from_hf, "config.json")
             if not os.path.isfile(path):
                 return None
@@ -213,7 +226,7 @@ class MemoryJob:
         else:
             model = ModelShape(layers=m.layers, hidden=m.hidden, ffn=m.ffn,
                                heads=m.heads, kv_heads=m.gqa_groups,
-                               vocab=256,   # the built-in corpus's byte vocabulary
+                               vocab=vocab,
                                activation="gelu", norm="RMSNorm", bias=False,
                                experts=e.num, topk=e.topk, moe_every=e.every,
                                capacity_factor=e.capacity_factor)
@@ -244,6 +257,7 @@ class MemoryEstimate:
     peak: int
     phase: str
     notes: list = dataclasses.field(default_factory=list)
+    phases: dict = dataclasses.field(default_factory=dict)   # phase -> bytes alive then
 
     @property
     def biggest(self) -> tuple[str, int]:
@@ -616,7 +630,8 @@ def _estimate(job: MemoryJob, c: ParallelConfig, r: int, *, ranks: str,
     count = "pipeline in-flight micro-batches"
     return MemoryEstimate(what, ranks, {k: v if k == count else int(v)
                                         for k, v in terms.items() if v},
-                          int(phases[phase]), phase, notes)
+                          int(phases[phase]), phase, notes,
+                          {k: int(v) for k, v in phases.items()})
 
 
 def _role_name(first: bool, last: bool, pp: int, r: int) -> str:

@@ -313,7 +313,8 @@ def test_train_refuses_bad_hf_arguments(ckpts, tmp_path):
     from jobs import refusal
     from tpkit.train import Trainer, parse
     for argv, message in [
-            (["--export-hf", str(tmp_path / "o")], "(checkpoint.export_hf) needs --init-from-hf"),
+            (["--export-hf", str(tmp_path / "o")], "(checkpoint.export_hf) needs a Llama "
+             "(--arch llama, --hf-config or --init-from-hf)"),
             (["--init-from-hf", ckpts["models"]["qwen2"]["dir"], "--hidden", "32"],
              "--hidden=32 (model.hidden) cannot be combined with --init-from-hf")]:
         assert message in refusal(argv), argv

@@ -125,14 +125,21 @@ def test_bad_input(call, words):
 
 def test_bench_gpu_figures_reproduce_benchmarks_md():
     """bench/gpu.py (GPU only) prints the logged figures; its arithmetic on the recorded
-    run A TE bf16 / fp8 rates (BENCHMARKS.md, "GPU runs"), against a count by hand."""
+    run A TE bf16 / fp8 rates of the reference GPT (BENCHMARKS.md, "GPU runs"), and the
+    Llama-3-8B shape's count, against counts by hand."""
     import bench.gpu as g
     h, f, L, kv, S, V = 2048, 8192, 16, 512, 4096, 256
     by_hand = 6 * (L * (h * (h + 2 * kv) + h * h + 2 * h * f) + h * V) + 12 * L * h * S
-    assert g.flops_per_token() == by_hand == 5_841_616_896
-    r = g.figures(87_235, "NVIDIA H100 80GB HBM3", fp8=False, matmul_tflops=780)
-    assert r["tflops_per_device"] == pytest.approx(87_235 * by_hand / 1e12)
-    assert (round(r["tflops_per_device"], 1), round(r["mfu"], 3), round(r["of_matmul"], 3)) \
+    gpt = dict(hidden=h, ffn=f, heads=16, kv_heads=4, vocab=V, seq=S, layers=L, gated=False)
+    assert g.flops_per_token(gpt) == by_hand == 5_841_616_896
+    r = g.figures(87_235, gpt, "NVIDIA H100 80GB HBM3", fp8=False, matmul_tflops=780)
+    assert r["tflops"] == pytest.approx(87_235 * by_hand / 1e12)
+    assert (round(r["tflops"], 1), round(r["mfu"], 3), round(r["of_matmul"], 3)) \
         == (509.6, 0.515, 0.653) and "mfu_fp8" not in r
-    r = g.figures(110_085, "NVIDIA H100 80GB HBM3", fp8=True, matmul_tflops=780)
+    r = g.figures(110_085, gpt, "NVIDIA H100 80GB HBM3", fp8=True, matmul_tflops=780)
     assert (round(r["mfu"], 3), round(r["mfu_fp8"], 3)) == (0.650, 0.325)
+    # Llama-3-8B's blocks: q 4096, k/v 1024 each, o, SwiGLU (gate, up, down), untied head
+    h, f, kv, S, V, L = 4096, 14336, 1024, 8192, 128256, 7
+    llama = dict(g.LLAMA3_8B, layers=L)
+    by_hand = 6 * (L * (h * (h + 2 * kv) + h * h + 3 * h * f) + h * V) + 12 * L * h * S
+    assert g.flops_per_token(llama) == by_hand

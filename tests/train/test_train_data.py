@@ -91,3 +91,20 @@ def test_odd_vocabulary_is_padded_and_trains_at_tp2(odd_data):
     for losses, val in run(_train, 2, (2, 1), odd_data):
         _same(losses, reference)
         _same([v for _, v in val], [v for _, v in val_ref])
+def _llama(data):
+    """A Llama from scratch (--arch llama) on the dataset: its vocabulary and losses."""
+    from tpkit.data import Tokenizer
+    from tpkit.train import Trainer, parse
+    args = [a for a in SMALL if a != "--pack"] + ["--arch", "llama"] + data
+    job, _ = parse(args)
+    trainer = Trainer(job)
+    tok = data[data.index("--tokenizer") + 1]
+    return trainer.raw_model.cfg.vocab_size, Tokenizer(tok).vocab_size, trainer.fit()
+
+
+def test_llama_from_scratch_takes_the_tokenizers_vocabulary(data):
+    """issue 50: the vocabulary of a Llama from scratch is the tokenizer's, not the
+    corpus' 256 byte ids, and it learns on the dataset's token windows."""
+    ((vocab, tok_vocab, losses),) = run(_llama, 1, data)
+    assert vocab == tok_vocab != 256
+    assert losses[-1] < losses[0], losses

@@ -232,6 +232,41 @@ class Llama(GenerationMixin, nn.Module):
         if cfg.tie_word_embeddings:   # same [V/tp, h] rows on both sides: share the shard
             self.output.weight = self.embedding.weight
 
+    # --- pipeline protocol (tpkit.pipeline): stem, blocks, head and loss -------------
+    pp_blocks = "layers"
+    pp_stem_modules = ("embedding",)
+    pp_head_modules = ("final_norm", "output")
+
+    @property
+    def pp_recompute(self) -> bool:
+        return self.cfg.recompute
+
+    def pp_stem(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``[b, s]`` tokens of the full sequence -> ``[s_cp(/tp under SP), b, h]``."""
+        if self.cfg.tie_word_embeddings and self.state.pp_size > 1:
+            raise ValueError("Llama with tie_word_embeddings=True cannot be split into "
+                             f"pipeline stages (pp={self.state.pp_size}): the embedding and "
+                             "the head share one weight; untie them or use pp=1")
+        ids = shard_sequence(tokens, 1, self.state).t().contiguous()   # [s_cp, b]
+        return self.embedding(ids)
+
+    def pp_block(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        s = self.state
+        seq = x.shape[0] * s.cp_size * (s.tp_size if s.sequence_parallel else 1)
+        freqs = self.rope(seq if self._te_blocks else
+                          shard_position_ids(seq, s, device=x.device))
+        if self.cfg.recompute and self.training:
+            # non-reentrant: pipeline schedules take gradients with torch.autograd.grad
+            return checkpoint(layer, x, rotary_pos_emb=freqs, use_reentrant=False)
+        return layer(x, rotary_pos_emb=freqs)
+
+    def pp_head(self, x: torch.Tensor) -> torch.Tensor:
+        return self.output(self.final_norm(x))                     # [s_cp, b, V/tp]
+
+    def pp_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        targets = shard_sequence(targets, 1, self.state).t().contiguous()
+        return vocab_parallel_cross_entropy(logits, targets, group=self.state.tp_group).mean()
+
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None):
         """``tokens`` (and ``targets``): ``[b, s]``, the full sequence of this DP slice; the
         CP shard is taken here. Returns the mean loss over this rank's tokens, or without
@@ -248,11 +283,10 @@ class Llama(GenerationMixin, nn.Module):
                 x = checkpoint(layer, x, rotary_pos_emb=freqs)
             else:
                 x = layer(x, rotary_pos_emb=freqs)
-        logits = self.output(self.final_norm(x))                   # [s_cp, b, V/tp]
+        logits = self.pp_head(x)
         if targets is None:
             return logits
-        targets = shard_sequence(targets, 1, s).t().contiguous()
-        return vocab_parallel_cross_entropy(logits, targets, group=s.tp_group).mean()
+        return self.pp_loss(logits, targets)
 
     def hf_names(self) -> dict[str, tuple[str, ...]]:
         """Every parameter of this module (tied ones once) -> the Hugging Face tensors it

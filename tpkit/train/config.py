@@ -86,7 +86,12 @@ class Parallelism:
 
 @dataclass
 class Model:
-    """The reference GPT (tpkit.models.GPT), or a Hugging Face model to fine-tune."""
+    """The reference GPT (tpkit.models.GPT) or a Llama (tpkit.models.Llama) from a random
+    init, or a Hugging Face model to fine-tune."""
+    arch: str = opt("gpt", "the architecture trained from scratch: the reference GPT (GELU "
+                           "MLP) or Llama (RMSNorm, SwiGLU, RoPE, grouped-query attention, "
+                           "untied head) at the sizes below", short="--arch",
+                    choices=("gpt", "llama"))
     impl: str = opt("torch", "the transformer blocks' implementation: tpkit's torch layers, "
                              "Transformer Engine's (GPUs), or TE where it can run",
                     choices=IMPLS)
@@ -101,6 +106,12 @@ class Model:
                                    "(Megatron's make-vocab-size-divisible-by; the padded logits"
                                    " are masked out of the loss and of generation)",
                               short="--vocab-multiple")
+    rope_theta: float = opt(10000.0, "with arch llama: RoPE's base (Llama 3: 500000)",
+                            short="--rope-theta")
+    hf_config: str | None = opt(
+        None, "train from a random init the Llama-family model of this Hugging Face "
+              "config.json (or its directory; no weights read): sizes, RoPE and its "
+              "scaling, vocabulary (at least the data's)", short="--hf-config")
     init_from_hf: str | None = opt(
         None, "fine-tune the model of this Hugging Face directory (config.json + "
               "*.safetensors) instead of the reference GPT; its vocabulary must hold the "
@@ -120,6 +131,8 @@ class Model:
                 raise ValueError(f"{', '.join(given)} cannot be combined with "
                                  f"{job.show('model.init_from_hf')} (the sizes come from "
                                  f"{self.init_from_hf}/config.json); drop them")
+        from .arch import check
+        check(job)
 
 
 @dataclass
@@ -245,6 +258,10 @@ class Optimizer:
     lr: float = opt(3e-3, "peak learning rate", short="--lr")
     warmup: int = opt(10, "linear warmup steps (0: none)", short="--warmup")
     clip: float = opt(1.0, "clip the gradient norm to this (0: off)", short="--clip")
+    impl: str = opt("auto", "AdamW's implementation: fused (torch's fused=True: one kernel "
+                            "per dtype and device for all parameters), foreach (torch's "
+                            "multi-tensor), or auto: fused on CUDA, foreach elsewhere",
+                    short="--optimizer-impl", choices=("auto", "fused", "foreach"))
 
     def check(self, job: "JobConfig") -> None:
         if not self.lr > 0:
@@ -290,7 +307,8 @@ class Checkpoint:
     async_save: bool = opt(False, "write checkpoints in the background (the next save waits "
                                   "for it)", short="--async-save")
     export_hf: str | None = opt(None, "write the trained model there as a Hugging Face "
-                                      "checkpoint (needs model.init_from_hf)",
+                                      "checkpoint (needs a Llama: model.arch llama, "
+                                      "model.hf_config or model.init_from_hf)",
                                 short="--export-hf")
 
     def check(self, job: "JobConfig") -> None:
@@ -311,9 +329,11 @@ class Checkpoint:
         if self.keep is not None and self.keep < 1:
             raise job.bad("checkpoint.keep", "must be >= 1 (how many checkpoints to keep); "
                                              "leave it unset to keep them all")
-        if self.export_hf and not job.model.init_from_hf:
-            raise ValueError(f"{job.show('checkpoint.export_hf')} needs --init-from-hf (the "
-                             "reference GPT has no Hugging Face architecture)")
+        from .arch import is_llama
+        if self.export_hf and not (job.model.init_from_hf or is_llama(job)):
+            raise ValueError(f"{job.show('checkpoint.export_hf')} needs a Llama (--arch llama,"
+                             " --hf-config or --init-from-hf): the reference GPT has no "
+                             "Hugging Face architecture")
 
 
 @dataclass
@@ -564,12 +584,13 @@ class JobConfig:
                                      "runs the reference GPT in float32 with DDP so far; drop"
                                      " it or use --pp 1")
             from ..pipeline import plan_pipeline
+            from .arch import num_layers
             try:
-                plan_pipeline(pp=pp, num_blocks=self.model.layers, microbatches=m,
+                plan_pipeline(pp=pp, num_blocks=num_layers(self), microbatches=m,
                               schedule=p.schedule, virtual_stages=p.virtual_stages,
                               recompute=t.recompute)
             except ValueError as e:
-                raise ValueError(f"--pp {pp} --layers {self.model.layers} --microbatches {m} "
+                raise ValueError(f"--pp {pp} --layers {num_layers(self)} --microbatches {m} "
                                  f"--pp-schedule {p.schedule}: {e}") from None
         if (t.global_batch // state.dp_size) % m:
             raise ValueError(f"{self.show('training.global_batch')} does not split into dp x "

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from . import corpus
+from .arch import vocab_size
 from .config import JobConfig, parse
 
 
@@ -173,14 +174,6 @@ class DatasetData:
         return args, kw, labelled
 
 
-def vocab_size(job: JobConfig) -> int:
-    """The model's vocabulary: data.tokenizer's size with data.path, else the corpus'."""
-    if job.data.path is None:
-        return corpus.VOCAB_SIZE
-    from tpkit.data import Tokenizer
-    return Tokenizer(job.data.tokenizer).vocab_size
-
-
 def gpt_config(job: JobConfig, impl: str | None = None):
     from tpkit.models import GPTConfig
     m, e = job.model, job.experts
@@ -231,6 +224,16 @@ def full_init(model: torch.nn.Module, seed: int) -> None:
     load_full_state_dict(model, new)
 
 
+def adamw(params, job: JobConfig, device) -> torch.optim.AdamW:
+    """The job's AdamW (betas 0.9, 0.95, no weight decay): torch's fused kernel
+    (``fused=True``) on CUDA or with optimizer.impl fused, its multi-tensor one
+    (``foreach=True``) otherwise (docs/train.md, "The optimizer step")."""
+    impl = job.optimizer.impl
+    fused = impl == "fused" or (impl == "auto" and torch.device(device).type == "cuda")
+    return torch.optim.AdamW(params, lr=job.optimizer.lr, betas=(0.9, 0.95),
+                             weight_decay=0.0, fused=fused or None, foreach=not fused)
+
+
 def check_hf_dir(job: JobConfig):
     """model.init_from_hf's LlamaConfig; ValueError unless it is a model tpkit reads whose
     vocabulary holds the corpus' byte ids."""
@@ -252,8 +255,9 @@ def build_model(job: JobConfig, state) -> torch.nn.Module:
         return hf.from_hf(m.init_from_hf, state, backend=m.impl,
                           recompute=job.training.recompute, hidden_dropout=m.dropout,
                           attention_dropout=m.dropout)
-    from tpkit.models import GPT
-    model = GPT(gpt_config(job), state)
+    from tpkit.models import GPT, Llama
+    from .arch import is_llama, llama_config
+    model = Llama(llama_config(job), state) if is_llama(job) else GPT(gpt_config(job), state)
     full_init(model, job.training.seed)
     return model
 
@@ -330,8 +334,8 @@ class Trainer:
         # Set the module up first, then build the optimizer from what it holds: FSDP2
         # replaces the parameters by sharded ones, and pipeline stages keep only theirs.
         self.model = self.fabric.setup_module(self.raw_model)
-        self.optimizer = self.fabric.setup_optimizers(torch.optim.AdamW(
-            self.model.parameters(), lr=job.optimizer.lr, betas=(0.9, 0.95), weight_decay=0.0))
+        self.optimizer = self.fabric.setup_optimizers(
+            adamw(self.model.parameters(), job, self.fabric.device))
         self.schedule = WarmupCosine(job.optimizer.lr, job.optimizer.warmup, job.training.steps)
         self.data = CorpusData(job, state) if job.data.path is None else \
             DatasetData(job, state)
@@ -501,7 +505,8 @@ def pipeline_stages(job: JobConfig, state) -> list[str]:
     """The dry run's lines: which stages and blocks every pp rank (and its ranks) runs."""
     from tpkit.pipeline import plan_pipeline
     from tpkit.planning import format_ranks
-    layers = job.model.layers
+    from .arch import num_layers
+    layers = num_layers(job)
     plan = plan_pipeline(pp=state.pp_size, num_blocks=layers,
                          microbatches=job.microbatches(state.pp_size),
                          schedule=job.pipeline.schedule,
@@ -561,7 +566,10 @@ def preflight(argv, launch):
                 if hf_cfg is not None:   # its shapes at this layout, no weights read
                     hf_cfg.validate().check_tp(state.tp_size)
                 from tpkit.models import GPT
-                model = None if job.model.init_from_hf else \
+                from .arch import is_llama, llama_config
+                if is_llama(job):   # its shapes at this layout (RoPE's table needs data)
+                    llama_config(job, impl="torch").check_tp(state.tp_size)
+                model = None if job.model.init_from_hf or is_llama(job) else \
                     GPT(gpt_config(job, impl="torch"), state)   # shapes: impl-independent
         except ValueError as e:
             m = job.model
@@ -610,8 +618,8 @@ def verify_job(job: JobConfig, config):
 
 
 # --- entry points ----------------------------------------------------------------------------
-DESCRIPTION = """Train the reference GPT (tpkit.models.GPT) or a Hugging Face Llama-family model
-on the built-in corpus with Fabric + TPKitStrategy + TPKitPrecision (docs/train.md).
+DESCRIPTION = """Train the reference GPT (tpkit.models.GPT), a Llama from scratch (--arch llama,
+--hf-config) or a Hugging Face Llama-family model on the built-in corpus with Fabric + TPKitStrategy + TPKitPrecision (docs/train.md).
 
     tpkit-launch --tp 2 --cp 2 launch/train.py                     # CPU: 4 gloo ranks
     tpkit-launch --tp 2 --cp 2 -m tpkit.train --config job.toml --training.steps 100
