@@ -206,6 +206,8 @@ LAUNCH = [
     Row("slurm-nodelist", "'node[07-08]'", "pass --rdzv-endpoint HOST:PORT",
         ["--nproc-per-node", "2", SCRIPT], slurm={}, hosts=None, absent="localhost"),
     # launch/train.py's arguments, checked by its tpkit_preflight (issue 15, defect 4)
+    Row("train-tp-twice", "--tp=1 (parallelism.tp) conflicts with tp=2 from tpkit-launch "
+        "--tp", "give tp in one place", ["--tp", "2", *T("--tp", "1")]),   # issue 49
     Row("train-batch-vs-dp", "--global-batch=3", "use a multiple of 2",
         T("--global-batch", "3")),
     Row("train-seq-vs-cp", "--seq-len=6", "multiple of 4", T("--cp", "2", "--seq-len", "6")),

@@ -363,8 +363,8 @@ class Experts:
             check_moe_args(self.num, self.topk, self.capacity_factor)
         except ValueError as e:
             raise ValueError(f"{job.show('experts.num')}: {e}") from None
-        ep = job.layout().ep   # tpkit-launch's --ep when not given here
-        if self.num % ep:
+        ep = job.parallelism.ep   # tpkit-launch's --ep: check_layout, at the final layout
+        if ep is not None and self.num % ep:
             raise ValueError(f"{job.show('experts.num')} is not divisible by ep={ep}; use a "
                              f"multiple of {ep}")
         if not 1 <= self.every <= job.model.layers:
@@ -502,6 +502,9 @@ class JobConfig:
         the batch against dp, the sequence against its shards, the pipeline plan."""
         from ..data import check_sequence_length
         t, p = self.training, self.pipeline
+        if self.experts.num and self.experts.num % state.ep_size:
+            raise ValueError(f"{self.show('experts.num')} is not divisible by ep="
+                             f"{state.ep_size}; use a multiple of {state.ep_size}")
         if t.global_batch % state.dp_size:
             raise self.bad("training.global_batch", f"is not divisible by dp={state.dp_size};"
                                                     f" use a multiple of {state.dp_size}")
@@ -548,22 +551,35 @@ class JobConfig:
                              f"microbatches = {state.dp_size} x {m}; use a multiple of "
                              f"{state.dp_size * m} (or change --microbatches)")
 
-    def layout(self, env=None):
-        """The ParallelConfig of this job: the parallelism section over tpkit-launch's
-        TPKIT_* variables (``env``, default os.environ), not yet checked against a world
-        size (ParallelConfig.validate)."""
-        from ..config import ParallelConfig
-        job = self
-
-        class _Where(str):   # ParallelConfig's messages name each value's origin
-            def format(self, name, flag):
-                return job.origin.get(f"parallelism.{name}", f"parallelism.{name}")
-
-        par = self.parallelism
-        return ParallelConfig.from_env(
-            env, given_as=_Where("job"), tp=par.tp, cp=par.cp, pp=par.pp,
-            sequence_parallel=par.sequence_parallel, cp_comm_type=par.cp_comm_type,
-            ep=par.ep, etp=par.etp)
+    def layout(self, launch=None):
+        """The job's layout, not yet checked against a world size (ParallelConfig.validate):
+        the parallelism section over ``launch``, the launcher's layout (a ParallelConfig
+        whose ``origin`` names the values it was given: tpkit-launch's flags, ``$TPKIT_*``,
+        every value when it has none; a mapping or None reads it from that environment,
+        default os.environ). One run has
+        one layout: a value given in both places with two values is a ValueError naming
+        both; a value given in one place is used; dp is the rest of the world unless the
+        launcher was given it."""
+        from ..config import ENV_VARS, ParallelConfig
+        if launch is None or not isinstance(launch, ParallelConfig):
+            launch = ParallelConfig.from_env(launch, given_as="tpkit-launch --{flag}")
+        given = launch.origin if launch.origin is not None else \
+            dict.fromkeys(ENV_VARS, "the launch's layout")   # made by hand: all of it given
+        kwargs, origin = {}, {}
+        for name in ENV_VARS:
+            path = f"parallelism.{name}"
+            mine = getattr(self.parallelism, name, None)
+            theirs = getattr(launch, name) if name in given else None
+            if mine is not None and theirs is not None and mine != theirs:
+                raise ValueError(
+                    f"{self.show(path)} conflicts with {name}={theirs!r} from {given[name]}: "
+                    f"one run has one layout; give {name} in one place, or the same value in "
+                    "both")
+            if mine is not None:
+                kwargs[name], origin[name] = mine, self.origin.get(path, path)
+            elif theirs is not None:
+                kwargs[name], origin[name] = theirs, given[name]
+        return ParallelConfig(**kwargs, origin=origin)
 
     # --- TOML out --------------------------------------------------------------------
     def to_toml(self) -> str:

@@ -33,8 +33,10 @@ def _launched() -> bool:
 
 
 def resolve_layout(job: JobConfig, env=None):
-    """The job's ParallelConfig checked against this world (dp filled in); ValueError
-    naming the sizes, where they came from and the fix."""
+    """The job's layout (JobConfig.layout: its parallelism section over the layout
+    tpkit-launch exported, which already holds the job's sizes) checked against this
+    world: a ``tpkit.config.Layout``; ValueError naming the sizes, where they came from
+    and the fix."""
     config = job.layout(env)
     world = dist.get_world_size() if dist.is_initialized() else \
         int(os.environ.get("WORLD_SIZE", 1))
@@ -475,7 +477,9 @@ def preflight(argv, launch):
     """tpkit-launch's pre-flight (docs/launch.md, "Pre-flight checks"): the JobConfig's
     checks, the layout it gives under this launch, the model built on the meta device of
     that planned layout (the layers' own checks) and checkpoint.resume against that model.
-    Returns the job's ``tpkit.memory.MemoryJob`` for tpkit-launch's memory estimate.
+    Returns the job's layout (tpkit-launch launches, prints and exports that one: a size
+    given to both tpkit-launch and the job with two values is refused) and its
+    ``tpkit.memory.MemoryJob`` for tpkit-launch's memory estimate.
     ValueError (or argparse's exit 2) stops the launch; --print-config and --help answer
     instead of launching."""
     from tpkit.checkpoint import verify
@@ -485,8 +489,9 @@ def preflight(argv, launch):
     if ns.print_config:
         print(job.to_toml(), end="")
         raise SystemExit(0)
+    config = job.layout(launch.config)   # a size given twice with two values: refused
     try:
-        config = job.layout(launch.env).validate(launch.world_size)
+        config = config.validate(launch.world_size)
     except ValueError as e:
         raise ValueError(f"{e} [world size {launch.world_size} = {launch.nnodes} node(s) x "
                          f"{launch.nproc_per_node} processes: this launch]") from None
@@ -529,7 +534,7 @@ def preflight(argv, launch):
                              f"{report.results[0].layout} (the report above names the first "
                              "module); fix it, or train without --verify")
     from tpkit.memory import MemoryJob   # the model and batch, for tpkit-launch's estimate
-    return MemoryJob.from_job(job, dp=config.dp, pp=config.pp)
+    return config, MemoryJob.from_job(job, dp=config.dp, pp=config.pp)
 
 
 def verify_job(job: JobConfig, config):
