@@ -183,6 +183,24 @@ def vocab_size(job: JobConfig) -> int:
     return Tokenizer(job.data.tokenizer).vocab_size
 
 
+def model_shape(job: JobConfig):
+    """The shape of the model this job trains (``tpkit.models.shape.ModelShape``: its
+    FLOPs and memory plan derive from it): ``model.init_from_hf``'s config.json (None
+    while it is not there), else the reference GPT's config, the tokenizer's vocabulary
+    included."""
+    from tpkit.models.shape import ModelShape
+    if job.model.init_from_hf:
+        path = os.path.join(job.model.init_from_hf, "config.json")
+        return ModelShape.from_hf_config(path) if os.path.isfile(path) else None
+    return ModelShape.of(gpt_config(job, impl="torch"))
+
+
+def memory_job(job: JobConfig, layout):
+    """The job at ``layout`` as tpkit.memory estimates it (None: no model config yet)."""
+    from tpkit.memory import MemoryJob
+    return MemoryJob.from_job(job, model_shape(job), dp=layout.dp, pp=layout.pp)
+
+
 def gpt_config(job: JobConfig, impl: str | None = None):
     from tpkit.models import GPTConfig
     m, e = job.model, job.experts
@@ -363,9 +381,8 @@ class Trainer:
 
     def memory_line(self, steps_done: int = 1) -> str:
         """tpkit.memory's estimate for this rank next to the measured peak (one line)."""
-        from tpkit.memory import MemoryJob, estimate_memory, format_measured, \
-            measured_peak_bytes
-        est = MemoryJob.from_job(self.job, dp=self.layout.dp, pp=self.layout.pp)
+        from tpkit.memory import estimate_memory, format_measured, measured_peak_bytes
+        est = memory_job(self.job, self.layout)
         if est is None:
             return (f"memory after step {steps_done}: no estimate (the model's config.json "
                     "is not there)")
@@ -533,8 +550,7 @@ def preflight(argv, launch):
             raise ValueError(f"--verify: the model differs from one process at layout "
                              f"{report.results[0].layout} (the report above names the first "
                              "module); fix it, or train without --verify")
-    from tpkit.memory import MemoryJob   # the model and batch, for tpkit-launch's estimate
-    return config, MemoryJob.from_job(job, dp=config.dp, pp=config.pp)
+    return config, memory_job(job, config)   # the layout, and the model and batch to estimate
 
 
 def verify_job(job: JobConfig, config):
