@@ -200,7 +200,7 @@ def _symlinked_step(tmp, sentinel):
 def _other_jobs_staging(tmp, sentinel):
     """Another job's save in progress in the same save directory (its token differs from
     this job's): prune leaves it, with its files, and removes this job's own leftover."""
-    from tpkit._dcp_verify import staging_path
+    from tpkit.checkpoint._dcp_verify import staging_path
     from tpkit.checkpoint import save
     from tpkit.recovery import prune
     save_dir = tmp / "save"
@@ -343,7 +343,7 @@ def _two_ranks(tmp):
         save(os.path.join(tmp, "save", "step000010"), {"model": _linear()})
     except ValueError as e:
         out["link"] = str(e)
-    import tpkit._dcp as impl   # the swap fails on rank 0 alone (a link raced in, EXDEV...)
+    import tpkit.checkpoint._dcp as impl   # the swap fails on rank 0 alone (a link raced in, EXDEV...)
     swap = impl.replace_dir
     if dist.get_rank() == 0:
         def fail(tmp, path):

@@ -65,7 +65,7 @@ class ParallelState:
     edp_mesh: DeviceMesh | None = None
     etp_ep_mesh: DeviceMesh | None = None
     # (ep, etp) as a 2-D mesh of the groups above (no group of its own): the placement of
-    # expert weights' shards in sharded checkpoints (tpkit/_dcp.py)
+    # expert weights' shards in sharded checkpoints (tpkit/checkpoint/_dcp.py)
     expert_mesh: DeviceMesh | None = None
     build_seconds: float = 0.0
 

@@ -388,7 +388,7 @@ def _check_torchrun_flags(args, rdzv_backend: str, endpoint: str | None) -> None
     if args.master_port is not None and not 0 <= args.master_port <= 65535:
         raise LaunchError(f"--master-port={args.master_port} is not a port; pass 0..65535")
     if args.log_dir:
-        from tpkit._dcp_verify import dir_problem
+        from tpkit.checkpoint._dcp_verify import dir_problem
         problem = dir_problem(args.log_dir)
         if problem:
             raise LaunchError(f"--log-dir={args.log_dir!r} cannot be used ({problem}); pass "
