@@ -424,7 +424,7 @@ def _plain_value_refused(tmp_path):
 
 # --- shared memory: liveness across pid namespaces -------------------------------------------
 def test_shm_sweep_judges_only_its_own_pid_namespace(tmp_path):
-    from tpkit import shm
+    from tpkit.comm import shm
     ns, boot = shm._where()
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True).stdout.strip()

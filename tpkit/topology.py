@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from . import shm
+from .comm import shm
 from .config import ParallelConfig
 
 MESH_DIMS = ("pp", "dp", "cp", "tp")

@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from ._dcp import (MissingKeyError, _param_names, fsdp_local, missing_key_error,
                    unwrap_module)
-from ..collectives import all_gather, group_size
+from ..comm.collectives import all_gather, group_size
 from ..param_tags import is_expert, partition_dim, tp_spec
 from ..topology import resolve_state
 

@@ -193,7 +193,7 @@ def _visible_gpus() -> int:
 def resolve(args, env: Mapping[str, str]) -> Plan:
     """Check the invocation against the layout, the machine and Slurm; raise LaunchError."""
     from tpkit.config import ParallelConfig, env_flag, fused_attn_enabled
-    from tpkit.shm import shm_allreduce_enabled, shm_p2p_enabled
+    from tpkit.comm.shm import shm_allreduce_enabled, shm_p2p_enabled
     from .slurm import slurm_info
     try:
         shm_allreduce_enabled(env)

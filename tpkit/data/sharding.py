@@ -25,7 +25,7 @@ import dataclasses
 
 import torch
 
-from ..collectives import all_gather
+from ..comm.collectives import all_gather
 from ..topology import resolve_state
 
 

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from ..checkpoint._dcp_verify import agree, inside, link_problem, replace_dir, staging_path
 from ..checkpoint import gather_param
-from ..collectives import any_rank
+from ..comm.collectives import any_rank
 from ..param_tags import tp_spec
 from .llama import ARCHITECTURES, ROPE_TYPES, LlamaConfig
 
