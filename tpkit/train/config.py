@@ -20,6 +20,7 @@ a dataclass of such fields and an entry of ``JobConfig``. Nothing else needs to 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import difflib
 import json
 import os
@@ -553,33 +554,40 @@ class JobConfig:
 
     def layout(self, launch=None):
         """The job's layout, not yet checked against a world size (ParallelConfig.validate):
-        the parallelism section over ``launch``, the launcher's layout (a ParallelConfig
-        whose ``origin`` names the values it was given: tpkit-launch's flags, ``$TPKIT_*``,
-        every value when it has none; a mapping or None reads it from that environment,
-        default os.environ). One run has
-        one layout: a value given in both places with two values is a ValueError naming
-        both; a value given in one place is used; dp is the rest of the world unless the
-        launcher was given it."""
+        the parallelism section over the launcher's. ``launch``: tpkit-launch's layout as
+        its pre-flight sees it (a ParallelConfig whose ``origin`` names where each value
+        came from; every value when it has none): a size given to tpkit-launch's flags and
+        here with two values is a ValueError naming both (one run has one layout), and the
+        launch then runs this layout (its dry run prints it, its workers read it back).
+        Else an environment (default os.environ): its ``TPKIT_*`` are defaults that the
+        job's values win over (``ParallelConfig.from_env``)."""
         from ..config import ENV_VARS, ParallelConfig
-        if launch is None or not isinstance(launch, ParallelConfig):
-            launch = ParallelConfig.from_env(launch, given_as="tpkit-launch --{flag}")
+        job = self
+
+        class _Where(str):   # ParallelConfig's messages name each value's origin
+            def format(self, name, flag):
+                return job.origin.get(f"parallelism.{name}", f"parallelism.{name}")
+
+        par = self.parallelism
+        mine = {n: getattr(par, n) for n in ENV_VARS if getattr(par, n, None) is not None}
+        if not isinstance(launch, ParallelConfig):
+            return ParallelConfig.from_env(launch, given_as=_Where("job"), **mine)
         given = launch.origin if launch.origin is not None else \
-            dict.fromkeys(ENV_VARS, "the launch's layout")   # made by hand: all of it given
-        kwargs, origin = {}, {}
-        for name in ENV_VARS:
-            path = f"parallelism.{name}"
-            mine = getattr(self.parallelism, name, None)
-            theirs = getattr(launch, name) if name in given else None
-            if mine is not None and theirs is not None and mine != theirs:
+            dict.fromkeys(ENV_VARS, "the launch's layout")
+        given = {n: o for n, o in given.items() if getattr(launch, n) is not None}
+        for name, value in mine.items():
+            if name in given and not given[name].startswith("$") \
+                    and getattr(launch, name) != value:
                 raise ValueError(
-                    f"{self.show(path)} conflicts with {name}={theirs!r} from {given[name]}: "
-                    f"one run has one layout; give {name} in one place, or the same value in "
-                    "both")
-            if mine is not None:
-                kwargs[name], origin[name] = mine, self.origin.get(path, path)
-            elif theirs is not None:
-                kwargs[name], origin[name] = theirs, given[name]
-        return ParallelConfig(**kwargs, origin=origin)
+                    f"{self.show(f'parallelism.{name}')} conflicts with {name}="
+                    f"{getattr(launch, name)!r} from {given[name]}: one run has one layout; "
+                    f"give {name} in one place, or the same value in both")
+        env = {var: value for var, value in launch.to_env().items()
+               if any(ENV_VARS[n] == var for n in given)}
+        config = ParallelConfig.from_env(env, given_as=_Where("job"), **mine)
+        origin = {**config.origin, **{n: o for n, o in given.items()
+                                      if n in config.origin and n not in mine}}
+        return dataclasses.replace(config, origin=origin)
 
     # --- TOML out --------------------------------------------------------------------
     def to_toml(self) -> str:
