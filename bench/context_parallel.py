@@ -119,7 +119,7 @@ def _rank(rank: int, world: int, port: int, seq: int, kind: str, iters: int, que
         step()
         walls.append(time.perf_counter() - w0)
         cpus.append(time.process_time() - c0)
-    from tpkit import shm
+    from tpkit.comm import shm
     via = "shared memory" if shm.get_p2p(tpkit.get_parallel_state().cp_group) else "gloo"
     queue.put((rank, statistics.median(walls), statistics.median(cpus), sum(saved), peak,
                f"{dpa.kernel}, K/V via {via}" if dpa.kernel else "PyTorch SDPA (no CP)"))
@@ -219,7 +219,7 @@ def main(argv=None) -> None:
         "CPU-time rows are the per-rank figures. "
         "Peak transient memory counts every tensor allocated in one fwd+bwd (output, "
         "gradients, communication buffers, kernel workspace) above what existed before "
-        "it; the K/V travel through tpkit.shm's point-to-point segment (the default on one "
+        "it; the K/V travel through tpkit.comm.shm's point-to-point segment (the default on one "
         "host: mapped once by init_parallel, 4 MiB per ordered pair of ranks, so 8 MiB "
         "shared by the two ranks at cp=2 and 48 MiB by the four at cp=4), which is not a "
         "tensor and is not counted, like gloo's socket buffers. PyTorch's `context_parallel` (torch.distributed.tensor.experimental): "

@@ -34,7 +34,7 @@ def _worker(rank, world, port, logdir, q):
     gloo_rank(rank, world, port)
     import tpkit
     from tpkit.models.gpt import GPT, GPTConfig
-    from tpkit.collectives import all_reduce_sum
+    from tpkit.comm.collectives import all_reduce_sum
     from tpkit.observe import MetricsLogger, model_flops_per_token
     state = tpkit.init_parallel(tp=TP, cp=CP, seed=1)
     s = SIZE

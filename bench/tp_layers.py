@@ -8,7 +8,7 @@ it times, interleaved in rounds so machine noise hits all alike, the median step
 - floor: the same shards' compute with no communication, plus the same two all-reduces
   of ``[s, b, h]`` timed alone (the least any implementation of this layout can take);
   "the same" all-reduces are the ones tpkit issues: on CPU its TP group sums through
-  shared memory (tpkit.shm), so gloo's own all-reduce is timed too and reported beside.
+  shared memory (tpkit.comm.shm), so gloo's own all-reduce is timed too and reported beside.
 """
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ def _measure(h, ffn, s, b, quick):
         xp.grad = None
         mlp(xp).backward(dy)
 
-    from tpkit import shm
+    from tpkit.comm import shm
 
     def tpkit_gloo_step():  # the same module with its TP sums through gloo
         with shm.bypassed(st.tp_group):
@@ -114,7 +114,7 @@ def _measure(h, ffn, s, b, quick):
 
     # ... plus the same collectives alone (g forward, f backward: two all-reduces), through
     # the path the layers take (tpkit.nn.mappings), and gloo's for reference
-    from tpkit.collectives import all_reduce_sum
+    from tpkit.comm.collectives import all_reduce_sum
     buf_a, buf_b = torch.randn(s, b, h), torch.randn(s, b, h)
 
     def comm_step():
@@ -197,7 +197,7 @@ def main(quick: bool = False) -> dict:
                          peer=fmt(r["gloo"], "ms"), ratio=r["comm"] / r["gloo"], target=""))
     body = ("Median step time (forward + backward) of one MLP at tp=2 on gloo, 2 processes "
             "with 1 thread each, no sequence parallelism; variants interleaved in rounds. "
-            "tpkit's TP all-reduces go through shared memory on CPU (tpkit.shm; gloo "
+            "tpkit's TP all-reduces go through shared memory on CPU (tpkit.comm.shm; gloo "
             "spends ~0.2 ms of CPU per rank on each small all-reduce on this VM), the "
             "DTensor peer's through gloo, as torch ships it. "
             f"1-minute load average {load_before:.1f} before, {load_after:.1f} after "

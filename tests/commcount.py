@@ -1,8 +1,8 @@
 """Count the torch.distributed collectives a block of code really issues.
 
 ``with count_collectives() as calls: ...`` replaces the public collective functions of
-``torch.distributed`` (looked up there at call time, as tpkit.collectives and torch's
-own callers do) and tpkit.shm's shared-memory all-reduce with counting wrappers, and
+``torch.distributed`` (looked up there at call time, as tpkit.comm.collectives and torch's
+own callers do) and tpkit.comm.shm's shared-memory all-reduce with counting wrappers, and
 records one ``Call(op, group_size)`` per call. Calls on a group of one rank are recorded
 too, so a test can assert that none were made. ``calls.count("all_reduce")`` counts by
 name, optionally ``min_group_size=2``. Pass ``group=`` by keyword: a group passed
@@ -11,7 +11,7 @@ positionally is counted as the world.
 One op has one name: torch 2.13's ``all_gather_single``/``reduce_scatter_single`` are
 recorded as the ``all_gather_into_tensor``/``reduce_scatter_tensor`` every torch has.
 ``isend``/``irecv`` are left alone (``P2POp`` accepts only the real ones); a ring hop is
-counted as its ``batch_isend_irecv``, whether gloo or tpkit.shm's point-to-point
+counted as its ``batch_isend_irecv``, whether gloo or tpkit.comm.shm's point-to-point
 transport (CP groups on CPU) carries it.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ import dataclasses
 
 import torch.distributed as dist
 
-from tpkit.shm import ShmAllReduce, ShmP2P
+from tpkit.comm.shm import ShmAllReduce, ShmP2P
 
 OPS = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
        "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all",
@@ -71,7 +71,7 @@ def count_collectives():
             return fn(*args, **kwargs)
         return inner
 
-    # tpkit.shm's shared-memory all-reduce (TP groups on CPU) bypasses torch.distributed:
+    # tpkit.comm.shm's shared-memory all-reduce (TP groups on CPU) bypasses torch.distributed:
     # count it as the all_reduce it is.
     shm_orig = ShmAllReduce.all_reduce_
 

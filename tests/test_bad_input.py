@@ -164,7 +164,7 @@ LAUNCH = [
         "the cheapest layout that fits is --tp 2",
         ["--nproc-per-node", "2", "--device-memory", "0.001", TRAIN, *SMALL]),
     Row("preflight-returns-other", "tpkit_preflight returned int",
-        "returns None or a tpkit.memory.MemoryJob", ["{tmp}/hook.py"],
+        "returns None, a tpkit.config.Layout", ["{tmp}/hook.py"],
         setup=_write("hook.py", "def tpkit_preflight(argv, launch):\n    return 5\n")),
     # the script or module
     Row("missing-script", "'missing_script.py' does not exist", "pass the path of a .py file",
@@ -206,6 +206,7 @@ LAUNCH = [
     Row("slurm-nodelist", "'node[07-08]'", "pass --rdzv-endpoint HOST:PORT",
         ["--nproc-per-node", "2", SCRIPT], slurm={}, hosts=None, absent="localhost"),
     # launch/train.py's arguments, checked by its tpkit_preflight (issue 15, defect 4)
+    Row("train-tp-vs-world", "tp=4 from --tp", "smaller tp/cp/pp", T("--tp", "4")),
     Row("train-batch-vs-dp", "--global-batch=3", "use a multiple of 2",
         T("--global-batch", "3")),
     Row("train-seq-vs-cp", "--seq-len=6", "multiple of 4", T("--cp", "2", "--seq-len", "6")),
@@ -213,9 +214,9 @@ LAUNCH = [
         T("--tp", "2", "--sequence-parallel", "--seq-len", "15")),
     Row("train-resume-missing", "--resume='{tmp}/nope'", "pass a checkpoint written by --save",
         T("--resume", "{tmp}/nope")),
-    Row("train-tp-vs-launch", "tp=4 from --tp contradicts tp=2 from tpkit-launch --tp",
-        "give the layout once: drop one of them, or make them agree",
-        ["--tp", "2", TRAIN, *SMALL, "--tp", "4"]),
+    # issue 49: one run has one layout (the dry run said tp=2, the workers built tp=4)
+    Row("train-tp-vs-launch", "--tp=4 (parallelism.tp) conflicts with tp=2 from tpkit-launch "
+        "--tp", "give tp in one place", ["--tp", "2", TRAIN, *SMALL, "--tp", "4"]),
     Row("train-log-every", "--log-every=0", "must be >= 1", T("--log-every", "0")),
     Row("train-steps", "--steps=0", "must be >= 1", T("--steps", "0")),
     Row("train-lr", "--lr=-1.0", "must be > 0", T("--lr", "-1")),

@@ -92,7 +92,7 @@ class _TELike(torch.nn.Module):
 
 def _te_like(path, tp, mode):
     import tpkit
-    from tpkit import _dcp
+    from tpkit.checkpoint import _dcp
     from tpkit.checkpoint import load_full_state_dict
     state = tpkit.init_parallel(tp=tp)
     m = _TELike(tp)
@@ -124,7 +124,7 @@ def _crash(path):
     from torch.distributed.checkpoint import FileSystemWriter
 
     import tpkit
-    from tpkit import _dcp
+    from tpkit.checkpoint import _dcp
     tpkit.init_parallel(tp=2)
     m = torch.nn.Linear(4, 4)
     with torch.no_grad():
@@ -169,7 +169,7 @@ class _Extra(torch.nn.Linear):
 
 def _mismatch(path, mode):
     import tpkit
-    from tpkit import _dcp
+    from tpkit.checkpoint import _dcp
     tpkit.init_parallel(tp=2)
     if mode == "save":
         _dcp.save(path, {"model": torch.nn.Linear(4, 4)})
@@ -238,7 +238,7 @@ def _count_writes(path):
 
     import tpkit
     from fabric_helpers import Block
-    from tpkit import _dcp
+    from tpkit.checkpoint import _dcp
     state = tpkit.init_parallel(tp=2, cp=2, sequence_parallel=True)
     model = Block(state, sp=True)
     opt = torch.optim.Adam(model.parameters())

@@ -84,7 +84,7 @@ def test_bad_env(env, needle):
 
 
 def test_shm_allreduce_switch():
-    from tpkit.shm import shm_allreduce_enabled
+    from tpkit.comm.shm import shm_allreduce_enabled
     assert shm_allreduce_enabled({}) is True
     assert shm_allreduce_enabled({"TPKIT_SHM_ALLREDUCE": "0"}) is False
     assert shm_allreduce_enabled({"TPKIT_SHM_ALLREDUCE": "yes"}) is True
@@ -93,7 +93,7 @@ def test_shm_allreduce_switch():
 
 
 def test_shm_p2p_switch():
-    from tpkit.shm import shm_p2p_enabled
+    from tpkit.comm.shm import shm_p2p_enabled
     assert shm_p2p_enabled({}) is True
     assert shm_p2p_enabled({"TPKIT_SHM_P2P": "0"}) is False
     with pytest.raises(ValueError, match="TPKIT_SHM_P2P='often' is not a boolean"):
@@ -122,7 +122,7 @@ def test_env_details_mutation_testing_found_untested():
     # every comm type but a2a+p2p takes no cp_a2a_size ("a2a" sorts before "a2a+p2p")
     for comm in ("p2p", "all_gather", "a2a"):
         assert ParallelConfig(cp=4, cp_comm_type=comm).validate(8).cp_p2p_size is None
-    # the shm switch lives in tpkit.shm only (no old-path alias: nothing was released);
+    # the shm switch lives in tpkit.comm.shm only (no old-path alias: nothing was released);
     # a missing name is an AttributeError
     import tpkit.config
     assert not hasattr(tpkit.config, "shm_allreduce_enabled")

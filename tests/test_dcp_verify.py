@@ -1,4 +1,4 @@
-"""Checking a checkpoint directory's files (tpkit._dcp_verify), single process: checkpoints
+"""Checking a checkpoint directory's files (tpkit.checkpoint._dcp_verify), single process: checkpoints
 written by torch.distributed.checkpoint itself, and metadata built from DCP's own classes
 with shard files of sizes the test chooses; then damaged one way at a time."""
 import os
@@ -10,7 +10,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
-from tpkit._dcp_verify import (agree, checkpoint_dir, dir_problem, previous_checkpoint,
+from tpkit.checkpoint._dcp_verify import (agree, checkpoint_dir, dir_problem, previous_checkpoint,
                                verify_files)
 
 

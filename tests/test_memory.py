@@ -289,6 +289,7 @@ def test_trainer_llama_job_is_estimated_as_its_model(tmp_path):
     from tpkit.memory import MemoryJob, ModelShape
     from tpkit.train import parse
     from tpkit.train.arch import llama_config
+    from tpkit.train.trainer import model_shape
     sizes = ["--arch", "llama", "--hidden", "64", "--layers", "3", "--heads", "4",
              "--gqa-groups", "2", "--ffn", "96"]
     cfg = tmp_path / "config.json"
@@ -298,6 +299,6 @@ def test_trainer_llama_job_is_estimated_as_its_model(tmp_path):
                                "vocab_size": 300}))
     for argv in (sizes, ["--hf-config", str(cfg)]):
         job, _ = parse(argv)
-        got = MemoryJob.from_job(job).model
+        got = model_shape(job)
         assert got == ModelShape.from_llama_config(llama_config(job)), argv
         assert got.gated and got.kv_heads == 2

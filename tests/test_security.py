@@ -200,7 +200,7 @@ def _symlinked_step(tmp, sentinel):
 def _other_jobs_staging(tmp, sentinel):
     """Another job's save in progress in the same save directory (its token differs from
     this job's): prune leaves it, with its files, and removes this job's own leftover."""
-    from tpkit._dcp_verify import staging_path
+    from tpkit.checkpoint._dcp_verify import staging_path
     from tpkit.checkpoint import save
     from tpkit.recovery import prune
     save_dir = tmp / "save"
@@ -343,7 +343,7 @@ def _two_ranks(tmp):
         save(os.path.join(tmp, "save", "step000010"), {"model": _linear()})
     except ValueError as e:
         out["link"] = str(e)
-    import tpkit._dcp as impl   # the swap fails on rank 0 alone (a link raced in, EXDEV...)
+    import tpkit.checkpoint._dcp as impl   # the swap fails on rank 0 alone (a link raced in, EXDEV...)
     swap = impl.replace_dir
     if dist.get_rank() == 0:
         def fail(tmp, path):
@@ -424,7 +424,7 @@ def _plain_value_refused(tmp_path):
 
 # --- shared memory: liveness across pid namespaces -------------------------------------------
 def test_shm_sweep_judges_only_its_own_pid_namespace(tmp_path):
-    from tpkit import shm
+    from tpkit.comm import shm
     ns, boot = shm._where()
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True).stdout.strip()

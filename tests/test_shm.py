@@ -1,4 +1,4 @@
-"""tpkit.shm: the shared-memory all-reduce TP groups use on CPU, against gloo's all-reduce
+"""tpkit.comm.shm: the shared-memory all-reduce TP groups use on CPU, against gloo's all-reduce
 on the same data, and the ways it must fail or step aside.
 
 Pool (tests/dist.py): equivalent for the transport, which only needs the TP group and the
@@ -20,7 +20,7 @@ def _sums(tp, dtype, numels, seed):
     import torch.distributed as dist
 
     import tpkit
-    from tpkit import shm
+    from tpkit.comm import shm
     st = tpkit.init_parallel(tp=tp, seed=None)
     t = shm.get(st.tp_group)
     assert t is not None and t.size == tp
@@ -70,7 +70,7 @@ def _parity_reuse():
     import time
 
     import tpkit
-    from tpkit import shm
+    from tpkit.comm import shm
     st = tpkit.init_parallel(tp=2, seed=None)
     t = shm.get(st.tp_group)
     bad = 0
@@ -89,7 +89,7 @@ def test_rounds_never_mix():
 
 def _setup_facts():
     import tpkit
-    from tpkit import shm
+    from tpkit.comm import shm
     st = tpkit.init_parallel(tp=2, seed=None)
     t = shm.get(st.tp_group)
     left = glob.glob(f"/dev/shm/tpkit-{os.getpid()}-*")
@@ -109,7 +109,7 @@ def _killed_rank0_leftover():
     window), as a real process: returns the file it left in /dev/shm."""
     import subprocess
     import sys
-    code = ("import os, signal\nfrom tpkit import shm\n"
+    code = ("import os, signal\nfrom tpkit.comm import shm\n"
             "path, mm = shm._create(shm._HEADER + 4 * shm.SLOT_BYTES, shm._HEADER, b'0' * 16)\n"
             "print(path, flush=True)\n"
             "os.kill(os.getpid(), signal.SIGKILL)")
@@ -120,7 +120,7 @@ def _killed_rank0_leftover():
 
 
 def test_segment_of_a_killed_rank0_is_removed_by_the_next_setup():
-    from tpkit import shm
+    from tpkit.comm import shm
     left = _killed_rank0_leftover()
     assert os.path.exists(left)            # what a SIGKILL in the window leaves behind
     live = f"/dev/shm/tpkit-{os.getpid()}-{'ab' * 6}"   # a live process's segment: kept
@@ -140,7 +140,7 @@ def test_segment_of_a_killed_rank0_is_removed_by_the_next_setup():
 
 def _layers_count(disable):
     import tpkit
-    from tpkit import shm
+    from tpkit.comm import shm
     from tpkit.nn import ParallelMLP
     if disable:
         os.environ["TPKIT_SHM_ALLREDUCE"] = "0"
@@ -171,7 +171,7 @@ def test_mlp_through_shm_or_gloo_same_result_and_count():
 
 def _late_peer():
     import tpkit
-    from tpkit import shm
+    from tpkit.comm import shm
     st = tpkit.init_parallel(tp=2, seed=None)
     t = shm.get(st.tp_group)
     t.timeout_s = 0.3
@@ -192,7 +192,7 @@ def test_missing_peer_times_out_naming_it():
 
 def _group_of_one_has_none():
     import tpkit
-    from tpkit import shm
+    from tpkit.comm import shm
     st = tpkit.init_parallel(tp=1, seed=None)
     return shm.get(st.tp_group) is None
 
@@ -206,7 +206,7 @@ def _no_space():
     import warnings
 
     import tpkit
-    from tpkit import shm
+    from tpkit.comm import shm
 
     def full(nbytes, header, token):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -233,7 +233,7 @@ def _shared_and_bypassed():
     import torch.distributed as dist
 
     import tpkit
-    from tpkit import shm
+    from tpkit.comm import shm
     from tpkit.topology import build_state
     st = tpkit.init_parallel(tp=2, seed=None)
     t = shm.get(st.tp_group)
@@ -242,7 +242,7 @@ def _shared_and_bypassed():
     x = torch.full((3,), float(st.rank + 1))
     with shm.bypassed(st.tp_group):
         with count_collectives() as calls:
-            from tpkit.collectives import all_reduce_sum
+            from tpkit.comm.collectives import all_reduce_sum
             all_reduce_sum(x, st.tp_group)
         inside = (shm.get(st.tp_group) is None, t.seq, calls.summary())
     all_reduce_sum(x, st.tp_group)

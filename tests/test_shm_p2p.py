@@ -1,4 +1,4 @@
-"""tpkit.shm's point-to-point transport (CP groups on CPU): every message arrives whole and
+"""tpkit.comm.shm's point-to-point transport (CP groups on CPU): every message arrives whole and
 in order, whatever its size, dtype, layout or how many are in flight, and the ring
 attention it carries computes the same bits as over gloo. Expected contents are written
 from a formula in the test (the sender's rank, the receiver's, the message index), not by
@@ -24,8 +24,8 @@ def _exchange(cp, dtype, numels, in_flight, reverse_waits):
     batches posted before any is waited on; returns the mismatches and the transport's
     slot size."""
     import tpkit
-    from tpkit import shm
-    from tpkit.collectives import start_p2p
+    from tpkit.comm import shm
+    from tpkit.comm.collectives import start_p2p
     st = tpkit.init_parallel(cp=cp, seed=None)
     t = shm.get_p2p(st.cp_group)
     assert t is not None and t.size == cp
@@ -55,7 +55,7 @@ def test_messages_arrive_whole_and_in_order(cp):
     """Empty, tiny, odd, one slot and several slots plus a remainder, to and from every
     peer at once: more than a mailbox holds, so it only finishes if waits move the
     others' chunks too."""
-    from tpkit.shm import _p2p_layout
+    from tpkit.comm.shm import _p2p_layout
     slot = _p2p_layout(cp)[2] // 4     # fp32 elements per slot
     numels = [0, 1, 1001, slot, 3 * slot + 17]
     res = run(_exchange, cp, cp, torch.float32, numels, 3, cp == 4)
@@ -71,8 +71,8 @@ def test_dtypes(dtype):
 def _layouts():
     """A non-contiguous send and a non-contiguous receive buffer."""
     import tpkit
-    from tpkit import shm
-    from tpkit.collectives import start_p2p
+    from tpkit.comm import shm
+    from tpkit.comm.collectives import start_p2p
     st = tpkit.init_parallel(cp=2, seed=None)
     peer = 1 - st.rank
     mine = (torch.arange(12.0).view(3, 4) + 100 * st.rank).t()          # [4, 3], strided
@@ -94,8 +94,8 @@ def _mismatch(kind):
     posts nothing and rank 0 waits out a short timeout, or (``dead``) sees rank 1's
     process gone."""
     import tpkit
-    from tpkit import shm
-    from tpkit.collectives import start_p2p
+    from tpkit.comm import shm
+    from tpkit.comm.collectives import start_p2p
     st = tpkit.init_parallel(cp=2, seed=None)
     t = shm.get_p2p(st.cp_group)
     msg = "no error"
@@ -146,7 +146,7 @@ def _ring(disable):
     import os
 
     import tpkit
-    from tpkit import shm
+    from tpkit.comm import shm
     from tpkit.data import shard_sequence
     from tpkit.nn.dot_product_attention import DotProductAttention
     if disable:

@@ -321,3 +321,25 @@ def test_cycle_check_catches_a_lazy_circle(tmp_path):
         ["tpkit/models/hf.py", "tpkit/models/llama.py"]]
     (m / "llama.py").write_text("class Llama:\n    pass\n")
     assert import_cycles(import_graph(str(tmp_path))) == []
+
+
+# --- subsystems as packages (issue 49) ------------------------------------------------------
+SUBSYSTEMS = {   # package -> the modules that live in it, never at tpkit's root
+    "checkpoint": ("_dcp", "_dcp_verify"),
+    "comm": ("collectives", "shm"),
+}
+
+
+def test_subsystems_are_packages():
+    """Each subsystem is one package (one unit of the layer table), its modules inside it:
+    a module of one at the root again would be a second home for the concept."""
+    order, _ = layer_table(open(DESIGN).read())
+    for package, modules in SUBSYSTEMS.items():
+        folder = os.path.join(ROOT, "tpkit", package)
+        assert os.path.isfile(os.path.join(folder, "__init__.py")), package
+        assert package in order, f"{package} is not a unit of docs/design.md's layer table"
+        for name in modules:
+            assert os.path.isfile(os.path.join(folder, f"{name}.py")), (package, name)
+            assert not os.path.exists(os.path.join(ROOT, "tpkit", f"{name}.py")), \
+                f"tpkit/{name}.py: it lives in tpkit/{package}/"
+            assert name not in order, f"{name} is inside {package}, not a unit of its own"

@@ -84,7 +84,7 @@ def _rank_multi(tmp):
     import torch.distributed as dist
 
     import tpkit
-    from tpkit.collectives import any_rank, group_device
+    from tpkit.comm.collectives import any_rank, group_device
     from tpkit.nn import MoE
     out = {}
     rank = dist.get_rank()

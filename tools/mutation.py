@@ -52,7 +52,7 @@ MODULES = {
         " or fp8_linear_matches_manual or te_scales_against or quantize_helpers"]),
     "planning": ("tpkit/planning.py", [
         "tests/test_planning.py", "tests/cli/test_launch.py::test_dry_run_65536_ranks_summarises"]),
-    "dcp_verify": ("tpkit/_dcp_verify.py", ["tests/test_dcp_verify.py"]),
+    "dcp_verify": ("tpkit/checkpoint/_dcp_verify.py", ["tests/test_dcp_verify.py"]),
 }
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # imported once by the fork runner's parent; never tpkit (the children import the mutant)

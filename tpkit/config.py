@@ -43,7 +43,7 @@ def _check_size(name: str, value, *, allow_none: bool = False) -> None:
         raise ValueError(f"{name}={value} must be >= 1; use {name}=1 to disable this dimension")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class ParallelConfig:
     """Sizes of the tp, cp, dp and pp dimensions and the options that go with them.
 
@@ -78,6 +78,17 @@ class ParallelConfig:
             self._check()
         except ValueError as e:
             raise ValueError(self._with_origin(str(e))) from None
+
+    def _key(self) -> tuple:
+        return tuple(getattr(self, f.name) for f in dataclasses.fields(self) if f.compare)
+
+    def __eq__(self, other) -> bool:   # a Layout equals the ParallelConfig of its sizes
+        if not isinstance(other, ParallelConfig):
+            return NotImplemented
+        return self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
 
     def _with_origin(self, message: str, fields=None) -> str:
         """``message`` plus where the values it names came from (those of ``fields``, or
@@ -156,8 +167,9 @@ class ParallelConfig:
     def cp_p2p_size(self) -> int | None:
         return None if self.cp_a2a_size is None else self.cp // self.cp_a2a_size
 
-    def validate(self, world_size: int) -> "ParallelConfig":
-        """Check the layout against ``world_size``; return a copy with ``dp`` filled in."""
+    def validate(self, world_size: int) -> "Layout":
+        """Check the layout against ``world_size``; return it resolved: a :class:`Layout`
+        (``dp`` filled in), which nothing downstream checks again."""
         _check_size("world_size", world_size)
         if world_size % self.model_size != 0:
             raise ValueError(self._with_origin(
@@ -181,7 +193,8 @@ class ParallelConfig:
                 "pipeline stage, which the expert layers re-cut as etp x ep x edp); choose ep "
                 f"and etp whose product divides {stage}, or change the world size",
                 ("ep", "etp", "tp", "cp")))
-        return dataclasses.replace(self, dp=dp)
+        return Layout(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                         if f.init and f.name != "dp"}, dp=dp)
 
     @property
     def world_size(self) -> int:
@@ -265,6 +278,34 @@ class ParallelConfig:
         env = os.environ if env is None else env
         return any(var in env for var in ENV_VARS.values())
 
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Layout(ParallelConfig):
+    """A ParallelConfig checked against its world (``dp`` resolved): what
+    :meth:`ParallelConfig.validate` returns, and the one form the layout travels in after
+    that (tpkit-launch's plan, its dry run and memory estimate, the pre-flight hook, the
+    workers' ``init_parallel``). It is not checked again: ``validate(world)`` only says
+    whether it is the layout of that world."""
+
+    def __post_init__(self) -> None:   # ParallelConfig.validate made it from a checked one
+        pass
+
+    def validate(self, world_size: int) -> "Layout":
+        """This layout, when ``world_size`` is its world; else ValueError naming both."""
+        if world_size != self.world_size:
+            raise ValueError(self._with_origin(
+                f"world size {world_size} is not this layout's: tp*cp*pp*dp = {self.tp}*"
+                f"{self.cp}*{self.pp}*{self.dp} = {self.world_size}; launch "
+                f"{self.world_size} processes, or leave dp unset", ("dp", "tp", "cp", "pp")))
+        return self
+
+    def sizes(self) -> str:
+        """``tp=2 cp=1 pp=1 dp=4 ...``: the layout as the dry run and errors print it."""
+        return (f"tp={self.tp} cp={self.cp} pp={self.pp} dp={self.dp} "
+                f"sequence_parallel={self.sequence_parallel} cp_comm_type={self.cp_comm_type}"
+                + (f" cp_a2a_size={self.cp_a2a_size}" if self.cp_a2a_size else "")
+                + (f" ep={self.ep} etp={self.expert_tp} edp={self.edp}"
+                   if self.has_experts else ""))
 
 
 #: The layout flags tpkit-launch was given (comma-separated field names), exported to the

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .collectives import all_reduce_flat, all_reduce_max, all_reduce_sum
+from .comm.collectives import all_reduce_flat, all_reduce_max, all_reduce_sum
 from .param_tags import is_expert, is_sequence_parallel, tp_spec
 from .topology import resolve_state
 

@@ -26,12 +26,11 @@ fsdp at the same world size for layouts that fit a device, cheapest first.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
 from typing import Iterable
 
 from .config import ParallelConfig
+from .models.shape import ModelShape
 
 __all__ = ["ModelShape", "MemoryJob", "MemoryEstimate", "estimate_memory", "role_ranks",
            "estimate_roles", "suggest_layouts", "format_estimate", "format_roles",
@@ -45,118 +44,6 @@ OPTIMIZERS = ("adamw", "adam", "sgd", "none")
 _ACT = {"32-true": (4, 4), "bf16-mixed": (4, 2), "16-mixed": (4, 2), "bf16-true": (2, 2),
         "fp8": (4, 4)}
 AUTOCAST = ("bf16-mixed", "16-mixed")
-_GATED = ("swiglu", "geglu")
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelShape:
-    """A decoder-only transformer's sizes (tpkit's GPT and Llama blocks)."""
-
-    layers: int
-    hidden: int
-    ffn: int
-    heads: int
-    kv_heads: int | None = None      # None: = heads (no grouped-query attention)
-    vocab: int = 256
-    activation: str = "gelu"         # gelu/relu/silu, or swiglu/geglu (fc1 2*ffn wide)
-    norm: str = "RMSNorm"            # or LayerNorm (weight and bias)
-    bias: bool = False               # biases of every linear
-    qkv_bias: bool | None = None     # None: bias
-    tied_embeddings: bool = False
-    experts: int = 0                 # MoE experts per MoE layer (0: dense)
-    topk: int = 2
-    moe_every: int = 1               # every k-th block is MoE
-    capacity_factor: float | None = None
-
-    def __post_init__(self):
-        for name in ("layers", "hidden", "ffn", "heads", "vocab", "topk", "moe_every"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"ModelShape.{name}={v!r} must be an integer >= 1")
-        if self.hidden % self.heads:
-            raise ValueError(f"ModelShape: hidden={self.hidden} is not divisible by "
-                             f"heads={self.heads}")
-        if self.heads % self.groups:
-            raise ValueError(f"ModelShape: heads={self.heads} is not divisible by "
-                             f"kv_heads={self.groups}")
-        if self.experts < 0:
-            raise ValueError(f"ModelShape.experts={self.experts} must be >= 0 (0: dense)")
-
-    @property
-    def groups(self) -> int:
-        return self.heads if self.kv_heads is None else self.kv_heads
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
-
-    @property
-    def gated(self) -> bool:
-        return self.activation in _GATED
-
-    def is_moe(self, block: int) -> bool:
-        return self.experts > 0 and (block + 1) % self.moe_every == 0
-
-    # --- constructors ----------------------------------------------------------------
-    @classmethod
-    def from_llama_config(cls, cfg) -> "ModelShape":
-        """From a tpkit.models.LlamaConfig (SwiGLU MLPs, RMSNorm)."""
-        return cls(layers=cfg.num_layers, hidden=cfg.hidden_size, ffn=cfg.ffn_hidden_size,
-                   heads=cfg.num_heads, kv_heads=cfg.num_gqa_groups or cfg.num_heads,
-                   vocab=cfg.vocab_size, activation="swiglu", norm="RMSNorm",
-                   bias=bool(cfg.bias), qkv_bias=cfg.qkv_bias,
-                   tied_embeddings=bool(cfg.tie_word_embeddings))
-
-    @classmethod
-    def from_hf_config(cls, source) -> "ModelShape":
-        """From a Hugging Face ``config.json`` (a path, a directory holding one, or the
-        parsed dict): what tpkit.models reads (Llama, Mistral, Qwen2: through
-        ``tpkit.models.hf.config_from_hf``), or a Mixtral-style MoE (``num_local_experts``,
-        ``num_experts_per_tok``), whose sizes are read here. ValueError naming the file."""
-        where = "the config dict"
-        if not isinstance(source, dict):
-            path = os.fspath(source)
-            if os.path.isdir(path):
-                path = os.path.join(path, "config.json")
-            where = path
-            try:
-                with open(path) as f:
-                    source = json.load(f)
-            except OSError as e:
-                raise ValueError(f"model config {path!r} cannot be read ({e.strerror}); pass "
-                                 "a Hugging Face config.json or the directory holding it") from None
-            except json.JSONDecodeError as e:
-                raise ValueError(f"model config {path!r} is not JSON (line {e.lineno}: "
-                                 f"{e.msg}); pass a Hugging Face config.json") from None
-        if not isinstance(source, dict):
-            raise ValueError(f"model config {where} holds {type(source).__name__}, not a "
-                             "JSON object; pass a Hugging Face config.json")
-        experts = int(source.get("num_local_experts") or source.get("num_experts") or 0)
-        if not experts:
-            from .models.hf import config_from_hf
-            try:
-                return cls.from_llama_config(config_from_hf(source))
-            except ValueError as e:
-                raise ValueError(f"model config {where}: {e}") from None
-        need = ("num_hidden_layers", "hidden_size", "intermediate_size",
-                "num_attention_heads", "vocab_size")
-        missing = [k for k in need if k not in source]
-        if missing:
-            raise ValueError(f"model config {where} lacks {', '.join(missing)}; pass the "
-                             "config.json of a Mixtral-style MoE or a Llama-family model")
-        try:
-            return cls(layers=int(source["num_hidden_layers"]),
-                       hidden=int(source["hidden_size"]),
-                       ffn=int(source.get("moe_intermediate_size")
-                               or source["intermediate_size"]),
-                       heads=int(source["num_attention_heads"]),
-                       kv_heads=int(source.get("num_key_value_heads")
-                                    or source["num_attention_heads"]),
-                       vocab=int(source["vocab_size"]), activation="swiglu",
-                       tied_embeddings=bool(source.get("tie_word_embeddings", False)),
-                       experts=experts, topk=int(source.get("num_experts_per_tok") or 2))
-        except ValueError as e:
-            raise ValueError(f"model config {where}: {e}") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,37 +86,16 @@ class MemoryJob:
 
     # --- constructors ----------------------------------------------------------------
     @classmethod
-    def from_job(cls, job, *, dp: int = 1, pp: int = 1) -> "MemoryJob | None":
-        """From the trainer's ``tpkit.train.JobConfig``, at ``dp`` data-parallel ranks (the
-        micro-batch is global batch / dp / micro-batches) and ``pp`` stages (the job's
-        micro-batch count there). None when ``model.init_from_hf``'s directory has no
-        config.json yet (a dry run may plan its download: nothing to estimate)."""
-        m, e, t = job.model, job.experts, job.training
-        vocab = 256   # the built-in corpus's byte vocabulary, else the tokenizer's
-        if job.data.path is not None and job.data.tokenizer is not None:
-            from .data import Tokenizer
-            vocab = Tokenizer(job.data.tokenizer).vocab_size
-        if getattr(m, "hf_config", None):       # a Llama from scratch (tpkit.train.arch)
-            path = m.hf_config if not os.path.isdir(m.hf_config) else \
-                os.path.join(m.hf_config, "config.json")
-            model = ModelShape.from_hf_config(path)
-            model = dataclasses.replace(model, vocab=max(model.vocab, vocab))
-        elif getattr(m, "arch", "gpt") == "llama":
-            model = ModelShape(layers=m.layers, hidden=m.hidden, ffn=m.ffn, heads=m.heads,
-                               kv_heads=m.gqa_groups, vocab=vocab, activation="swiglu",
-                               norm="RMSNorm", bias=False)
-        elif m.init_from_hf:
-            path = os.path.join(m.init_from_hf, "config.json")
-            if not os.path.isfile(path):
-                return None
-            model = ModelShape.from_hf_config(path)
-        else:
-            model = ModelShape(layers=m.layers, hidden=m.hidden, ffn=m.ffn,
-                               heads=m.heads, kv_heads=m.gqa_groups,
-                               vocab=vocab,
-                               activation="gelu", norm="RMSNorm", bias=False,
-                               experts=e.num, topk=e.topk, moe_every=e.every,
-                               capacity_factor=e.capacity_factor)
+    def from_job(cls, job, model: ModelShape | None, *, dp: int = 1, pp: int = 1
+                 ) -> "MemoryJob | None":
+        """From the trainer's ``tpkit.train.JobConfig`` training ``model`` (the shape of
+        the model it builds: tpkit.train.trainer.model_shape, vocabulary included), at
+        ``dp`` data-parallel ranks (the micro-batch is global batch / dp / micro-batches)
+        and ``pp`` stages (the job's micro-batch count there). None without a model (a
+        dry run may plan the download of ``model.init_from_hf``: nothing to estimate)."""
+        if model is None:
+            return None
+        m, t = job.model, job.training
         mb = job.microbatches(pp)
         return cls(model=model, micro_batch=max(1, t.global_batch // dp // mb),
                    seq_len=t.seq_len, microbatches=mb, precision=job.precision.mode,
@@ -692,7 +558,7 @@ def step_cost(job: MemoryJob, c: ParallelConfig, nproc_per_node: int = 8) -> flo
     """The ranking of ``suggest_layouts``: an idealised step time in seconds on
     ``FLOPS``/``NVLINK``/``NETWORK`` (400 TFLOP/s per device, 200 GB/s inside a node,
     25 GB/s per device across nodes): the model FLOPs (6 per parameter and token, plus
-    attention) / (tp*cp*pp) stretched by the pipeline bubble (pp-1)/(m*v) and by 4/3 with
+    attention: ``ModelShape.flops_per_token``, the count MFU uses) / (tp*cp*pp) stretched by the pipeline bubble (pp-1)/(m*v) and by 4/3 with
     recompute, plus the bytes of the tp all-reduces (or SP's gathers), the cp K/V
     exchange, the dp gradient all-reduce (fsdp: gathers as well) and the pp sends, each
     over the link it uses. Only the order means something."""
@@ -700,10 +566,7 @@ def step_cost(job: MemoryJob, c: ParallelConfig, nproc_per_node: int = 8) -> flo
     a = _dtype_bytes(job.precision)
     m = job.microbatches
     tokens = job.micro_batch * m * job.seq_len
-    per_layer = 2 * mo.hidden * mo.hidden + 2 * mo.hidden * mo.groups * mo.head_dim \
-        + (3 if mo.gated else 2) * mo.hidden * mo.ffn
-    flops = 6 * tokens * (mo.layers * per_layer + mo.vocab * mo.hidden) \
-        + 6 * tokens * job.seq_len * mo.hidden * mo.layers      # causal attention
+    flops = tokens * mo.flops_per_token(job.seq_len, causal=True)   # MFU's count, causal
     v = (job.virtual_stages or 2) if c.pp > 1 and job.pp_schedule.lower() != "1f1b" else 1
     t = flops / (c.tp * c.cp * c.pp) / FLOPS * (1 + (c.pp - 1) / (m * v))
     if job.recompute:
@@ -715,6 +578,8 @@ def step_cost(job: MemoryJob, c: ParallelConfig, nproc_per_node: int = 8) -> flo
         link = NVLINK if c.tp * c.cp <= nproc_per_node else NETWORK
         kv = act * 2 * mo.groups / mo.heads
         t += 2 * kv * (c.cp - 1) / link
+    per_layer = 2 * mo.hidden * mo.hidden + 2 * mo.hidden * mo.groups * mo.head_dim \
+        + (3 if mo.gated else 2) * mo.hidden * mo.ffn
     params = (mo.layers * per_layer + 2 * mo.vocab * mo.hidden) / (c.tp * c.pp) * 4
     dp = c.dp * c.cp
     if dp > 1:

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from . import topology
 from .config import ParallelConfig, fused_attn_enabled
 from .random import get_rng_tracker, model_parallel_seed
-from .shm import shm_allreduce_enabled, shm_p2p_enabled
+from .comm.shm import shm_allreduce_enabled, shm_p2p_enabled
 from .topology import (ParallelState, build_state, get_parallel_state,  # noqa: F401
                        is_initialized, resolve_state, set_parallel_state)
 

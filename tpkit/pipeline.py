@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .collectives import all_reduce_flat, all_reduce_sum
+from .comm.collectives import all_reduce_flat, all_reduce_sum
 from .grads import reduce_expert_grads, reduce_since, snapshot_grads
 from .param_tags import is_expert
 from .topology import resolve_state

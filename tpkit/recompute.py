@@ -34,7 +34,7 @@ import contextlib
 import torch
 
 from . import fp8, te
-from .collectives import all_gather, group_rank, group_size
+from .comm.collectives import all_gather, group_rank, group_size
 from .random import get_rng_tracker
 from .topology import get_parallel_state, is_initialized
 

@@ -29,6 +29,7 @@ from .fp8 import fp8_autocast as _fp8_autocast
 from .fp8 import fp8_model_init, register_gemm_layer
 from .fp8 import is_active as _fp8_active
 from .nn._backend import resolve_backend
+from .nn._common import SharedRef
 from .nn.export import export_mode as _export_mode
 from .nn.inference import InferenceParams
 from .nn.linear import linear_fn
@@ -103,16 +104,6 @@ def _mode(parallel_mode) -> str | None:
     return mode
 
 
-class _StateRef:
-    __slots__ = ("obj",)
-
-    def __init__(self, obj):
-        self.obj = obj
-
-    def __deepcopy__(self, memo):
-        return self
-
-
 class _HandOff:
     """``backend=``: "torch" (the default) builds tpkit's layer; "te" (or "auto" with TE
     and CUDA) returns Transformer Engine's class of the same name built from the same
@@ -158,7 +149,7 @@ class Linear(_HandOff, nn.Module):
                     sequence_parallel=bool(sequence_parallel),
                     init_method=init_method or _default_init, return_bias=return_bias,
                     device=device, dtype=params_dtype)
-        self._te_state = _StateRef(state)
+        self._te_state = SharedRef(state)
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None):
         """``is_first_microbatch`` is TE's fp8 weight-caching hint; the result is the same
@@ -328,7 +319,7 @@ class LayerNormMLP(_HandOff, nn.Module):
                                    or init_method or _default_init,
                                    state=state, device=device, dtype=params_dtype)
         self.return_layernorm_output = bool(return_layernorm_output)
-        self._te_state = _StateRef(state)
+        self._te_state = SharedRef(state)
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None):
         ln = self.layer_norm(inp)
@@ -453,7 +444,7 @@ class MultiheadAttention(_HandOff, nn.Module):
         self.attention.core_attention.layer_number = layer_number   # its KV cache's key
         self.attn_mask_type = attn_mask_type
         self.return_layernorm_output = bool(return_layernorm_output)
-        self._te_state = _StateRef(state)
+        self._te_state = SharedRef(state)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, encoder_output=None,
                 attn_mask_type=None, window_size=None, is_first_microbatch=None,
@@ -557,7 +548,7 @@ class TransformerLayer(_HandOff, tnn.TransformerLayer):
 
     @property
     def _te_state(self):
-        return _StateRef(self.state)
+        return SharedRef(self.state)
 
 
 # --- functions ---------------------------------------------------------------------------

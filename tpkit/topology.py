@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from . import shm
+from .comm import shm
 from .config import ParallelConfig
 
 MESH_DIMS = ("pp", "dp", "cp", "tp")
@@ -65,9 +65,13 @@ class ParallelState:
     edp_mesh: DeviceMesh | None = None
     etp_ep_mesh: DeviceMesh | None = None
     # (ep, etp) as a 2-D mesh of the groups above (no group of its own): the placement of
-    # expert weights' shards in sharded checkpoints (tpkit/_dcp.py)
+    # expert weights' shards in sharded checkpoints (tpkit/checkpoint/_dcp.py)
     expert_mesh: DeviceMesh | None = None
     build_seconds: float = 0.0
+    # The full length of the last sequence sharded over CP in this layout
+    # (tpkit.data.note_sharded_length; None: none yet): CP attention refuses it as its
+    # local length (a full sequence would attend to all of it on every rank).
+    last_sharded_len: int | None = None
 
     # --- groups ----------------------------------------------------------------
     tp_group = property(lambda self: self.tp_mesh.get_group())

@@ -171,7 +171,7 @@ class _null:
 
 
 def main():
-    # tpkit.shm's CPU transports map shared-memory segments (megabytes per group) that a
+    # tpkit.comm.shm's CPU transports map shared-memory segments (megabytes per group) that a
     # device does not have: the estimate is of device memory, so they are off here
     os.environ["TPKIT_SHM_ALLREDUCE"] = os.environ["TPKIT_SHM_P2P"] = "0"
     names = sys.argv[1:] or list(LAYOUTS)

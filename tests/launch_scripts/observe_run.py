@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 import tpkit
 import tpkit.checkpoint
-from tpkit.collectives import all_reduce_sum
+from tpkit.comm.collectives import all_reduce_sum
 from tpkit.grads import grad_norm
 from tpkit.models.gpt import GPT, GPTConfig
 from tpkit.observe import MetricsLogger, model_flops_per_token, moe_scalars

@@ -118,7 +118,7 @@ def main():
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     import tpkit
-    from tpkit import shm
+    from tpkit.comm import shm
 
     created = not dist.is_initialized()  # true under tpkit-launch/torchrun/srun
     atexit.register(_at_exit, created)  # before tpkit's own hook: runs after it

@@ -86,7 +86,7 @@ def _counts(fused=False):
     from commcount import count_collectives
     from tpkit.nn.dot_product_attention import DotProductAttention
 
-    from tpkit.shm import ShmP2P
+    from tpkit.comm.shm import ShmP2P
 
     real, real_shm, sent = dist.batch_isend_irecv, ShmP2P.start, [0]
 

@@ -154,7 +154,7 @@ def _layer_worker(plan):
     import tpkit
     from layer_checks import RefTransformerLayer, check_weight_grads, randomize, rel
     from tpkit.checkpoint import load_full_state_dict
-    from tpkit.collectives import all_gather
+    from tpkit.comm.collectives import all_gather
     from tpkit.data import pack_sequences, shard_packed, unshard_packed
     from tpkit.nn import RotaryEmbedding, TransformerLayer
 

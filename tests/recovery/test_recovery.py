@@ -327,7 +327,7 @@ def _resume_and_keep(save_dir):
     kept = sorted(os.listdir(save_dir))
     dist.barrier()                                 # every rank listed before the changes
     if dist.get_rank() == 0:   # an unfinished save, a directory that is no checkpoint,
-        from tpkit._dcp_verify import staging_path   # (this job's: prune removes it)
+        from tpkit.checkpoint._dcp_verify import staging_path   # (this job's: prune removes it)
         os.makedirs(staging_path(os.path.join(save_dir, "step000006")))  # and a newer one
         os.makedirs(os.path.join(save_dir, "step000099"))   # with a shard cut short since
         damaged = os.path.join(save_dir, "step000050")

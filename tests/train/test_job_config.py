@@ -152,15 +152,26 @@ def test_one_process_with_a_layout_asks_for_tpkit_launch(capsys, monkeypatch):
 
 def test_the_layout_is_resolved_once_and_handed_over(tmp_path):
     """JobConfig.layout: the parallelism section over tpkit-launch's TPKIT_* (values from
-    the job win), its messages naming where each size came from; TPKitStrategy takes the
-    resolved ParallelConfig as it is (and refuses sizes beside it)."""
+    the job win; a value given to tpkit-launch's own flags and to the job with two values
+    is refused, naming both), its messages naming where each size came from;
+    TPKitStrategy takes the resolved Layout as it is (and refuses sizes beside it)."""
+    from tpkit.config import Layout, ParallelConfig
     from tpkit.fabric import TPKitStrategy
     (tmp_path / "job.toml").write_text("[parallelism]\ncp = 2\n")
     job, _ = parse(["--config", str(tmp_path / "job.toml"), "--tp", "2"], env={})
     cfg = job.layout({"TPKIT_TP": "4", "TPKIT_SEQUENCE_PARALLEL": "1"}).validate(8)
     assert (cfg.tp, cfg.cp, cfg.dp, cfg.sequence_parallel) == (2, 2, 2, True)
+    assert isinstance(cfg, Layout) and cfg.validate(8) is cfg   # resolved: not checked again
+    with pytest.raises(ValueError, match="world size 16 is not this layout's"):
+        cfg.validate(16)
     with pytest.raises(ValueError, match=rf"tp=2 from --tp; cp=2 from {tmp_path}/job.toml:2"):
         job.layout({}).validate(6)
+    launcher = ParallelConfig.from_env({}, given_as="tpkit-launch --{flag}", tp=4)
+    with pytest.raises(ValueError, match=r"--tp=2 \(parallelism.tp\) conflicts with tp=4 "
+                                         r"from tpkit-launch --tp: one run has one layout"):
+        job.layout(launcher)
+    shell = ParallelConfig.from_env({"TPKIT_TP": "4", "TPKIT_DP": "1"})   # defaults: job wins
+    assert job.layout(shell).validate(8) == ParallelConfig(tp=2, cp=2, dp=2)
     assert TPKitStrategy(layout=cfg).config is cfg
     with pytest.raises(ValueError, match="not both"):
         TPKitStrategy(layout=cfg, tp=2)

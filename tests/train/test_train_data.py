@@ -91,6 +91,8 @@ def test_odd_vocabulary_is_padded_and_trains_at_tp2(odd_data):
     for losses, val in run(_train, 2, (2, 1), odd_data):
         _same(losses, reference)
         _same([v for _, v in val], [v for _, v in val_ref])
+
+
 def _llama(data):
     """A Llama from scratch (--arch llama) on the dataset: its vocabulary and losses."""
     from tpkit.data import Tokenizer
@@ -108,3 +110,45 @@ def test_llama_from_scratch_takes_the_tokenizers_vocabulary(data):
     ((vocab, tok_vocab, losses),) = run(_llama, 1, data)
     assert vocab == tok_vocab != 256
     assert losses[-1] < losses[0], losses
+
+
+def _plan_and_count(data):
+    """(tokenizer vocabulary, the model's vocabulary, parameter bytes built, the memory
+    plan's, FLOPs per token counted by FlopCounterMode, the MFU's count, the plan's) of a
+    tokenized-dataset job on one rank."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from tpkit.data import Tokenizer
+    from tpkit.memory import estimate_memory
+    from tpkit.observe import model_flops_per_token
+    from tpkit.train import Trainer, parse
+    from tpkit.train.trainer import memory_job
+    args = [a for a in SMALL if a != "--pack"]
+    job, _ = parse(args[:args.index("--split")] + data)
+    trainer = Trainer(job)
+    model, seq = trainer.raw_model, job.training.seq_len
+    plan = memory_job(job, trainer.layout)
+    built = sum(p.numel() * p.element_size() for p in model.parameters())
+    planned = estimate_memory(plan, trainer.layout, rank=0).terms["parameters"]
+    x = torch.randint(0, model.cfg.vocab_size, (2, seq))
+    counter = FlopCounterMode(display=False)
+    with sdpa_kernel(SDPBackend.MATH), counter:
+        model(x, torch.roll(x, -1, 1)).backward()
+    return (Tokenizer(job.data.tokenizer).vocab_size, model.cfg.vocab_size, built, planned,
+            counter.get_total_flops() / x.numel(), model_flops_per_token(model, seq),
+            plan.model.flops_per_token(seq))
+
+
+def test_memory_plan_and_flops_of_a_tokenized_job(data):
+    """One model description (tpkit.models.shape.ModelShape) behind the model, its MFU and
+    its memory plan: on a tokenized dataset (a 300-token BPE) the plan's vocabulary is the
+    tokenizer's (it once assumed the corpus' 256), its parameter bytes are those the
+    trainer built, and the FLOPs per token MFU divides by match torch's FlopCounterMode."""
+    ((tok_vocab, vocab, built, planned, counted, mfu_count, planned_flops),) = \
+        run(_plan_and_count, 1, data)
+    assert vocab == tok_vocab == 300
+    assert planned == built, (planned, built)
+    assert mfu_count == planned_flops
+    assert abs(mfu_count - counted) <= 0.02 * counted, (mfu_count, counted)

@@ -124,15 +124,16 @@ def test_profile_trace_per_rank(job):
 
 def test_memory_estimate_line_after_step_one(job):
     from tpkit.config import ParallelConfig
-    from tpkit.memory import MemoryJob, estimate_memory, format_measured
+    from tpkit.memory import estimate_memory, format_measured
     from tpkit.train import parse
+    from tpkit.train.trainer import memory_job
     _, out, _ = job
     lines = [ln for ln in out.splitlines() if ln.startswith("memory")]
     assert len(lines) == 1, lines                    # rank 0 only, once
     text = out.splitlines()
     assert text.index(lines[0]) < text.index(next(ln for ln in text if ln.startswith("step ")))
     layout = ParallelConfig(tp=2, cp=2).validate(4)
-    est = estimate_memory(MemoryJob.from_job(parse(ARGS)[0], dp=1, pp=1), layout, rank=0)
+    est = estimate_memory(memory_job(parse(ARGS)[0], layout), layout, rank=0)
     assert lines[0] == format_measured(est, None, step=1), lines[0]   # CPU: no allocator peak
     from test_memory import read_measured_line
     step, printed, measured, _ = read_measured_line(lines[0])   # the line scripts read

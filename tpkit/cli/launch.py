@@ -14,7 +14,7 @@ import os
 import sys
 from typing import Mapping
 
-from .preflight import LaunchInfo, PreflightError, find_hook, run_hook
+from .preflight import HOOK, LaunchInfo, PreflightError, find_hook, run_hook
 
 PROG = "tpkit-launch"
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_worker.py")
@@ -136,7 +136,7 @@ def _asks_for_help(argv: list[str]) -> bool:
 class Plan:
     """Everything resolved before a worker starts."""
 
-    config: object  # ParallelConfig, validated when the node count is fixed
+    config: object  # the Layout (a ParallelConfig, dp unresolved, for --nnodes MIN:MAX)
     nproc_per_node: int
     min_nodes: int
     max_nodes: int
@@ -193,7 +193,7 @@ def _visible_gpus() -> int:
 def resolve(args, env: Mapping[str, str]) -> Plan:
     """Check the invocation against the layout, the machine and Slurm; raise LaunchError."""
     from tpkit.config import LAUNCH_GIVEN, ParallelConfig, env_flag, fused_attn_enabled
-    from tpkit.shm import shm_allreduce_enabled, shm_p2p_enabled
+    from tpkit.comm.shm import shm_allreduce_enabled, shm_p2p_enabled
     from .slurm import slurm_info
     try:
         shm_allreduce_enabled(env)
@@ -250,25 +250,14 @@ def resolve(args, env: Mapping[str, str]) -> Plan:
     if lo != hi and config.dp is not None:
         raise LaunchError(f"--dp={config.dp} cannot hold for every node count in --nnodes="
                           f"{lo}:{hi}; drop --dp for elastic launches")
-    for n in range(lo, hi + 1):  # an elastic job must be valid at every size it may take
-        try:
-            checked = config.validate(n * nproc)
-        except ValueError as e:
-            raise LaunchError(f"{e} [world = {n} node(s) x {nproc} processes per node]") from None
-    if lo == hi:
-        config = checked
-    if hi > 1 and nproc % config.tp != 0:
-        raise LaunchError(
-            f"tp={config.tp} does not fit in one node of {nproc} processes: TP groups would "
-            "span nodes and all-reduce every layer over the network; choose tp dividing "
-            f"--nproc-per-node={nproc} (TP stays inside a node)")
+    layouts = _layouts(config, lo, hi, nproc)
 
     backend = args.backend or ("nccl" if gpus else "gloo")
     if backend == "nccl" and not gpus and not args.dry_run:
         raise LaunchError("--backend nccl needs CUDA GPUs and none are visible here; use "
                           "--backend gloo")
     command = _command(args, env)
-    exports = dict(config.to_env(), TPKIT_BACKEND=backend)
+    exports = dict(TPKIT_BACKEND=backend)
     exports[LAUNCH_GIVEN] = ",".join(   # a script's init_parallel may not contradict them
         f for f in ("tp", "cp", "pp", "dp", "ep", "etp", "sequence_parallel", "cp_comm_type",
                     "cp_a2a_size") if getattr(args, f, None) is not None)
@@ -288,13 +277,54 @@ def resolve(args, env: Mapping[str, str]) -> Plan:
         cpus = (slurm.cpus_per_task if slurm and slurm.cpus_per_task
                 else len(os.sched_getaffinity(0)))
         exports["OMP_NUM_THREADS"] = str(max(1, cpus // nproc))
-    infos = [LaunchInfo(config=config.validate(n * nproc), world_size=n * nproc,
-                        nproc_per_node=nproc, nnodes=n, env={**env, **exports},
-                        dry_run=args.dry_run) for n in range(lo, hi + 1)]
-    return Plan(config=config, nproc_per_node=nproc, min_nodes=lo, max_nodes=hi,
+    plan = Plan(config=config, nproc_per_node=nproc, min_nodes=lo, max_nodes=hi,
                 node_rank=node_rank, rdzv_backend=rdzv_backend, rdzv_endpoint=endpoint or "",
                 rdzv_id=rdzv_id or "none", backend=backend, command=command,
-                exports=exports, slurm=slurm, preflight=infos)
+                exports=exports, slurm=slurm)
+    _settle(plan, layouts, env, dry_run=args.dry_run)
+    return plan
+
+
+def _layouts(config, lo: int, hi: int, nproc: int) -> list:
+    """``config`` checked once against every world ``--nnodes`` allows (an elastic job
+    must be valid at every size it may take): the Layout of each node count."""
+    layouts = []
+    for n in range(lo, hi + 1):
+        try:
+            layouts.append(config.validate(n * nproc))
+        except ValueError as e:
+            raise LaunchError(f"{e} [world = {n} node(s) x {nproc} processes per node]") from None
+    _tp_in_node(config.tp, nproc, hi)
+    return layouts
+
+
+def _tp_in_node(tp: int, nproc: int, nnodes: int) -> None:
+    if nnodes > 1 and nproc % tp != 0:
+        raise LaunchError(
+            f"tp={tp} does not fit in one node of {nproc} processes: TP groups would "
+            "span nodes and all-reduce every layer over the network; choose tp dividing "
+            f"--nproc-per-node={nproc} (TP stays inside a node)")
+
+
+def _settle(plan: Plan, layouts: list, env: Mapping[str, str], *, dry_run: bool) -> None:
+    """Make ``layouts`` (one Layout per node count) the plan's final layout: its config
+    (the Layout; for an elastic launch the sizes with dp left to the world), its
+    TPKIT_* exports and the pre-flight's LaunchInfo per node count."""
+    from tpkit.config import ENV_VARS, ParallelConfig
+    first = layouts[0]
+    if plan.min_nodes == plan.max_nodes:
+        plan.config = first
+    else:
+        plan.config = ParallelConfig(**{f: getattr(first, f) for f in ENV_VARS if f != "dp"},
+                                     origin=first.origin)
+    for var in ENV_VARS.values():
+        plan.exports.pop(var, None)
+    plan.exports.update(plan.config.to_env())
+    plan.preflight = [
+        LaunchInfo(config=layout, world_size=layout.world_size,
+                   nproc_per_node=plan.nproc_per_node, nnodes=n, env={**env, **plan.exports},
+                   dry_run=dry_run)
+        for n, layout in zip(range(plan.min_nodes, plan.max_nodes + 1), layouts)]
 
 
 def _command(args, env: Mapping[str, str]) -> list[str]:
@@ -318,8 +348,19 @@ def preflight(args, plan: Plan) -> str | None:
     source = find_hook(args)
     if source is None:   # a script with a hook checks its own arguments (launch/train.py --tp)
         _warn_flags_after_script(args)
-    return None if source is None else run_hook(args, source, plan.preflight,
-                                                jobs=plan.memory_jobs)
+        return None
+    layouts: list = []
+    answer = run_hook(args, source, plan.preflight, jobs=plan.memory_jobs, layouts=layouts)
+    if layouts and layouts != [info.config for info in plan.preflight]:
+        # the script's own sizes (launch/train.py --tp 4): the launch is that layout, the
+        # one its workers build (a size given to both with two values, the hook refused)
+        if len(layouts) != len(plan.preflight):
+            raise PreflightError(f"{HOOK} returned a layout for some node counts only; "
+                                 "return one for every call")
+        _tp_in_node(layouts[0].tp, plan.nproc_per_node, plan.max_nodes)
+        env = {k: v for k, v in plan.preflight[0].env.items() if k not in plan.exports}
+        _settle(plan, layouts, env, dry_run=args.dry_run)
+    return answer
 
 
 def _check_torchrun_flags(args, rdzv_backend: str, endpoint: str | None) -> None:
@@ -351,7 +392,7 @@ def _check_torchrun_flags(args, rdzv_backend: str, endpoint: str | None) -> None
     if args.master_port is not None and not 0 <= args.master_port <= 65535:
         raise LaunchError(f"--master-port={args.master_port} is not a port; pass 0..65535")
     if args.log_dir:
-        from tpkit._dcp_verify import dir_problem
+        from tpkit.checkpoint._dcp_verify import dir_problem
         problem = dir_problem(args.log_dir)
         if problem:
             raise LaunchError(f"--log-dir={args.log_dir!r} cannot be used ({problem}); pass "

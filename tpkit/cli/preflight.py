@@ -12,9 +12,12 @@ arguments and a :class:`LaunchInfo`: the layout ``init_parallel()`` will build w
 arguments (dp resolved), the world, and the workers' environment. A ValueError, or
 argparse's ``error()``, becomes ``tpkit-launch: error: SCRIPT: ...`` and exit 2 with no
 worker started; argparse's ``--help`` prints once and exits 0. Elastic launches call it
-once per node count ``--nnodes MIN:MAX`` allows. It may return a ``tpkit.memory.MemoryJob``
-(the model and batch it will train): tpkit-launch then estimates every rank's memory
-(tpkit.cli.memory). See docs/launch.md "Pre-flight checks" and "Memory".
+once per node count ``--nnodes MIN:MAX`` allows. It may return the layout its workers will
+build (a ``tpkit.config.Layout``, e.g. from the script's own ``--tp``: tpkit-launch then
+launches, prints and exports that one, so the dry run describes the job that runs) and a
+``tpkit.memory.MemoryJob`` (the model and batch it will train: tpkit-launch then estimates
+every rank's memory, tpkit.cli.memory), either or both (a tuple). See docs/launch.md
+"Pre-flight checks" and "Memory".
 """
 from __future__ import annotations
 
@@ -132,13 +135,14 @@ def _load(args, source: str):
     return module
 
 
-def run_hook(args, source: str, infos: list[LaunchInfo], jobs: list | None = None
-             ) -> str | None:
+def run_hook(args, source: str, infos: list[LaunchInfo], jobs: list | None = None,
+             layouts: list | None = None) -> str | None:
     """Import the script and call its hook for every ``LaunchInfo``. Returns None when it
     accepts the launch, or the text to print when it answered instead (``--help``);
-    PreflightError when it refuses. What the hook returns for each (a
-    ``tpkit.memory.MemoryJob``: the model and batch the launch trains, for the memory
-    estimate) is appended to ``jobs``."""
+    PreflightError when it refuses. What the hook returns for each is appended: a
+    ``tpkit.memory.MemoryJob`` (the model and batch the launch trains, for the memory
+    estimate) to ``jobs``, a ``tpkit.config.Layout`` (the layout its workers build) to
+    ``layouts``."""
     name = args.training_script
     argv = list(args.training_script_args)
     out, err = io.StringIO(), io.StringIO()
@@ -149,14 +153,7 @@ def run_hook(args, source: str, infos: list[LaunchInfo], jobs: list | None = Non
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             hook = getattr(_load(args, source), HOOK)
             for info in infos:
-                job = hook(argv, info)
-                if job is not None and jobs is not None:
-                    from tpkit.memory import MemoryJob
-                    if not isinstance(job, MemoryJob):
-                        raise PreflightError(
-                            f"{HOOK} returned {type(job).__name__}; it returns None "
-                            "or a tpkit.memory.MemoryJob (the model for the memory estimate)")
-                    jobs.append(job)
+                _collect(hook(argv, info), info, jobs, layouts)
     except SystemExit as e:
         if e.code in (0, None):
             return out.getvalue() + err.getvalue()
@@ -172,3 +169,27 @@ def run_hook(args, source: str, infos: list[LaunchInfo], jobs: list | None = Non
     sys.stdout.write(out.getvalue())
     sys.stderr.write(err.getvalue())
     return None
+
+
+def _collect(answer, info: LaunchInfo, jobs: list | None, layouts: list | None) -> None:
+    """Sort what one hook call returned into ``jobs`` and ``layouts``."""
+    from tpkit.config import Layout
+    from tpkit.memory import MemoryJob
+    for item in answer if isinstance(answer, tuple) else (answer,):
+        if item is None:
+            continue
+        if isinstance(item, MemoryJob):
+            if jobs is not None:
+                jobs.append(item)
+        elif isinstance(item, Layout):
+            if item.world_size != info.world_size:
+                raise PreflightError(
+                    f"{HOOK} returned a layout of {item.world_size} ranks ({item.sizes()}) "
+                    f"for a launch of {info.world_size}; return launch.config's world")
+            if layouts is not None:
+                layouts.append(item)
+        else:
+            raise PreflightError(
+                f"{HOOK} returned {type(item).__name__}; it returns None, a tpkit.config."
+                "Layout (the layout its workers build), a tpkit.memory.MemoryJob (the model "
+                "for the memory estimate) or a tuple of both")

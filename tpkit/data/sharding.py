@@ -25,7 +25,7 @@ import dataclasses
 
 import torch
 
-from ..collectives import all_gather
+from ..comm.collectives import all_gather
 from ..topology import resolve_state
 
 
@@ -102,7 +102,7 @@ def note_sharded_length(seq_len: int, state) -> None:
 
 def last_sharded_length(state) -> int | None:
     """The full length ``note_sharded_length`` last recorded on ``state`` (None: none)."""
-    return getattr(state, "last_sharded_len", None)
+    return state.last_sharded_len
 
 
 def _reorder_gathered(parts: list[torch.Tensor], seq_dim: int) -> torch.Tensor:

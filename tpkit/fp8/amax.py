@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..collectives import all_reduce_max
+from ..comm.collectives import all_reduce_max
 
 INPUT, WEIGHT, GRAD = 0, 1, 2
 

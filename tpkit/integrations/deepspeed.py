@@ -32,7 +32,7 @@ import warnings
 
 import torch
 
-from ..collectives import all_reduce_sum
+from ..comm.collectives import all_reduce_sum
 from ..param_tags import mark_tensor_model_parallel
 from ..random import get_rng_tracker, model_parallel_seed
 from ..topology import ParallelState, get_parallel_state, is_initialized

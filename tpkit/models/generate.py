@@ -29,7 +29,7 @@ import dataclasses
 
 import torch
 
-from ..collectives import broadcast
+from ..comm.collectives import broadcast
 from ..nn.inference import InferenceParams
 from ..nn.mappings import gather_from_tp_region
 

@@ -29,9 +29,9 @@ import struct
 import torch
 import torch.distributed as dist
 
-from .._dcp_verify import agree, inside, link_problem, replace_dir, staging_path
+from ..checkpoint._dcp_verify import agree, inside, link_problem, replace_dir, staging_path
 from ..checkpoint import gather_param
-from ..collectives import any_rank
+from ..comm.collectives import any_rank
 from ..param_tags import tp_spec
 from .llama import ARCHITECTURES, ROPE_TYPES, LlamaConfig
 
@@ -309,7 +309,7 @@ def _full_tensor(p, dim, lengths, state) -> torch.Tensor:
     dp x cp first for an FSDP2 shard)."""
     t = p
     if hasattr(p, "to_local"):   # an FSDP2 DTensor: this rank's TP shard first
-        from .._dcp import _gather_fsdp
+        from ..checkpoint._dcp import _gather_fsdp
         t = _gather_fsdp(p, state.dp_cp_group)
     t = t.detach()
     if dim is None:

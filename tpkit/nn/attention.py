@@ -59,9 +59,8 @@ class ReplicatedKV(ParallelModule):
         head = state.tp_rank // (state.tp_size // kv_heads) if kv_heads < state.tp_size \
             else state.tp_rank
         seg = kv_heads * head_dim
-        self._rows = torch.cat([torch.arange(i * seg + head * head_dim,
-                                             i * seg + (head + 1) * head_dim)
-                                for i in range(segments)]).tolist()
+        self._rows = [r for i in range(segments)   # plain ints: also under torch.device("meta")
+                      for r in range(i * seg + head * head_dim, i * seg + (head + 1) * head_dim)]
 
     def local(self):
         """(weight rows, bias rows) of this rank's kv head, every segment in order."""

@@ -27,7 +27,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from ..collectives import group_rank, group_size
+from ..comm.collectives import group_rank, group_size
 from ..config import CP_COMM_TYPES
 from ..data import last_sharded_length
 from ..random import get_rng_tracker

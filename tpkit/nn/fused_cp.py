@@ -37,7 +37,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from ..collectives import group_rank, group_size, start_p2p
+from ..comm.collectives import group_rank, group_size, start_p2p
 from .attention_math import from_grouped, merge_into, to_grouped
 from .attention_ops import BY_NAME, CAUSAL, FULL
 from .context_parallel import a2a_attention

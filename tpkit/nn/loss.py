@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..collectives import all_reduce_max, all_reduce_sum, group_rank, group_size
+from ..comm.collectives import all_reduce_max, all_reduce_sum, group_rank, group_size
 from ..topology import get_parallel_state
 from .export import check_exportable, is_onnx_export
 

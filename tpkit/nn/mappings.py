@@ -8,15 +8,15 @@ backward). Sequence parallelism shards activations along dim 0 (``[s, b, h]``):
 a gathered one (its backward is the reverse all-to-all), for context parallelism.
 
 Every function is the identity when the group has one rank (no collective is issued).
-The collectives themselves (and the shared-memory path of TP sums) are tpkit.collectives'.
+The collectives themselves (and the shared-memory path of TP sums) are tpkit.comm.collectives'.
 """
 from __future__ import annotations
 
 import torch
 
-from ..collectives import (all_gather, all_reduce_sum, group_size,
+from ..comm.collectives import (all_gather, all_reduce_sum, group_size,
                            reduce_scatter, split)
-from ..collectives import all_to_all as _all_to_all
+from ..comm.collectives import all_to_all as _all_to_all
 from .export import check_exportable
 
 __all__ = ["copy_to_tp_region", "reduce_from_tp_region", "scatter_to_tp_region",

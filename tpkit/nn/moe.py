@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import te
-from ..collectives import all_gather, group_rank
+from ..comm.collectives import all_gather, group_rank
 from ..param_tags import set_expert_attrs
 from ..random import EXPERT_PARALLEL_RNG, get_rng_tracker
 from ._backend import build_te, resolve_backend

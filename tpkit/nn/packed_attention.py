@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..collectives import exchange, group_rank, group_size
+from ..comm.collectives import exchange, group_rank, group_size
 from ..data import packed_cp_indices
 from ..data.sharding import _bounds
 from .attention_math import compute_dtype, from_grouped, local_attention, to_grouped

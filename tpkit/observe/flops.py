@@ -29,66 +29,21 @@ reported against the bf16 peak (``mfu``), fp8 runs also against the fp8 peak
 """
 from __future__ import annotations
 
-import dataclasses
+from ..models.shape import ModelShape, transformer_flops_per_token
 
 __all__ = ["model_flops_per_token", "transformer_flops_per_token", "peak_tflops",
            "mfu", "tflops_per_device"]
 
 
-def transformer_flops_per_token(*, hidden_size: int, num_layers: int, num_heads: int,
-                                seq_len: int, vocab_size: int, ffn_hidden_size: int,
-                                kv_heads: int | None = None, head_dim: int | None = None,
-                                gated: bool = False, moe_experts: int = 0, moe_topk: int = 1,
-                                moe_layers: int = 0) -> float:
-    """Model FLOPs per token of one training step (forward + backward) of a decoder with
-    these sizes (the module docstring's convention). ``moe_layers`` of the ``num_layers``
-    have a routed MLP of ``moe_experts`` experts (each ``ffn_hidden_size`` wide, ``moe_topk``
-    per token) instead of the dense MLP."""
-    for name, v in (("hidden_size", hidden_size), ("num_layers", num_layers),
-                    ("num_heads", num_heads), ("seq_len", seq_len),
-                    ("vocab_size", vocab_size), ("ffn_hidden_size", ffn_hidden_size)):
-        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-            raise ValueError(f"{name}={v!r} must be a positive integer")
-    if not 0 <= moe_layers <= num_layers or (moe_layers and not 1 <= moe_topk <= moe_experts):
-        raise ValueError(f"moe_layers={moe_layers}, moe_experts={moe_experts}, moe_topk="
-                         f"{moe_topk}: need 0 <= moe_layers <= num_layers={num_layers} and "
-                         "1 <= moe_topk <= moe_experts")
-    kv = num_heads if kv_heads is None else kv_heads
-    d = hidden_size // num_heads if head_dim is None else head_dim
-    q_dim, kv_dim = num_heads * d, kv * d
-    attn = hidden_size * (q_dim + 2 * kv_dim) + q_dim * hidden_size
-    mlp = hidden_size * ffn_hidden_size * (2 if gated else 1) + ffn_hidden_size * hidden_size
-    moe = moe_topk * mlp + hidden_size * moe_experts            # the experts a token visits
-    matmul = (num_layers * attn + (num_layers - moe_layers) * mlp + moe_layers * moe
-              + hidden_size * vocab_size)
-    return 6.0 * matmul + 12.0 * num_layers * num_heads * d * seq_len
-
-
 def model_flops_per_token(model, seq_len: int) -> float:
     """Model FLOPs per token (forward + backward, the module docstring's convention) of a
     tpkit model or its config at sequence length ``seq_len`` (global, not the CP shard):
-    ``tpkit.models.Llama``/``LlamaConfig`` (SwiGLU) and the reference GPT/``GPTConfig``
-    (GELU MLPs, every ``moe_every``-th one a top-k MoE when ``moe_experts``). Another
-    model: call ``transformer_flops_per_token`` with its sizes, or count it with
+    ``tpkit.models.Llama``/``LlamaConfig`` (SwiGLU), the reference GPT/``GPTConfig``
+    (GELU MLPs, every ``moe_every``-th one a top-k MoE when ``moe_experts``) or a
+    ``ModelShape`` (``ModelShape.flops_per_token``). Another model: call
+    ``transformer_flops_per_token`` with its sizes, or count it with
     ``torch.utils.flop_counter.FlopCounterMode`` (Lightning's ``measure_flops``)."""
-    cfg = getattr(model, "cfg", model)
-    from ..models.llama import LlamaConfig
-    if isinstance(cfg, LlamaConfig):
-        return transformer_flops_per_token(
-            hidden_size=cfg.hidden_size, num_layers=cfg.num_layers, num_heads=cfg.num_heads,
-            kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, seq_len=seq_len,
-            vocab_size=cfg.vocab_size, ffn_hidden_size=cfg.ffn_hidden_size, gated=True)
-    fields = {f.name for f in dataclasses.fields(cfg)} if dataclasses.is_dataclass(cfg) else set()
-    if {"moe_experts", "moe_topk", "moe_every", "num_gqa_groups"} <= fields:   # GPTConfig
-        n_moe = cfg.num_layers // cfg.moe_every if cfg.moe_experts else 0
-        return transformer_flops_per_token(
-            hidden_size=cfg.hidden_size, num_layers=cfg.num_layers, num_heads=cfg.num_heads,
-            kv_heads=cfg.num_gqa_groups, seq_len=seq_len, vocab_size=cfg.vocab_size,
-            ffn_hidden_size=cfg.ffn_hidden_size, gated=False, moe_experts=cfg.moe_experts,
-            moe_topk=cfg.moe_topk, moe_layers=n_moe)
-    raise ValueError(f"model_flops_per_token does not know {type(cfg).__name__}: pass a "
-                     "tpkit Llama/GPT (or its config), or count another model with "
-                     "transformer_flops_per_token(hidden_size=..., ...)")
+    return ModelShape.of(model).flops_per_token(seq_len)
 
 
 # --- device peaks ----------------------------------------------------------------------

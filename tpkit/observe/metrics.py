@@ -43,7 +43,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..collectives import all_gather
+from ..comm.collectives import all_gather
 from ..recovery.signals import flag_device
 from ..recovery.stragglers import straggler_report
 from .flops import mfu, peak_tflops as _peak_tflops, tflops_per_device
@@ -92,7 +92,7 @@ def moe_scalars(model: torch.nn.Module, state=None) -> dict[str, float]:
         stats[0] += float(m.aux_loss.detach())
         stats[1:1 + m.num_experts] += m.last_routing.tokens_per_expert.detach().cpu().double()
     if s.pp_size > 1:
-        from ..collectives import all_reduce_sum
+        from ..comm.collectives import all_reduce_sum
         stats = all_reduce_sum(stats.to(s.device), s.pp_group).cpu()
     load = stats[1:]
     if not float(load.sum()):

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ..checkpoint import shard_tensor
-from ..collectives import group_rank
+from ..comm.collectives import group_rank
 from ..data import cp_positions
 from ..nn import mappings
 from ..nn._common import local_kv_heads

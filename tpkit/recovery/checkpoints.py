@@ -13,7 +13,7 @@ import os
 import re
 import shutil
 
-from .._dcp_verify import STAGING, job_token, verify_files
+from ..checkpoint._dcp_verify import STAGING, job_token, verify_files
 
 STEP_DIR = re.compile(r"^step(\d+)$")
 

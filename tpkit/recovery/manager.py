@@ -22,7 +22,7 @@ import time
 import torch.distributed as dist
 
 from .. import checkpoint
-from .._dcp_verify import check_mode
+from ..checkpoint._dcp_verify import check_mode
 from . import checkpoints as dirs
 from .hang import HangWatchdog
 from .signals import DEFAULT_SIGNALS, SignalStop, exit_code

@@ -20,7 +20,7 @@ import signal
 import torch
 import torch.distributed as dist
 
-from ..collectives import all_reduce_max
+from ..comm.collectives import all_reduce_max
 
 DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 

@@ -16,7 +16,7 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from ..collectives import all_gather, group_rank
+from ..comm.collectives import all_gather, group_rank
 from ..planning import format_ranks
 from .signals import flag_device
 

@@ -20,6 +20,7 @@ a dataclass of such fields and an entry of ``JobConfig``. Nothing else needs to 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import difflib
 import json
 import os
@@ -410,8 +411,8 @@ class Experts:
             check_moe_args(self.num, self.topk, self.capacity_factor)
         except ValueError as e:
             raise ValueError(f"{job.show('experts.num')}: {e}") from None
-        ep = job.layout().ep   # tpkit-launch's --ep when not given here
-        if self.num % ep:
+        ep = job.parallelism.ep   # tpkit-launch's --ep: check_layout, at the final layout
+        if ep is not None and self.num % ep:
             raise ValueError(f"{job.show('experts.num')} is not divisible by ep={ep}; use a "
                              f"multiple of {ep}")
         if not 1 <= self.every <= job.model.layers:
@@ -550,6 +551,9 @@ class JobConfig:
         the batch against dp, the sequence against its shards, the pipeline plan."""
         from ..data import check_sequence_length
         t, p = self.training, self.pipeline
+        if self.experts.num and self.experts.num % state.ep_size:
+            raise ValueError(f"{self.show('experts.num')} is not divisible by ep="
+                             f"{state.ep_size}; use a multiple of {state.ep_size}")
         if t.global_batch % state.dp_size:
             raise self.bad("training.global_batch", f"is not divisible by dp={state.dp_size};"
                                                     f" use a multiple of {state.dp_size}")
@@ -597,11 +601,16 @@ class JobConfig:
                              f"microbatches = {state.dp_size} x {m}; use a multiple of "
                              f"{state.dp_size * m} (or change --microbatches)")
 
-    def layout(self, env=None):
-        """The ParallelConfig of this job: the parallelism section over tpkit-launch's
-        TPKIT_* variables (``env``, default os.environ), not yet checked against a world
-        size (ParallelConfig.validate)."""
-        from ..config import ParallelConfig
+    def layout(self, launch=None):
+        """The job's layout, not yet checked against a world size (ParallelConfig.validate):
+        the parallelism section over the launcher's. ``launch``: tpkit-launch's layout as
+        its pre-flight sees it (a ParallelConfig whose ``origin`` names where each value
+        came from; every value when it has none): a size given to tpkit-launch's flags and
+        here with two values is a ValueError naming both (one run has one layout), and the
+        launch then runs this layout (its dry run prints it, its workers read it back).
+        Else an environment (default os.environ): its ``TPKIT_*`` are defaults that the
+        job's values win over (``ParallelConfig.from_env``)."""
+        from ..config import ENV_VARS, ParallelConfig
         job = self
 
         class _Where(str):   # ParallelConfig's messages name each value's origin
@@ -609,10 +618,25 @@ class JobConfig:
                 return job.origin.get(f"parallelism.{name}", f"parallelism.{name}")
 
         par = self.parallelism
-        return ParallelConfig.from_env(
-            env, given_as=_Where("job"), tp=par.tp, cp=par.cp, pp=par.pp,
-            sequence_parallel=par.sequence_parallel, cp_comm_type=par.cp_comm_type,
-            ep=par.ep, etp=par.etp)
+        mine = {n: getattr(par, n) for n in ENV_VARS if getattr(par, n, None) is not None}
+        if not isinstance(launch, ParallelConfig):
+            return ParallelConfig.from_env(launch, given_as=_Where("job"), **mine)
+        given = launch.origin if launch.origin is not None else \
+            dict.fromkeys(ENV_VARS, "the launch's layout")
+        given = {n: o for n, o in given.items() if getattr(launch, n) is not None}
+        for name, value in mine.items():
+            if name in given and not given[name].startswith("$") \
+                    and getattr(launch, name) != value:
+                raise ValueError(
+                    f"{self.show(f'parallelism.{name}')} conflicts with {name}="
+                    f"{getattr(launch, name)!r} from {given[name]}: one run has one layout; "
+                    f"give {name} in one place, or the same value in both")
+        env = {var: value for var, value in launch.to_env().items()
+               if any(ENV_VARS[n] == var for n in given)}
+        config = ParallelConfig.from_env(env, given_as=_Where("job"), **mine)
+        origin = {**config.origin, **{n: o for n, o in given.items()
+                                      if n in config.origin and n not in mine}}
+        return dataclasses.replace(config, origin=origin)
 
     # --- TOML out --------------------------------------------------------------------
     def to_toml(self) -> str:

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from . import corpus
+from . import arch
 from .arch import vocab_size
 from .config import JobConfig, parse
 
@@ -34,8 +35,10 @@ def _launched() -> bool:
 
 
 def resolve_layout(job: JobConfig, env=None):
-    """The job's ParallelConfig checked against this world (dp filled in); ValueError
-    naming the sizes, where they came from and the fix."""
+    """The job's layout (JobConfig.layout: its parallelism section over the layout
+    tpkit-launch exported, which already holds the job's sizes) checked against this
+    world: a ``tpkit.config.Layout``; ValueError naming the sizes, where they came from
+    and the fix."""
     config = job.layout(env)
     world = dist.get_world_size() if dist.is_initialized() else \
         int(os.environ.get("WORLD_SIZE", 1))
@@ -172,6 +175,27 @@ class DatasetData:
         args = (local.tokens.to(device), local.labels.to(device),
                 local.position_ids.to(device))
         return args, kw, labelled
+
+
+def model_shape(job: JobConfig):
+    """The shape of the model this job trains (``tpkit.models.shape.ModelShape``: its
+    FLOPs and memory plan derive from it): ``model.init_from_hf``'s config.json (None
+    while it is not there), a Llama from scratch's config (tpkit.train.arch), else the
+    reference GPT's config, the tokenizer's vocabulary
+    included."""
+    from tpkit.models.shape import ModelShape
+    if arch.is_llama(job):
+        return ModelShape.of(arch.llama_config(job, impl="torch"))
+    if job.model.init_from_hf:
+        path = os.path.join(job.model.init_from_hf, "config.json")
+        return ModelShape.from_hf_config(path) if os.path.isfile(path) else None
+    return ModelShape.of(gpt_config(job, impl="torch"))
+
+
+def memory_job(job: JobConfig, layout):
+    """The job at ``layout`` as tpkit.memory estimates it (None: no model config yet)."""
+    from tpkit.memory import MemoryJob
+    return MemoryJob.from_job(job, model_shape(job), dp=layout.dp, pp=layout.pp)
 
 
 def gpt_config(job: JobConfig, impl: str | None = None):
@@ -419,9 +443,8 @@ class Trainer:
 
     def memory_line(self, steps_done: int = 1) -> str:
         """tpkit.memory's estimate for this rank next to the measured peak (one line)."""
-        from tpkit.memory import MemoryJob, estimate_memory, format_measured, \
-            measured_peak_bytes
-        est = MemoryJob.from_job(self.job, dp=self.layout.dp, pp=self.layout.pp)
+        from tpkit.memory import estimate_memory, format_measured, measured_peak_bytes
+        est = memory_job(self.job, self.layout)
         if est is None:
             return (f"memory after step {steps_done}: no estimate (the model's config.json "
                     "is not there)")
@@ -534,7 +557,9 @@ def preflight(argv, launch):
     """tpkit-launch's pre-flight (docs/launch.md, "Pre-flight checks"): the JobConfig's
     checks, the layout it gives under this launch, the model built on the meta device of
     that planned layout (the layers' own checks) and checkpoint.resume against that model.
-    Returns the job's ``tpkit.memory.MemoryJob`` for tpkit-launch's memory estimate.
+    Returns the job's layout (tpkit-launch launches, prints and exports that one: a size
+    given to both tpkit-launch and the job with two values is refused) and its
+    ``tpkit.memory.MemoryJob`` for tpkit-launch's memory estimate.
     ValueError (or argparse's exit 2) stops the launch; --print-config and --help answer
     instead of launching."""
     from tpkit.checkpoint import verify
@@ -544,8 +569,9 @@ def preflight(argv, launch):
     if ns.print_config:
         print(job.to_toml(), end="")
         raise SystemExit(0)
+    config = job.layout(launch.config)   # a size given twice with two values: refused
     try:
-        config = job.layout(launch.env).validate(launch.world_size)
+        config = config.validate(launch.world_size)
     except ValueError as e:
         raise ValueError(f"{e} [world size {launch.world_size} = {launch.nnodes} node(s) x "
                          f"{launch.nproc_per_node} processes: this launch]") from None
@@ -594,8 +620,7 @@ def preflight(argv, launch):
             raise ValueError(f"--verify: the model differs from one process at layout "
                              f"{report.results[0].layout} (the report above names the first "
                              "module); fix it, or train without --verify")
-    from tpkit.memory import MemoryJob   # the model and batch, for tpkit-launch's estimate
-    return MemoryJob.from_job(job, dp=config.dp, pp=config.pp)
+    return config, memory_job(job, config)   # the layout, and the model and batch to estimate
 
 
 def verify_job(job: JobConfig, config):

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..checkpoint import full_state_dict, gather_param, load_full_state_dict
-from ..collectives import all_reduce_sum
+from ..comm.collectives import all_reduce_sum
 from ..grads import sync_sequence_parallel_grads
 from ..nn._common import ParallelModule
 from ..nn.dot_product_attention import DotProductAttention

@@ -21,9 +21,9 @@ from torch.distributed.tensor import DTensor
 
 from ._dcp import (MissingKeyError, _param_names, fsdp_local, missing_key_error,
                    unwrap_module)
-from .collectives import all_gather, group_size
-from .param_tags import is_expert, partition_dim, tp_spec
-from .topology import resolve_state
+from ..comm.collectives import all_gather, group_size
+from ..param_tags import is_expert, partition_dim, tp_spec
+from ..topology import resolve_state
 
 __all__ = ["full_state_dict", "user_module", "load_full_state_dict", "load_full_optimizer_state_dict",
            "load_full", "full_shapes", "gather_param", "shard_tensor"]
@@ -273,7 +273,7 @@ def _optimizer_value(v, p, spec, state, what: str):
     return local
 
 
-# Sharded, reshardable checkpoints with torch.distributed.checkpoint (tpkit/_dcp.py).
+# Sharded, reshardable checkpoints with torch.distributed.checkpoint (tpkit/checkpoint/_dcp.py).
 from ._dcp import PendingSave, async_save, load, read, read_extras, save, verify  # noqa: E402
 
 __all__ += ["save", "load", "async_save", "PendingSave", "verify", "read", "read_extras",

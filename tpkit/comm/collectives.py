@@ -5,7 +5,7 @@ gathers); checkpoints, gradient finalisation, fp8 amax reduction, the loss and t
 kernels call them directly.
 
 - SUM all-reduces go through the group's shared-memory transport when it has one (a TP
-  group on CPU whose ranks share a host: ``tpkit.shm``, set up by ``build_state``), else
+  group on CPU whose ranks share a host: ``tpkit.comm.shm``, set up by ``build_state``), else
   through the group's backend. Every TP sum in tpkit goes through ``all_reduce_sum``.
 - Gathers and reduce-scatters use the single-tensor forms along dim 0 (other dims are
   moved to the front and back), under the name the running torch offers
@@ -181,7 +181,7 @@ def start_p2p(sends, recvs, group, tag: int):
     """Start the sends ``[(tensor, global rank)]`` and receives ``[(buffer, global rank)]``
     as one batch; returns the works to wait on (none when both lists are empty). Every
     rank of a batch's peers must post its matching batch in the same order. A group with
-    a shared-memory point-to-point transport (``tpkit.shm.setup_p2p``: CP groups on CPU)
+    a shared-memory point-to-point transport (``tpkit.comm.shm.setup_p2p``: CP groups on CPU)
     moves CPU tensors through it."""
     t = shm.get_p2p(group)
     if t is not None and all(x.device.type == "cpu" for x, _ in sends + recvs):

@@ -46,7 +46,7 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 
-from .config import env_flag
+from ..config import env_flag
 
 __all__ = ["SLOT_BYTES", "ShmAllReduce", "ShmP2P", "bypassed", "get", "get_p2p", "release",
            "setup", "setup_p2p", "shm_allreduce_enabled", "shm_p2p_enabled", "sweep_stale"]
@@ -205,7 +205,7 @@ class P2PWork:
 
 class ShmP2P:
     """Point-to-point messages between the ranks of one group on one host, for the
-    context-parallel ring (``tpkit.collectives.start_p2p``). Every ordered pair (src, dst)
+    context-parallel ring (``tpkit.comm.collectives.start_p2p``). Every ordered pair (src, dst)
     has a mailbox of ``P2P_SLOTS`` slots used round-robin: the sender copies a chunk into a
     slot once the receiver has taken the chunk before it there, then publishes the chunk's
     number, tag and size; the receiver copies it out and publishes that it took it.

@@ -58,9 +58,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ._dcp_verify import (agree, check_mode, checkpoint_dir, dir_problem, inside, link_problem,
                           load_metadata, replace_dir, set_mode, staging_path, verify_files)
-from .collectives import all_gather, group_size
-from .param_tags import is_expert, tp_spec
-from .topology import resolve_state
+from ..comm.collectives import all_gather, group_size
+from ..param_tags import is_expert, tp_spec
+from ..topology import resolve_state
 
 EXTRA_STATE_SUFFIX = "_extra_state"
 SEG_DIM = "seg_dim"
