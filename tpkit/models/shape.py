@@ -103,9 +103,12 @@ class ModelShape:
     @classmethod
     def from_gpt_config(cls, cfg) -> "ModelShape":
         """From a tpkit.models.GPTConfig (GELU MLPs, RMSNorm, no biases; every
-        ``moe_every``-th MLP a top-k MoE when ``moe_experts``)."""
+        ``moe_every``-th MLP a top-k MoE when ``moe_experts``); the vocabulary as built:
+        padded to ``vocab_multiple`` (its rows are allocated and multiplied, as Megatron's
+        FLOPs count ``padded_vocab_size``)."""
         return cls(layers=cfg.num_layers, hidden=cfg.hidden_size, ffn=cfg.ffn_hidden_size,
-                   heads=cfg.num_heads, kv_heads=cfg.num_gqa_groups, vocab=cfg.vocab_size,
+                   heads=cfg.num_heads, kv_heads=cfg.num_gqa_groups,
+                   vocab=cfg.padded_vocab_size,
                    activation="gelu", norm="RMSNorm", bias=False, experts=cfg.moe_experts,
                    topk=cfg.moe_topk, moe_every=cfg.moe_every,
                    capacity_factor=cfg.moe_capacity_factor)
