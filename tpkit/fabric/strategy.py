@@ -386,6 +386,10 @@ class TPKitStrategy(ParallelStrategy):
         with self._collective("fabric.clip_gradients"):
             self.finalize_gradients()
             self.precision.unscale_gradients(optimizer)
+            if self.precision.found_inf(optimizer):   # 16-mixed overflow: the scaler skips
+                # this step on every rank (found_inf agreed); report the norm, clip nothing
+                return grads.grad_norm(self.precision.main_params(optimizer),
+                                       self.parallel_state, norm_type)
             return grads.clip_grad_norm(self.precision.main_params(optimizer), max_norm,
                                         self.parallel_state, norm_type=norm_type,
                                         error_if_nonfinite=error_if_nonfinite)
