@@ -627,6 +627,12 @@ def clear_dtensor_caches() -> None:
             fn.cache_clear()
     if hasattr(_redistribute, "clear_redistribute_planner_cache"):
         _redistribute.clear_redistribute_planner_cache()
+    # the C++ dispatch fast path's own cache (torch >= 2.10): its output specs name the
+    # mesh of the layout that filled it (an FSDP2 gradient on a destroyed layout's mesh:
+    # 16-mixed's found_inf reduction then asked for a dead group by name)
+    native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if native is not None:
+        native()
 
 
 def _materialize(module: nn.Module, device: torch.device) -> None:
