@@ -386,7 +386,8 @@ class TPKitStrategy(ParallelStrategy):
         with self._collective("fabric.clip_gradients"):
             self.finalize_gradients()
             self.precision.unscale_gradients(optimizer)
-            if self.precision.found_inf(optimizer):   # 16-mixed overflow: the scaler skips
+            found_inf = getattr(self.precision, "found_inf", None)   # TPKitPrecision's
+            if found_inf is not None and found_inf(optimizer):   # 16-mixed overflow: skipped
                 # this step on every rank (found_inf agreed); report the norm, clip nothing
                 return grads.grad_norm(self.precision.main_params(optimizer),
                                        self.parallel_state, norm_type)
