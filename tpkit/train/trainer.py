@@ -363,7 +363,8 @@ class Trainer:
         """tpkit.memory's estimate for this rank next to the measured peak (one line)."""
         from tpkit.memory import MemoryJob, estimate_memory, format_measured, \
             measured_peak_bytes
-        est = MemoryJob.from_job(self.job, dp=self.layout.dp, pp=self.layout.pp)
+        est = MemoryJob.from_job(self.job, dp=self.layout.dp, pp=self.layout.pp,
+                                 device=self.fabric.device.type)
         if est is None:
             return (f"memory after step {steps_done}: no estimate (the model's config.json "
                     "is not there)")
