@@ -68,6 +68,12 @@ class MemoryJob:
     async_save: bool = False         # a host staging copy of the rank's checkpoint shard
     fp8_recipe: str = "delayed"
     amax_history: int = 1024         # delayed scaling's history length
+    # whose kernels run: "cpu" (the decompositions tests/test_memory.py measures) or
+    # "cuda": the fused RMSNorm saves its input and rstd only, fp32 attention with GQA
+    # falls back to SDPA's math kernel (it keeps the probabilities and the repeated K/V),
+    # and torch's default foreach AdamW allocates one float32 temporary of every
+    # parameter in its step (CPU's single-tensor loop: one parameter at a time)
+    device: str = "cpu"
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
@@ -76,6 +82,8 @@ class MemoryJob:
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"MemoryJob.optimizer={self.optimizer!r} is unknown; use one of "
                              f"{OPTIMIZERS}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"MemoryJob.device={self.device!r} must be 'cpu' or 'cuda'")
         if self.data_parallel not in ("ddp", "fsdp"):
             raise ValueError(f"MemoryJob.data_parallel={self.data_parallel!r} must be 'ddp' "
                              "or 'fsdp'")
@@ -86,12 +94,12 @@ class MemoryJob:
 
     # --- constructors ----------------------------------------------------------------
     @classmethod
-    def from_job(cls, job, model: ModelShape | None, *, dp: int = 1, pp: int = 1
-                 ) -> "MemoryJob | None":
+    def from_job(cls, job, model: ModelShape | None, *, dp: int = 1, pp: int = 1,
+                 device: str = "cpu") -> "MemoryJob | None":
         """From the trainer's ``tpkit.train.JobConfig`` training ``model`` (the shape of
         the model it builds: tpkit.train.trainer.model_shape, vocabulary included), at
         ``dp`` data-parallel ranks (the micro-batch is global batch / dp / micro-batches)
-        and ``pp`` stages (the job's micro-batch count there). None without a model (a
+        and ``pp`` stages (the job's micro-batch count there), on ``device``'s kernels. None without a model (a
         dry run may plan the download of ``model.init_from_hf``: nothing to estimate)."""
         if model is None:
             return None
@@ -105,7 +113,7 @@ class MemoryJob:
                    virtual_stages=job.pipeline.virtual_stages, packed=bool(job.data.pack),
                    dropout=m.dropout, attention_dropout=m.dropout,
                    async_save=bool(job.checkpoint.async_save),
-                   fp8_recipe=job.precision.fp8_recipe or "delayed")
+                   fp8_recipe=job.precision.fp8_recipe or "delayed", device=device)
 
     def at_dp(self, global_batch: int, dp: int) -> "MemoryJob":
         """This job with the micro-batch of ``global_batch`` sequences split over ``dp``."""
@@ -123,7 +131,11 @@ class MemoryEstimate:
     peak: int
     phase: str
     notes: list = dataclasses.field(default_factory=list)
-    phases: dict = dataclasses.field(default_factory=dict)   # phase -> bytes alive then
+    # bytes alive at each moment of a step ("forward", "backward", "end of backward",
+    # "optimizer"; ``peak`` is their maximum), and the first step's peak: the optimizer
+    # states do not exist before its optimizer step creates them
+    phases: dict = dataclasses.field(default_factory=dict)
+    first_step: int = 0
 
     @property
     def biggest(self) -> tuple[str, int]:
@@ -256,6 +268,8 @@ class _Rank:
         # of the output: the output itself, under SP the all-gathered [s, b, h], under
         # autocast its low-precision copy, with fp8 its 1-byte copy
         norm = 2 * tsp * h * r + tsp * 4 + t * h * (1 if fp8 else a)
+        if j.device == "cuda" and mo.norm == "RMSNorm":
+            norm -= tsp * h * r                        # the fused kernel: input and rstd
         norm_total = 2 * norm - tsp * h * r           # the block's input counted once
         qkv, rope, attn = self.attention_parts()
         resid = tsp * h * r                           # x + attention (the MLP's input)
@@ -291,6 +305,10 @@ class _Rank:
         if j.attention_dropout > 0:      # reference kernel: the probabilities and the mask
             return qkv, rope, q + lse + q + self.b * hl * self.s * (self.s * c.cp) * (a + 1)
         if c.cp == 1:
+            if j.device == "cuda" and a == 4 and gl < hl:
+                # fp32 + GQA: neither flash (half types) nor efficient attention (no GQA)
+                # runs it, SDPA's math kernel keeps the probabilities and K/V repeated
+                return qkv, rope, q + lse + self.b * hl * self.s * self.s * a + 2 * q
             return qkv, rope, q + lse
         comm = c.cp_comm_type
         if comm == "p2p":
@@ -489,15 +507,20 @@ def _estimate(job: MemoryJob, c: ParallelConfig, r: int, *, ranks: str,
         end = static + gathered + grads + grads // shard     # unsharded grads + RS output
     else:
         end = static + grads + (grads if pp > 1 else 0)          # pp: the flat all-reduce copy
-    opt_step = static + grads // shard + (max(R.block_params(0)) * p_bytes)
+    if job.device == "cuda" and job.optimizer in ("adamw", "adam"):
+        opt_tmp = n_params * 4 // shard      # foreach: one fp32 temporary of every parameter
+    else:
+        opt_tmp = max(R.block_params(0)) * p_bytes   # one parameter at a time
+    opt_step = static + grads // shard + opt_tmp
     phases = {"forward": fwd, "backward": bwd, "end of backward": end, "optimizer": opt_step}
     phase = max(phases, key=phases.get)
+    first_step = max([v - opt for k, v in phases.items() if k != "optimizer"] + [opt_step])
     what = role or _role_name(first, last, pp, r)
     count = "pipeline in-flight micro-batches"
     return MemoryEstimate(what, ranks, {k: v if k == count else int(v)
                                         for k, v in terms.items() if v},
                           int(phases[phase]), phase, notes,
-                          {k: int(v) for k, v in phases.items()})
+                          {k: int(v) for k, v in phases.items()}, int(first_step))
 
 
 def _role_name(first: bool, last: bool, pp: int, r: int) -> str:
@@ -699,9 +722,11 @@ def format_measured(estimate: MemoryEstimate, measured: int | None, *,
     """One line for a training loop's first step: the estimate next to the measured peak
     (GiB, MiB below 0.1 GiB); ``step``: the steps done, named as ``memory after step N:``."""
     head = "memory:" if step is None else f"memory after step {step}:"
+    # after the first step: its peak (the optimizer states appear in its optimizer step)
+    peak = estimate.first_step if step == 1 and estimate.first_step else estimate.peak
     if measured is None:
-        return (f"{head} estimated peak {_g(estimate.peak)} per rank "
+        return (f"{head} estimated peak {_g(peak)} per rank "
                 "(no allocator statistics on this device)")
-    ratio = measured / estimate.peak if estimate.peak else float("nan")
-    return (f"{head} estimated peak {_g(estimate.peak)} per rank, measured "
+    ratio = measured / peak if peak else float("nan")
+    return (f"{head} estimated peak {_g(peak)} per rank, measured "
             f"{_g(measured)} ({ratio:.0%} of the estimate)")

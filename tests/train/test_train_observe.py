@@ -138,7 +138,7 @@ def test_memory_estimate_line_after_step_one(job):
     from test_memory import read_measured_line
     step, printed, measured, _ = read_measured_line(lines[0])   # the line scripts read
     assert step == 1 and measured is None, lines[0]             # after the first step
-    assert abs(printed - est.peak) <= 0.005 * 2 ** 20, (printed, est.peak)
+    assert abs(printed - est.first_step) <= 0.005 * 2 ** 20, (printed, est.first_step)
 
 
 @pytest.mark.gpu

@@ -33,6 +33,7 @@ from contextlib import AbstractContextManager, ExitStack, contextmanager, nullco
 from typing import Any, Mapping
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.plugins.precision.precision import Precision
 from torch import nn
 
@@ -252,12 +253,32 @@ class TPKitPrecision(Precision):
         tensor.backward(*args, **kwargs)
 
     def unscale_gradients(self, optimizer) -> None:
-        if self.scaler is not None:
-            self.scaler.unscale_(optimizer)
+        """16-mixed: unscale once per step, then agree on ``found_inf`` over every rank
+        (a MAX all-reduce on the default group), as Megatron does over its model-parallel
+        group: each rank's scaler sees only its own shards (TP, PP stages, experts, FSDP),
+        so without it ranks would skip different steps and drift apart."""
+        if self.scaler is None:
+            return
+        st = self.scaler._per_optimizer_states[id(optimizer)]
+        if st["stage"] is torch.amp.grad_scaler.OptState.UNSCALED:
+            return
+        self.scaler.unscale_(optimizer)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            for flag in st["found_inf_per_device"].values():
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+
+    def found_inf(self, optimizer) -> bool:
+        """16-mixed, after ``unscale_gradients``: whether the scaler will skip this step
+        (the same answer on every rank)."""
+        if self.scaler is None:
+            return False
+        st = self.scaler._per_optimizer_states[id(optimizer)]
+        return any(bool(f.item()) for f in st["found_inf_per_device"].values())
 
     def optimizer_step(self, optimizer, **kwargs: Any) -> Any:
         if self.scaler is None:
             return optimizer.step(**kwargs)
+        self.unscale_gradients(optimizer)   # found_inf agreed on every rank before the step
         out = self.scaler.step(optimizer, **kwargs)
         self.scaler.update()
         return out

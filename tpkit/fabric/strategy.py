@@ -387,6 +387,11 @@ class TPKitStrategy(ParallelStrategy):
         with self._collective("fabric.clip_gradients"):
             self.finalize_gradients()
             self.precision.unscale_gradients(optimizer)
+            found_inf = getattr(self.precision, "found_inf", None)   # TPKitPrecision's
+            if found_inf is not None and found_inf(optimizer):   # 16-mixed overflow: skipped
+                # this step on every rank (found_inf agreed); report the norm, clip nothing
+                return grads.grad_norm(self.precision.main_params(optimizer),
+                                       self.parallel_state, norm_type)
             return grads.clip_grad_norm(self.precision.main_params(optimizer), max_norm,
                                         self.parallel_state, norm_type=norm_type,
                                         error_if_nonfinite=error_if_nonfinite)
@@ -646,6 +651,12 @@ def clear_dtensor_caches() -> None:
             fn.cache_clear()
     if hasattr(_redistribute, "clear_redistribute_planner_cache"):
         _redistribute.clear_redistribute_planner_cache()
+    # the C++ dispatch fast path's own cache (torch >= 2.10): its output specs name the
+    # mesh of the layout that filled it (an FSDP2 gradient on a destroyed layout's mesh:
+    # 16-mixed's found_inf reduction then asked for a dead group by name)
+    native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if native is not None:
+        native()
 
 
 def _materialize(module: nn.Module, device: torch.device) -> None:

@@ -210,7 +210,7 @@ class GenerationMixin:
                 scores = logits.float()                            # Hugging Face's
                 if do_sample:
                     scores = process_logits(scores, temperature, top_k, top_p)
-                    nxt = torch.multinomial(scores.softmax(-1), 1, generator=generator)[:, 0]
+                    nxt = _draw(scores.softmax(-1), generator)
                     if self.state.tp_size > 1:                      # one text per TP group
                         nxt = broadcast(nxt.contiguous(), self.state.tp_group, 0)
                 else:
@@ -227,3 +227,13 @@ class GenerationMixin:
         if return_dict_in_generate:
             return GenerateOutput(out, tuple(step_logits) if output_logits else None)
         return out
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row from ``probs``, drawn on the generator's device (a CPU generator
+    with a CUDA model draws the CPU's numbers, the same text as on CPU; multinomial
+    refuses a generator of another device), returned on ``probs``' device."""
+    if generator is not None and generator.device != probs.device:
+        return torch.multinomial(probs.to(generator.device), 1,
+                                 generator=generator)[:, 0].to(probs.device)
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]

@@ -374,7 +374,7 @@ def save_llama(model, path: str, *, dtype, max_shard_size: int) -> None:
             full = _full_tensor(p, dim, lengths, state)
             if state.rank == 0:
                 for hf, t in zip(hfs, full.split(lengths, 0 if dim is None else dim)):
-                    t = t.to(out_dtype).contiguous()
+                    t = t.to(device="cpu", dtype=out_dtype).contiguous()   # .numpy(): host
                     assert list(t.shape) == shapes[hf], (hf, t.shape)
                     writers[file_of[hf]].write(t.reshape(-1).view(torch.uint8).numpy().data)
             del full

@@ -4,6 +4,7 @@ initialisation. Parameter tags are tpkit.param_tags'."""
 from __future__ import annotations
 
 import copy
+import functools
 import math
 
 import torch
@@ -143,3 +144,21 @@ def init_shard(weight: torch.Tensor, init_method, fan_in: int, tp_size: int) -> 
                          "shards would be initialised identically; seed it with "
                          "tpkit.init_parallel(seed=...) / tpkit.random.model_parallel_seed, "
                          "or load weights with tpkit.checkpoint.load_full_state_dict")
+
+
+def no_autocast(device: torch.device | str):
+    """Autocast off for ``device``'s type: maths that must stay in the dtype it chose
+    (the router's fp32 logits and top-k, the attention kernels' fp32 statistics).
+    Under an autocast their matmuls would run in its low precision, on CPU and on CUDA."""
+    dev = torch.device(device).type
+    return torch.autocast(dev, enabled=False)
+
+
+def autocast_off(fn):
+    """Decorator: ``fn(q, ...)`` runs with autocast off for ``q``'s device (see
+    ``no_autocast``); the attention entry points, whose kernels choose their own dtypes."""
+    @functools.wraps(fn)
+    def wrapper(q, *args, **kwargs):
+        with no_autocast(q.device):
+            return fn(q, *args, **kwargs)
+    return wrapper

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ..random import get_rng_tracker
+from ._common import autocast_off
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -105,6 +106,7 @@ def merge_into(out: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, l: torch.T
     lse.copy_(new)
 
 
+@autocast_off
 def local_attention(q, k, v, scale: float, mask: torch.Tensor | None, dropout_p: float):
     """Differentiable attention of grouped tensors (autograd keeps the probabilities).
     ``mask`` is True where hidden; dropout on the probabilities runs inside the RNG

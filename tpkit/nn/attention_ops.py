@@ -48,6 +48,9 @@ class BlockMask:
 
 
 FULL, CAUSAL = BlockMask(False), BlockMask(True)
+# The ops by name, each op registered when built: a compiled region's CP ring (an opaque
+# custom op, fused_cp) names its op.
+BY_NAME: dict[str, BlockOp] = {}
 
 
 class BlockOp:
@@ -57,10 +60,17 @@ class BlockOp:
     dtype, dk/dv ``[b, g, 1, sk, d]``. Inputs must already be in ``compute_dtype``."""
     name = "?"
     supports_dropout = False
+    # backward needs the state of the very forward call that computed its block (CUDA's
+    # kernels: philox seed/offset, sequence bookkeeping): the CP drivers then run the
+    # forward on the backward's schedule, one call per backward call (tpkit.nn.fused_cp)
+    needs_state = False
     min_piece_rows = 128  # smallest K/V piece worth a kernel call (fused_cp splits by it)
     min_fwd_piece_rows = 128  # the same in the ring's forward (no gradient buffers there)
     tile_pieces = 2           # backward: query rows per call, in pieces ...
     max_tile_rows = None      # ... and at most this many rows (None: no bound)
+
+    def __init__(self):
+        BY_NAME[self.name] = self   # a compiled region's CP ring names its op (fused_cp)
 
     def compute_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return dtype
@@ -129,6 +139,7 @@ class CudaFlashOp(BlockOp):
     backward from the philox seed/offset the forward returns."""
     name = "cuda_flash"
     supports_dropout = True
+    needs_state = True
     min_piece_rows = min_fwd_piece_rows = 2048
 
     def forward(self, q, k, v, mask, scale, dropout_p=0.0):
@@ -158,6 +169,7 @@ class CudaEfficientOp(BlockOp):
     K/V never repeated). Its LSE is padded to 32 rows; backward gets it padded again."""
     name = "cuda_efficient"
     supports_dropout = True
+    needs_state = True
     min_piece_rows = min_fwd_piece_rows = 2048
 
     def forward(self, q, k, v, mask, scale, dropout_p=0.0):
@@ -195,8 +207,6 @@ class CudaEfficientOp(BlockOp):
 
 
 _CPU, _FLASH, _EFFICIENT = CpuFlashOp(), CudaFlashOp(), CudaEfficientOp()
-# The ops by name: a compiled region's CP ring (an opaque custom op, fused_cp) names its op.
-BY_NAME = {op.name: op for op in (_CPU, _FLASH, _EFFICIENT)}
 
 
 def select(device: torch.device, dtype: torch.dtype, dropout_p: float = 0.0):

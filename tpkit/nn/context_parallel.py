@@ -27,6 +27,7 @@ from .attention_math import (causal_mask, from_grouped, local_attention, positio
                              to_grouped)
 from .mappings import all_to_all, gather_from_sp_region
 from .ring_attention import ring_attention
+from ._common import autocast_off
 
 
 def _lb_from_a2a(x: torch.Tensor, a: int, dim: int) -> torch.Tensor:
@@ -91,6 +92,7 @@ def _a2a(q, k, v, a2a_group, p2p_group, causal, scale, dropout_p):
     return a2a_attention(q, k, v, a2a_group, p2p_group, local, ring)
 
 
+@autocast_off
 def context_parallel_attention(q, k, v, *, comm_type: str, group, causal: bool, scale: float,
                                dropout_p: float = 0.0):
     """Attention of this rank's load-balanced shard; q ``[b, h, s, d]``, k/v ``[b, g, s, d]``.

@@ -33,6 +33,8 @@ sizes only, like the reference ring).
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -42,6 +44,7 @@ from .attention_math import from_grouped, merge_into, to_grouped
 from .attention_ops import BY_NAME, CAUSAL, FULL
 from .context_parallel import a2a_attention
 from .mappings import gather_from_sp_region
+from ._common import autocast_off
 
 PIECES_PER_CHUNK = 8
 _KV_TAG, _DKV_TAG = 2, 3
@@ -168,13 +171,17 @@ def _ring_forward(q, k, v, ring: _Ring, causal: bool, scale: float, op, dropout_
     cdt, mdt = _dtypes(op, q.dtype)
     s = q.shape[-2]
     m = pieces_per_chunk(s // 2, op.min_piece_rows)
-    # forward holds no gradients, so it can take bigger pieces (fewer calls, merges
-    # and messages); with dropout, forward and backward blocks pair one to one
-    mf = m if dropout_p > 0.0 else pieces_per_chunk(s // 2, op.min_fwd_piece_rows)
+    # forward and backward calls pair one to one when the backward needs each call's
+    # state: with dropout (its mask is replayed) and with an op whose backward needs the
+    # state its forward saved (op.needs_state: CUDA's kernels, even without dropout)
+    paired = dropout_p > 0.0 or op.needs_state
+    # otherwise the forward, which holds no gradients, can take bigger pieces (fewer
+    # calls, merges and messages)
+    mf = m if paired else pieces_per_chunk(s // 2, op.min_fwd_piece_rows)
     # the backward's units are balanced (see ring_schedule); the forward's need not be
     # (nothing there waits on a peer's computation, and whole chunks make few calls)
-    # unless dropout pairs forward and backward blocks one to one
-    units = _schedule(ring, causal, s, op, mf, dropout_p > 0.0)
+    # unless the calls pair up
+    units = _schedule(ring, causal, s, op, mf, paired)
     qc, kc, vc = (t.to(cdt) for t in (q, k, v))
     kw, vw = (_wire(t) for t in (k, v)) if units else (None, None)
     pending = ring.post_kv(units[0], kw, vw) if units else None
@@ -187,8 +194,8 @@ def _ring_forward(q, k, v, ring: _Ring, causal: bool, scale: float, op, dropout_
         _wait(pending[0])
         if pending[1] is not None:
             kp, vp = (_grouped(t).to(cdt) for t in pending[1])
-            # without dropout, one call for all query rows; backward tiles them
-            tiles = unit.q_tiles if dropout_p > 0.0 else (
+            # unpaired, one call for all query rows; backward tiles them
+            tiles = unit.q_tiles if paired else (
                 (unit.q_tiles[0][0], unit.q_tiles[-1][1]),)
             for a, b in tiles:
                 o, l, st = op.forward(qc[..., a:b, :], kp, vp, FULL, scale, dropout_p)
@@ -208,9 +215,9 @@ def _ring_backward(dout, q, k, v, out, lse, ring: _Ring, causal: bool, scale: fl
     qc, kc, vc, dout = (t.to(cdt) for t in (q, k, v, dout))
     kw, vw = (_wire(t) for t in (k, v)) if units else (None, None)
     pending = ring.post_kv(units[0], kw, vw) if units else None
-    states = iter(states)
+    states = _States(states, op, dropout_p)
     grads = op.backward(dout, qc, kc, vc, out, lse, CAUSAL if causal else FULL, scale,
-                        dropout_p, next(states, None))
+                        dropout_p, states())
     dq, dk, dv = (g.to(mdt) for g in grads)
     partial = None   # (works, buffer received, our rows) of the last dK/dV exchange
     for i, unit in enumerate(units):
@@ -225,7 +232,7 @@ def _ring_backward(dout, q, k, v, out, lse, ring: _Ring, causal: bool, scale: fl
             for a, b in unit.q_tiles:  # query tiles bound the op's dq buffer
                 dq_t, dk_t, dv_t = op.backward(
                     dout[..., a:b, :], qc[..., a:b, :], kp, vp, out[..., a:b, :],
-                    lse[..., a:b], FULL, scale, dropout_p, next(states, None))
+                    lse[..., a:b], FULL, scale, dropout_p, states())
                 dq[..., a:b, :] += dq_t
                 pk += dk_t
                 pv += dv_t
@@ -234,7 +241,37 @@ def _ring_backward(dout, q, k, v, out, lse, ring: _Ring, causal: bool, scale: fl
         pending = nxt
         partial = _post_partial(ring, unit, part, kw, mdt)
     _settle(partial, dk, dv)
+    states.check_done()
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+_END = object()
+
+
+class _States:
+    """The forward's per-call states in call order, for the backward's calls. Where the
+    backward needs them (op.needs_state, dropout), running out or leaving some over is an
+    error naming the op: forward and backward ran different schedules. Otherwise None."""
+
+    def __init__(self, states, op, dropout_p: float):
+        self.need, self.op, self.n = op.needs_state or dropout_p > 0.0, op, len(states)
+        self.it = iter(states)
+
+    def __call__(self):
+        if not self.need:
+            return None
+        st = next(self.it, _END)
+        if st is _END:
+            raise RuntimeError(f"{self.op.name}: the ring's backward needs the state of each "
+                               f"forward call and the forward saved only {self.n}: forward "
+                               "and backward ran different schedules")
+        return st
+
+    def check_done(self):
+        if self.need and next(self.it, _END) is not _END:
+            raise RuntimeError(f"{self.op.name}: the ring's backward made fewer calls than "
+                               f"the {self.n} its forward saved states for (the schedules "
+                               "differ)")
 
 
 class FusedRingAttention(torch.autograd.Function):
@@ -260,8 +297,15 @@ class FusedRingAttention(torch.autograd.Function):
 # a compiled region calls the ring as two opaque custom ops, forward and backward: dynamo
 # sees one node each (fullgraph holds), and they run eagerly on the group's own transport
 # (shm on CPU, else the backend). The group travels by name, the block op by its name
-# (attention_ops.BY_NAME). Without dropout the backward needs no state from the forward;
-# compile_blocks refuses attention dropout under CP for that reason.
+# (attention_ops.BY_NAME). An op's per-call states (op.needs_state: CUDA's kernels) are no
+# tensors a custom op can return, so the forward keeps them in ``_SAVED`` under a key and
+# returns the key as a one-element tensor; the backward looks them up by it, and they are
+# dropped with that tensor (the graph's saved tensors, or the output of a forward without
+# grad). compile_blocks refuses attention dropout under CP.
+_SAVED: dict[int, list] = {}
+_NEXT_KEY = itertools.count(1)
+
+
 def _resolve_group(name: str):
     from torch.distributed.distributed_c10d import _resolve_process_group
     return _resolve_process_group(name)
@@ -269,31 +313,41 @@ def _resolve_group(name: str):
 
 @torch.library.custom_op("tpkit::ring_attention_fwd", mutates_args=())
 def _ring_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str,
-                 causal: bool, scale: float, op_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+                 causal: bool, scale: float, op_name: str
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    op = BY_NAME[op_name]
     ring = _Ring(_resolve_group(group_name))
-    out, lse, _, _ = _ring_forward(q, k, v, ring, causal, scale, BY_NAME[op_name], 0.0)
-    return out.contiguous(), lse.contiguous()   # the strides the fake promises
+    out, lse, _, states = _ring_forward(q, k, v, ring, causal, scale, op, 0.0)
+    key = torch.zeros(1, dtype=torch.int64)
+    if op.needs_state:
+        key.fill_(next(_NEXT_KEY))
+        _SAVED[int(key)] = states
+        weakref.finalize(key, _SAVED.pop, int(key), None)
+    return out.contiguous(), lse.contiguous(), key   # the strides the fake promises
 
 
 @_ring_fwd_op.register_fake
 def _(q, k, v, group_name, causal, scale, op_name):
     cdt, mdt = _dtypes(BY_NAME[op_name], q.dtype)
-    return q.new_empty(q.shape, dtype=cdt), q.new_empty(q.shape[:-1], dtype=mdt)
+    return (q.new_empty(q.shape, dtype=cdt), q.new_empty(q.shape[:-1], dtype=mdt),
+            torch.empty(1, dtype=torch.int64))
 
 
 @torch.library.custom_op("tpkit::ring_attention_bwd", mutates_args=())
 def _ring_bwd_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 out: torch.Tensor, lse: torch.Tensor, group_name: str, causal: bool,
-                 scale: float, op_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 out: torch.Tensor, lse: torch.Tensor, key: torch.Tensor, group_name: str,
+                 causal: bool, scale: float, op_name: str
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     op = BY_NAME[op_name]
     ring = _Ring(_resolve_group(group_name))
     m = pieces_per_chunk(q.shape[-2] // 2, op.min_piece_rows)
-    grads = _ring_backward(dout, q, k, v, out, lse, ring, causal, scale, op, 0.0, m, ())
+    states = _SAVED.get(int(key), ()) if op.needs_state else ()
+    grads = _ring_backward(dout, q, k, v, out, lse, ring, causal, scale, op, 0.0, m, states)
     return tuple(g.contiguous() for g in grads)   # the strides the fake promises
 
 
 @_ring_bwd_op.register_fake
-def _(dout, q, k, v, out, lse, group_name, causal, scale, op_name):
+def _(dout, q, k, v, out, lse, key, group_name, causal, scale, op_name):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -303,9 +357,9 @@ def _ring_setup(ctx, inputs, output):
     ctx.args = (group_name, causal, scale, op_name)
 
 
-def _ring_grad(ctx, dout, _dlse):
-    q, k, v, out, lse = ctx.saved_tensors
-    return _ring_bwd_op(dout, q, k, v, out, lse, *ctx.args) + (None,) * 4
+def _ring_grad(ctx, dout, _dlse, _dkey):
+    q, k, v, out, lse, key = ctx.saved_tensors
+    return _ring_bwd_op(dout, q, k, v, out, lse, key, *ctx.args) + (None,) * 4
 
 
 _ring_fwd_op.register_autograd(_ring_grad, setup_context=_ring_setup)
@@ -316,7 +370,7 @@ def ring_attention_op(q, k, v, group, causal: bool, scale: float, op, dropout_p:
     if not torch.compiler.is_compiling():
         return FusedRingAttention.apply(q, k, v, group, causal, scale, op, dropout_p)
     assert dropout_p == 0.0, "compile_blocks refuses attention dropout under CP"
-    out, _ = _ring_fwd_op(q, k, v, group.group_name, causal, scale, op.name)
+    out, _, _ = _ring_fwd_op(q, k, v, group.group_name, causal, scale, op.name)
     return out.to(q.dtype)
 
 
@@ -406,6 +460,7 @@ def all_gather_blocks(rank: int, n: int, s: int, causal: bool):
     return blocks
 
 
+@autocast_off
 def fused_context_parallel_attention(q, k, v, *, comm_type: str, group, causal: bool,
                                      scale: float, op, dropout_p: float = 0.0):
     """``tpkit.nn.context_parallel.context_parallel_attention`` on block op ``op``:

@@ -52,7 +52,7 @@ from ..comm.collectives import all_gather, group_rank
 from ..param_tags import set_expert_attrs
 from ..random import EXPERT_PARALLEL_RNG, get_rng_tracker
 from ._backend import build_te, resolve_backend
-from ._common import ParallelModule, check_sbh, divide, resolve_sp
+from ._common import ParallelModule, check_sbh, divide, no_autocast, resolve_sp
 from .export import is_onnx_export
 from .mappings import gather_from_tp_region, reduce_from_tp_region, scatter_to_sp_region
 from .mlp import _GATED, _PLAIN, ACTIVATIONS, ParallelMLP
@@ -279,6 +279,10 @@ class MoE(ParallelModule):
     def route(self, x: torch.Tensor):
         """Router on tokens ``x`` [T, h] -> (top-k indices [T, k], probabilities [T, k],
         kept mask [T, k], aux loss share); the router runs in fp32 (or wider)."""
+        with no_autocast(x.device):   # an autocast would run the logits in its bf16/fp16
+            return self._route(x)
+
+    def _route(self, x: torch.Tensor):
         dtype = torch.promote_types(x.dtype, torch.float32)
         logits = x.to(dtype) @ self.router_weight.to(dtype).t()          # [T, E]
         if self.score_func == "softmax":
@@ -427,7 +431,9 @@ class MoE(ParallelModule):
             out = _a2av(out, [mine] * s.etp_size, lens, s.etp_group, s.etp_size)
             out = out.view(s.etp_size, mine, -1).sum(0)                    # partial sums
         out = _a2av(out, in_splits, out_splits, s.ep_group, s.ep_size)
-        slots = x.new_zeros(x.shape[0] * k, x.shape[1]).index_copy(0, pos, out)
+        # in x's dtype: under an autocast the experts' output is in its low precision, and
+        # CUDA's index_copy (unlike CPU autocast's) requires equal dtypes
+        slots = x.new_zeros(x.shape[0] * k, x.shape[1]).index_copy(0, pos, out.to(x.dtype))
         return slots.view(x.shape[0], k, x.shape[1])
 
     def _expert_gemm(self, i: int, x: torch.Tensor, counts) -> torch.Tensor:

@@ -33,6 +33,7 @@ from ..data import packed_cp_indices
 from ..data.sharding import _bounds
 from .attention_math import compute_dtype, from_grouped, local_attention, to_grouped
 from .mappings import all_to_all, gather_from_sp_region
+from ._common import autocast_off
 
 _KV_TAG, _DKV_TAG = 4, 5
 
@@ -205,6 +206,7 @@ def _a2a(q, k, v, a2a_group, metas, local):
                       g, False)
 
 
+@autocast_off
 def packed_attention(q, k, v, *, cu_seqlens, cu_seqlens_padded, comm_type: str, group,
                      cp_size: int, cp_rank: int, causal: bool, scale: float) -> torch.Tensor:
     """THD attention of this CP rank's shard. q ``[1, h, t, d]``, k/v ``[1, g, t, d]``
@@ -233,6 +235,7 @@ def packed_attention(q, k, v, *, cu_seqlens, cu_seqlens_padded, comm_type: str, 
     return from_grouped(out) * mine[2].to(q.dtype).view(1, 1, -1, 1)
 
 
+@autocast_off
 def padded_attention(q, k, v, attention_mask, *, causal: bool, scale: float) -> torch.Tensor:
     """bshd/sbhd attention with TE's padding mask ``[b, 1, 1, s]`` (True: padding), no CP.
     q ``[b, h, s, d]``, k/v ``[b, g, s, d]`` -> ``[b, h, s, d]``, padding rows zero."""

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from ..comm.collectives import exchange as _exchange
 from ..random import get_device_rng_state, get_rng_tracker, set_device_rng_state
 from .attention_math import block_backward, block_forward, compute_dtype, merge_into
+from ._common import autocast_off
 
 _KV_TAG, _DKV_TAG = 0, 1
 
@@ -141,6 +142,7 @@ class RingAttention(torch.autograd.Function):
                 None, None, None, None)
 
 
+@autocast_off
 def ring_attention(q, k, v, group, *, causal: bool, scale: float, dropout_p: float = 0.0):
     """Ring attention of grouped tensors over ``group`` (see the module docstring)."""
     return RingAttention.apply(q, k, v, group, causal, scale, dropout_p)

@@ -192,10 +192,12 @@ def model_shape(job: JobConfig):
     return ModelShape.of(gpt_config(job, impl="torch"))
 
 
-def memory_job(job: JobConfig, layout):
-    """The job at ``layout`` as tpkit.memory estimates it (None: no model config yet)."""
+def memory_job(job: JobConfig, layout, device: str = "cpu"):
+    """The job at ``layout`` on ``device``'s kernels as tpkit.memory estimates it (None:
+    no model config yet)."""
     from tpkit.memory import MemoryJob
-    return MemoryJob.from_job(job, model_shape(job), dp=layout.dp, pp=layout.pp)
+    return MemoryJob.from_job(job, model_shape(job), dp=layout.dp, pp=layout.pp,
+                              device=device)
 
 
 def gpt_config(job: JobConfig, impl: str | None = None):
@@ -444,7 +446,7 @@ class Trainer:
     def memory_line(self, steps_done: int = 1) -> str:
         """tpkit.memory's estimate for this rank next to the measured peak (one line)."""
         from tpkit.memory import estimate_memory, format_measured, measured_peak_bytes
-        est = memory_job(self.job, self.layout)
+        est = memory_job(self.job, self.layout, device=self.fabric.device.type)
         if est is None:
             return (f"memory after step {steps_done}: no estimate (the model's config.json "
                     "is not there)")
