@@ -144,7 +144,7 @@ def test_resume_in_a_later_epoch_at_another_layout():
 
 
 def test_eval_indices_are_the_held_out_samples_in_order():
-    from tpkit.data import eval_indices
+    from tpkit.data.order import eval_indices
     got = eval_indices(N, 4)
     assert [b.tolist() for b in got] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
     assert [b.tolist() for b in eval_indices(N, 4, batches=2)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
