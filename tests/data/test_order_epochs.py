@@ -114,6 +114,13 @@ def test_random_access_across_epochs_equals_the_sequential_read():
         assert ld.indices(pos) == ref[pos + 2:pos + 4], pos        # rank 1's rows
         assert ld.at(pos) == ref[pos + 2:pos + 4], pos
     assert ld.consumed == 0                                   # at/indices do not advance
+    # a fresh loader whose first read is in the second epoch
+    assert Loader(Samples(), G, seed=2).at(N, range(G)) == ref[N:N + G]
+
+
+def test_the_default_seed_is_0():
+    from tpkit.data import Loader, epoch_order
+    assert Loader(Samples(), N).global_indices(N) == epoch_order(N, 0, 1).tolist()
 
 
 def test_resume_in_a_later_epoch_at_another_layout():
@@ -163,6 +170,8 @@ def test_dp_rows_by_hand():
     with pytest.raises(ValueError, match="global batch 10 is not divisible by micro-batches "
                                          "x dp = 2 x 2; use a multiple of 4"):
         dp_rows(10, 0, 2, 2)
+    with pytest.raises(ValueError, match="x dp = 3 x 2; use a multiple of 6"):
+        dp_rows(8, 0, 2, 3)
 
 
 def test_empty_dataset_is_refused():
