@@ -134,3 +134,38 @@ def test_an_offset_past_the_cache_is_refused():
         with pytest.raises(ValueError, match="batch_size_offset=-1"):
             dpa(q[:P], k[:P], v[:P], inference_params=params)
         assert not params.key_value_memory_dict      # nothing written by a refused call
+
+
+def test_swap_reorders_every_cached_row_and_refuses_another_count():
+    """TE's beam-search step: row i of every layer's cache becomes row batch_indices[i]
+    (one index per cached row, the unused ones included)."""
+    from tpkit.config import ParallelConfig
+    from tpkit.nn.inference import InferenceParams
+    from tpkit.planning import fake_state
+    with fake_state(ParallelConfig(), 1) as state:
+        dpa, other = _dpa(state), _dpa(state)
+        params = InferenceParams(MAX_B, S)
+        for b0, b in REQUESTS.items():
+            q, k, v = _qkv(b, seed=20 + b0)
+            params.batch_size_offset = b0
+            dpa(q[:P], k[:P], v[:P], inference_params=params)
+            other(q[:P], k[:P], v[:P], inference_params=params)
+        before = {key: (k.clone(), v.clone()) for key, (k, v) in
+                  params.key_value_memory_dict.items()}
+        assert len(before) == 2
+        perm = [4, 0, 6, 1, 3, 5, 2]
+        params.swap_key_value_dict(perm)
+        for key, (k, v) in params.key_value_memory_dict.items():
+            for i, j in enumerate(perm):
+                assert torch.equal(k[:, i], before[key][0][:, j]), (i, j)
+                assert torch.equal(v[:, i], before[key][1][:, j]), (i, j)
+        for bad in ([0, 1, 2, 3, 4, 5], list(range(8)), [[0, 1, 2, 3, 4, 5, 6]]):
+            with pytest.raises(ValueError, match="pass one index per row"):
+                params.swap_key_value_dict(bad)
+
+
+@pytest.mark.parametrize("sizes", [(0, 8), (-1, 8), (2, -3), (2, 0), (True, 8), (2.0, 8)])
+def test_inference_params_sizes_are_positive_integers(sizes):
+    from tpkit.nn.inference import InferenceParams
+    with pytest.raises(ValueError, match="must be a positive integer"):
+        InferenceParams(*sizes)
