@@ -178,3 +178,34 @@ def test_empty_dataset_is_refused():
     from tpkit.data import Loader
     with pytest.raises(ValueError, match="no samples"):
         Loader(Samples(0), 4)
+
+
+def test_dp_rows_with_odd_shares_are_integers():
+    """Shares of 3 rows (no power of two: an offset ORed instead of added shows) and
+    integer indices."""
+    from tpkit.data import dp_rows
+    got = dp_rows(18, 1, 2, 3)
+    assert got.tolist() == [3, 4, 5, 9, 10, 11, 15, 16, 17]
+    assert got.dtype.kind == "i", got.dtype
+    assert dp_rows(9, 2, 3, 1).tolist() == [6, 7, 8]
+
+
+def test_the_order_is_pinned_across_versions():
+    """A checkpoint stores the position only: a resume with another tpkit version must see
+    the same order, so epoch_order's draw is part of the format (numpy's PCG64 seeded
+    with [seed, epoch, 7]). Changing it needs a version in the loader's state."""
+    from tpkit.data import epoch_order
+    assert epoch_order(13, 5, 0).tolist() == [11, 4, 6, 7, 5, 1, 12, 0, 8, 3, 10, 9, 2]
+    assert epoch_order(13, 5, 1).tolist() == [6, 1, 3, 4, 10, 5, 11, 12, 9, 8, 0, 7, 2]
+
+
+def test_state_checks_both_ways_and_large_values():
+    from tpkit.data import Loader
+    saved = Loader(Samples(300), 4, seed=1000).state_dict()
+    same = Loader(Samples(300), 4, seed=1000)
+    same.load_state_dict(saved)            # equal values above CPython's small-int cache
+    for other in (Loader(Samples(300), 4, seed=999), Loader(Samples(299), 4, seed=1000)):
+        with pytest.raises(ValueError, match="belongs to another dataset or seed"):
+            other.load_state_dict(saved)   # smaller than the saved ones too
+    with pytest.raises(TypeError):
+        Loader(Samples(), 4, 3)            # the seed is keyword-only
