@@ -139,3 +139,29 @@ def test_diff_by_hand():
     assert diff(torch.zeros(0), torch.zeros(0)) == (0.0, 0.0)
     assert TOL.bad(float("nan"), 1.0) and TOL.bad(float("inf"), 1.0)
     assert TOL.bad(float("nan"), float("inf"))
+
+
+def test_tolerances_and_the_finding_line_by_hand():
+    """tpkit.verify's tolerances as documented (float32: 1000 eps of the largest value +
+    1e-9; bf16 autocast: 8 bf16 eps + 1e-6) and the one-line report's wording."""
+    from tpkit.verifier.findings import Finding, Tolerance
+    f32, bf16 = torch.finfo(torch.float32).eps, torch.finfo(torch.bfloat16).eps
+    assert (TOL.rtol, TOL.atol) == (1000 * f32, 1e-9)
+    b = tolerance("bf16-mixed")
+    assert (b.rtol, b.atol) == (8 * bf16, 1e-6)
+    t = Tolerance(0.01, 0.5, "")
+    assert not t.bad(0.5 + 0.01 * 10.0, 10.0) and t.bad(0.5 + 0.01 * 10.0 + 1e-9, 10.0)
+    assert not t.bad(0.6, 10.0) and t.bad(0.61, 10.0) and t.bad(0.51, 0.0)
+    f = Finding(2, "output", "layers.0.mlp", [0, 3], 0.25, 2.0, hint="look here")
+    assert f.line(t) == ("first difference at step 3: output of module 'layers.0.mlp' on "
+                         "ranks 0,3: max |diff| 0.25 = 0.12 of the reference's max |value| "
+                         "2 (tolerance 0.01)\n    hint: look here")
+    one = Finding(0, "parameter gradient", "lin", [1], 3.0, 4.0)
+    assert one.line(t).startswith("first difference at step 1: parameter gradient of module "
+                                  "'lin' on rank 1: max |diff| 3 = 0.75 of")
+    assert "\n" not in one.line(t)
+    assert Finding(-1, "weights after loading", "w", "all").line(t).startswith(
+        "first difference at loading: weights after loading of module 'w' on all ranks")
+    assert Finding(-1, "dropout mask", "d", [0, 1], detail="same masks").line(t) == \
+        "first difference at the dropout check: dropout mask of module 'd' on ranks 0,1: " \
+        "same masks"
