@@ -201,8 +201,8 @@ def fork_exec(session: str, tree: str, tests, timeout: float, survivors: bool = 
         gc.freeze()   # the children's gc.collect() (pytest calls it 5 times) skips all that
     with use_db(session, WorkDB.Mode.open) as db:
         pending = sorted(db.pending_work_items, key=lambda w: w.job_id)
-        if limit is not None and len(pending) > limit:
-            step = len(pending) / limit
+        if limit is not None and len(pending) > limit:   # 0: only the survivors again
+            step = len(pending) / max(limit, 1)
             pending = [pending[int(i * step)] for i in range(limit)]
         if survivors:
             pending += [w for w, r in db.completed_work_items
