@@ -116,6 +116,9 @@ def test_padding_masks_per_request_at_offsets():
             want = _recomputed(q, k, v, masks[b0])
             err = (got[b0][pad:] - want[pad:]).abs().max().item()   # positions with a key
             assert err <= 1e-10, (b0, err)
+            # a padding position sees no key: it attends to itself, finite (a NaN there
+            # would reach every position of the next layer through its keys and values)
+            assert torch.isfinite(got[b0]).all(), b0
 
 
 def test_an_offset_past_the_cache_is_refused():
