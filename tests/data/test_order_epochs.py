@@ -209,3 +209,9 @@ def test_state_checks_both_ways_and_large_values():
             other.load_state_dict(saved)   # smaller than the saved ones too
     with pytest.raises(TypeError):
         Loader(Samples(), 4, 3)            # the seed is keyword-only
+
+
+def test_one_micro_batch_by_default():
+    from tpkit.data import Loader, dp_rows
+    assert dp_rows(8, 1, 2).tolist() == [4, 5, 6, 7]
+    assert Loader(Samples(), 8, dp_rank=1, dp_size=2).rows.tolist() == [4, 5, 6, 7]
