@@ -62,7 +62,6 @@ MODULES = {
         "tests/observe/test_observe_peaks.py", "tests/observe/test_observe_flops.py", "-k",
         "not bench_gpu"]),
     "findings": ("tpkit/verifier/findings.py", ["tests/verifier/test_compare_nonfinite.py"]),
-    "paths": ("tpkit/_dcp_verify.py", ["tests/test_checkpoint_paths.py", "-k", "inside"]),
 }
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # imported once by the fork runner's parent; never tpkit (the children import the mutant)
