@@ -137,6 +137,8 @@ def test_diff_by_hand():
     assert math.isinf(d) and s == 1.0
     assert diff(torch.tensor([0.5, -3.0]), torch.tensor([1.0, -1.0])) == (2.0, 1.0)
     assert diff(torch.zeros(0), torch.zeros(0)) == (0.0, 0.0)
+    inf = torch.tensor([float("inf")])
+    assert diff(inf, inf) == (0.0, 0.0)                     # no finite value: scale 0
     assert TOL.bad(float("nan"), 1.0) and TOL.bad(float("inf"), 1.0)
     assert TOL.bad(float("nan"), float("inf"))
 
@@ -152,8 +154,8 @@ def test_tolerances_and_the_finding_line_by_hand():
     t = Tolerance(0.01, 0.5, "")
     assert not t.bad(0.5 + 0.01 * 10.0, 10.0) and t.bad(0.5 + 0.01 * 10.0 + 1e-9, 10.0)
     assert not t.bad(0.6, 10.0) and t.bad(0.61, 10.0) and t.bad(0.51, 0.0)
-    f = Finding(2, "output", "layers.0.mlp", [0, 3], 0.25, 2.0, hint="look here")
-    assert f.line(t) == ("first difference at step 3: output of module 'layers.0.mlp' on "
+    f = Finding(3, "output", "layers.0.mlp", [0, 3], 0.25, 2.0, hint="look here")
+    assert f.line(t) == ("first difference at step 4: output of module 'layers.0.mlp' on "
                          "ranks 0,3: max |diff| 0.25 = 0.12 of the reference's max |value| "
                          "2 (tolerance 0.01)\n    hint: look here")
     one = Finding(0, "parameter gradient", "lin", [1], 3.0, 4.0)
