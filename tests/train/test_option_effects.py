@@ -44,6 +44,7 @@ EFFECTS = {
     "data.pack": "tests/train/test_train_data.py::test_own_data_packed_same_curves_at_tp2_cp2",
     "data.path": "tests/train/test_train_data.py::test_own_data_packed_same_curves_at_tp2_cp2",
     "data.tokenizer": "tests/train/test_train_data.py::test_own_data_packed_same_curves_at_tp2_cp2",
+    "data.format": "tests/train/test_option_effects.py::test_data_format_takes_effect",
     "data.split": "tests/train/test_train_data.py::test_own_data_saved_at_dp2_resumed_at_dp4",
     "data.eval_every": "tests/train/test_train_data.py::test_own_data_saved_at_dp2_resumed_at_dp4",
     "data.eval_batches": "tests/train/test_train_data.py::test_own_data_saved_at_dp2_resumed_at_dp4",
@@ -71,11 +72,7 @@ EFFECTS = {
 
 
 # options whose effect no test measures yet, each with the reason (reported in the issue)
-GAPS = {
-    "data.format": "no test trains on a data.path with an explicit --data-format (the "
-                   "launched data tests use 'auto'); tests/data/test_datasets.py reads each "
-                   "format through tpkit.data, not through the trainer's option",
-}
+GAPS: dict = {}
 
 
 def _schema_fields():
@@ -291,3 +288,28 @@ def test_options_take_effect_in_one_process(tmp_path):
         if ok is False:
             failed[field] = "no effect measured"
     assert not failed, failed
+
+
+def _formats(path, tok):
+    from tpkit.train import main
+    base = BASE + ["--data-path", path, "--tokenizer", tok]
+    return {fmt: main(base + ["--data-format", fmt]) for fmt in ("auto", "text", "sft")}
+
+
+@pytest.mark.slow
+def test_data_format_takes_effect(tmp_path):
+    """One JSON-lines file whose records hold both a "text" and a prompt/response pair:
+    read as text (every token learnt) or as SFT (the response's tokens only), two curves;
+    "auto" is one of them."""
+    import json
+    from test_datasets import _texts, make_tokenizer
+    tok = make_tokenizer(tmp_path)
+    path = tmp_path / "both.jsonl"
+    with open(path, "w") as f:
+        for t in _texts(60, seed=3):
+            w = t.split()
+            f.write(json.dumps({"text": t, "prompt": " ".join(w[:len(w) // 2]),
+                                "response": " " + " ".join(w[len(w) // 2:])}) + "\n")
+    (res,) = run(_formats, 1, str(path), tok)
+    assert res["text"] != res["sft"], res
+    assert res["auto"] in (res["text"], res["sft"]), res
