@@ -53,6 +53,15 @@ MODULES = {
     "planning": ("tpkit/planning.py", [
         "tests/test_planning.py", "tests/cli/test_launch.py::test_dry_run_65536_ranks_summarises"]),
     "dcp_verify": ("tpkit/checkpoint/_dcp_verify.py", ["tests/test_dcp_verify.py"]),
+    # the last wave's (issue 52): the single-process tests against references in the tests
+    "order": ("tpkit/data/order.py", ["tests/data/test_order_epochs.py"]),
+    "inference": ("tpkit/nn/inference.py", [
+        "tests/nn/test_inference_offset.py",
+        "tests/nn/test_inference.py::test_inference_params_refuses_what_does_not_fit"]),
+    "flops": ("tpkit/observe/flops.py", [
+        "tests/observe/test_observe_peaks.py", "tests/observe/test_observe_flops.py", "-k",
+        "not bench_gpu"]),
+    "findings": ("tpkit/verifier/findings.py", ["tests/verifier/test_compare_nonfinite.py"]),
 }
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # imported once by the fork runner's parent; never tpkit (the children import the mutant)
@@ -136,9 +145,11 @@ def _wait(pid: int, timeout: float):
             os.waitpid(pid, 0)
 
 
-def fork_exec(session: str, tree: str, tests, timeout: float, survivors: bool = False) -> None:
+def fork_exec(session: str, tree: str, tests, timeout: float, survivors: bool = False,
+              limit: int | None = None) -> None:
     """Run every pending mutant of ``session`` in a forked child (see the module doc), and
-    with ``survivors`` the surviving ones again."""
+    with ``survivors`` the surviving ones again; ``limit``: at most that many pending
+    ones, spread evenly over the module (the rest stay pending for a resumed run)."""
     import importlib
 
     from cosmic_ray import plugins
@@ -189,6 +200,9 @@ def fork_exec(session: str, tree: str, tests, timeout: float, survivors: bool = 
         gc.freeze()   # the children's gc.collect() (pytest calls it 5 times) skips all that
     with use_db(session, WorkDB.Mode.open) as db:
         pending = sorted(db.pending_work_items, key=lambda w: w.job_id)
+        if limit is not None and len(pending) > limit:   # 0: only the survivors again
+            step = len(pending) / max(limit, 1)
+            pending = [pending[int(i * step)] for i in range(limit)]
         if survivors:
             pending += [w for w, r in db.completed_work_items
                         if r.test_outcome == TestOutcome.SURVIVED]
@@ -284,6 +298,9 @@ def main() -> int:
     ap.add_argument("--survivors", action="store_true",
                     help="with --keep: run a finished session's surviving mutants again, "
                          "against the checkout's current tests (after adding tests)")
+    ap.add_argument("--limit", type=int, default=None,
+                    help="run at most this many pending mutants, spread evenly over the "
+                         "module (a time-boxed sample; resume later for the rest)")
     args = ap.parse_args()
     path, tests = MODULES[args.module]
     work = os.path.abspath(args.keep or tempfile.mkdtemp(prefix="tpkit-mutation-"))
@@ -307,7 +324,7 @@ def main() -> int:
         subprocess.run(["cosmic-ray", "init", config, session], cwd=tree, check=True)
         skip_annotation_mutants(session, os.path.join(tree, path))
     if args.runner == "fork":
-        fork_exec(session, tree, tests, args.timeout, args.survivors)
+        fork_exec(session, tree, tests, args.timeout, args.survivors, args.limit)
     else:
         subprocess.run(["cosmic-ray", "exec", config, session], cwd=tree, check=True)
     report = subprocess.run(["cr-report", session], check=True, capture_output=True, text=True)

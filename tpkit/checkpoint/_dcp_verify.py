@@ -86,7 +86,8 @@ def inside(root: str, rel, *, links: bool = True) -> str | None:
             else os.path.join(root, norm)
     base = os.path.realpath(root)
     full = os.path.realpath(os.path.join(base, rel))
-    return full if full.startswith(base + os.sep) else None
+    # containment by path components (/x/ckpt-evil is not in /x/ckpt; all is in /)
+    return full if full != base and os.path.commonpath([base, full]) == base else None
 
 
 def load_metadata(path: str):

@@ -198,6 +198,7 @@ def with_master_weights(optimizer: torch.optim.Optimizer,
             if isinstance(p, FP8Weight):
                 master = nn.Parameter(p.detach().dequantize().to(dtype),
                                       requires_grad=p.requires_grad)
+                _copy_tags(p, master)   # a TP shard's master is that shard (its tags)
                 group["params"][i] = master
                 pairs.append((p, master))
     if not pairs:

@@ -55,11 +55,16 @@ _DTYPES = ("bf16", "fp16", "fp8", "fp32")
 #     figure of the earlier two-board NVL).
 #   H200 SXM / NVL: bf16 1979 / 1671, fp8 3958 / 3341 sparse (Lightning lists the sparse
 #     bf16 figures, under names no driver reports).
+#   fp32 (no tensor cores, no sparsity): H100 NVL 60 (Lightning's 133.8 is the two-board
+#     NVL's), H200 SXM 67, H200 NVL 60 (Lightning has no H200).
 _DENSE_TFLOPS = {
     ("h100 sxm", "fp8"): 1978.9, ("h100 pcie", "fp8"): 1513.0,
     ("h100 nvl", "bf16"): 835.5, ("h100 nvl", "fp16"): 835.5, ("h100 nvl", "fp8"): 1670.5,
+    ("h100 nvl", "fp32"): 60.0,
     ("h200 sxm", "bf16"): 989.4, ("h200 sxm", "fp16"): 989.4, ("h200 sxm", "fp8"): 1978.9,
+    ("h200 sxm", "fp32"): 67.0,
     ("h200 nvl", "bf16"): 835.5, ("h200 nvl", "fp16"): 835.5, ("h200 nvl", "fp8"): 1670.5,
+    ("h200 nvl", "fp32"): 60.0,
 }
 
 

@@ -121,7 +121,7 @@ class _Side:
             scale = max(scale, s)
             if ctx.tol.bad(d, s):
                 bad.append(r)
-                worst = max(worst, d)
+                worst = _worse(worst, d)
         if not bad:
             return None
         if ctx.layout.cp > 1 and note is None and self.kind == "out" and all(
@@ -140,6 +140,11 @@ class _Side:
         elif note:
             f.detail = note
         return f
+
+
+def _worse(worst: float, d: float) -> float:
+    """The larger difference, NaN above all (``max`` would keep 0.0 before a NaN)."""
+    return d if d != d or not d <= worst else worst
 
 
 def _matches(ref, t, coords, layout, ctx, segs) -> bool:
@@ -180,7 +185,7 @@ def _param_findings(step, kind, ref, ranks, ctx, what):
         floor = 0.0   # an update is read off a rounded parameter: a few of its ulps
         if kind == "params" and want is not None:
             p = ref["steps"][step][kind][name]
-            floor = 4 * torch.finfo(p.dtype).eps * float(p.abs().max()) if p.numel() else 0.0
+            floor = 4 * torch.finfo(p.dtype).eps * diff(p, p)[1]   # of its finite values
         for r, res in enumerate(ranks):
             got = _values(res, step, kind, name)
             if isinstance(got, str) or (got is None) != (want is None):
@@ -195,7 +200,7 @@ def _param_findings(step, kind, ref, ranks, ctx, what):
             scale = max(scale, s)
             if ctx.tol.bad(max(d - floor, 0.0), s):
                 bad.append(r)
-                worst = max(worst, d)
+                worst = _worse(worst, d)
         if bad:
             owner = ref["meta"]["params"].get(name, {}).get("module", name)
             out[name] = Finding(step, what, owner, bad, worst, scale,

@@ -57,9 +57,17 @@ class Finding:
 
 
 def diff(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
+    """(max |a - b|, max |b|): ``b`` is the reference. The same value at the same place
+    agrees, non-finite ones too (NaN where the reference has NaN, an inf of the same sign);
+    NaN or inf anywhere else makes the difference NaN or inf. The scale is the reference's
+    largest *finite* magnitude (an inf in it must not make every difference tolerable)."""
     a, b = a.double(), b.double()
-    return float((a - b).abs().max()) if a.numel() else 0.0, \
-        float(b.abs().max()) if b.numel() else 0.0
+    if not a.numel():
+        return 0.0, 0.0
+    same = (a == b) | (a.isnan() & b.isnan())
+    d = (a - b).abs().masked_fill(same, 0.0)
+    finite = b[b.isfinite()]
+    return float(d.max()), float(finite.abs().max()) if finite.numel() else 0.0
 
 
 def module_rank(order):
