@@ -59,9 +59,10 @@ class ReplicatedKV(ParallelModule):
         head = state.tp_rank // (state.tp_size // kv_heads) if kv_heads < state.tp_size \
             else state.tp_rank
         seg = kv_heads * head_dim
-        self._rows = torch.cat([torch.arange(i * seg + head * head_dim,
-                                             i * seg + (head + 1) * head_dim)
-                                for i in range(segments)]).tolist()
+        # plain ints, no tensor: under ``with torch.device("meta")`` (the pre-flight's
+        # build) a torch.arange would be a meta tensor with no values to read
+        self._rows = [r for i in range(segments)
+                      for r in range(i * seg + head * head_dim, i * seg + (head + 1) * head_dim)]
 
     def local(self):
         """(weight rows, bias rows) of this rank's kv head, every segment in order."""

@@ -199,7 +199,8 @@ def full_init(model: torch.nn.Module, seed: int) -> None:
     from tpkit.checkpoint import full_shapes, load_full_state_dict
     new = {}
     own = model.state_dict()
-    for i, (name, shape) in enumerate(sorted(full_shapes(model).items())):
+    shapes, split = _one_process_shapes(model, full_shapes(model))
+    for i, (name, shape) in enumerate(sorted(shapes.items())):
         g = torch.Generator().manual_seed(seed * 10_007 + i)
         if name.endswith("_extra_state"):                  # TE's fp8 metadata
             new[name] = own[name]
@@ -211,7 +212,29 @@ def full_init(model: torch.nn.Module, seed: int) -> None:
             std = 0.02 / math.sqrt(2 * model.cfg.num_layers) if "proj" in name or "fc2" in name \
                 else 0.02
             new[name] = torch.randn(shape, generator=g, dtype=torch.float32).mul_(std)
+    for fused, (q, kv, rows) in split.items():   # back to this layout's names
+        w = new.pop(fused)
+        new[q], new[kv] = w[:rows], w[rows:]
     load_full_state_dict(model, new)
+
+
+def _one_process_shapes(model: torch.nn.Module, shapes: dict):
+    """``shapes`` under one process's names: with fewer kv heads than tp
+    (tpkit.nn.ReplicatedKV) an attention's ``linear_qkv`` holds the queries and
+    ``linear_kv`` the keys and values; one process has them fused as ``linear_qkv``
+    ([Q; K; V]). Returns (shapes, {fused name: (q name, kv name, q rows)}), so that the
+    same seed draws the same weights at every tp."""
+    shapes, split = dict(shapes), {}
+    for prefix, mod in model.named_modules():
+        if not getattr(mod, "replicated_kv", False):
+            continue
+        for kind in ("weight", "bias"):
+            q, kv = f"{prefix}.linear_qkv.{kind}", f"{prefix}.linear_kv.{kind}"
+            if q in shapes and kv in shapes:
+                sq, skv = shapes.pop(q), shapes.pop(kv)
+                shapes[q] = torch.Size([sq[0] + skv[0], *sq[1:]])
+                split[q] = (q, kv, sq[0])
+    return shapes, split
 
 
 def check_hf_dir(job: JobConfig):
