@@ -58,8 +58,16 @@ class Parallelism:
         short="--sequence-parallel")
     cp_comm_type: str | None = opt(None, "how context-parallel attention communicates",
                                    short="--cp-comm-type", choices=CP_COMM_TYPES)
-    data_parallel: str = opt("ddp", "DDP or FSDP2 over the dp x cp ranks",
+    data_parallel: str = opt("ddp", "DDP or FSDP2 over the dp x cp ranks (fsdp: a unit per "
+                                    "transformer block, tpkit.fsdp)",
                              short="--data-parallel", choices=("ddp", "fsdp"))
+    dp_replicate: int = opt(1, "HSDP: the dp x cp ranks as dp_replicate replicas x the rest "
+                               "sharded (within a node where tp x shard fits one; needs "
+                               "data_parallel fsdp; 1: plain FSDP)", short="--dp-replicate")
+    fsdp_mixed_precision: str | None = opt(
+        None, "FSDP2's mixed-precision policy: bf16 gathers and compute, fp32 gradient "
+              "reduction and sharded parameters (needs data_parallel fsdp)",
+        short="--fsdp-mixed-precision", choices=("bf16",))
 
     def check(self, job: "JobConfig") -> None:
         for name in ("tp", "cp", "pp", "ep", "etp"):
@@ -67,6 +75,13 @@ class Parallelism:
             if v is not None and v < 1:
                 raise job.bad(f"parallelism.{name}", "must be >= 1 (or unset: tpkit-launch's "
                                                      "value, else 1)")
+        if self.dp_replicate < 1:
+            raise job.bad("parallelism.dp_replicate", "must be >= 1 (1: plain FSDP)")
+        for name in ("dp_replicate", "fsdp_mixed_precision"):
+            if not job.is_default(f"parallelism.{name}") and self.data_parallel != "fsdp":
+                raise ValueError(f"{job.show('parallelism.' + name)} needs --data-parallel "
+                                 f"fsdp ({job.show('parallelism.data_parallel')}); add "
+                                 "--data-parallel fsdp or drop it")
 
 
 @dataclass
@@ -543,6 +558,12 @@ class JobConfig:
             except ValueError as e:
                 raise ValueError(f"--pp {pp} --layers {self.model.layers} --microbatches {m} "
                                  f"--pp-schedule {p.schedule}: {e}") from None
+        r = self.parallelism.dp_replicate
+        if state.dp_cp_size % r:
+            raise self.bad("parallelism.dp_replicate",
+                           f"does not divide the data ranks dp x cp = {state.dp_size} x "
+                           f"{state.cp_size} = {state.dp_cp_size}; use a divisor of "
+                           f"{state.dp_cp_size}")
         if (t.global_batch // state.dp_size) % m:
             raise ValueError(f"{self.show('training.global_batch')} does not split into dp x "
                              f"microbatches = {state.dp_size} x {m}; use a multiple of "

@@ -237,6 +237,15 @@ def _one_process_shapes(model: torch.nn.Module, shapes: dict):
     return shapes, split
 
 
+def fsdp_options(job: JobConfig) -> dict:
+    """TPKitStrategy's FSDP2 keywords of this job (none with DDP)."""
+    par = job.parallelism
+    if par.data_parallel != "fsdp":
+        return {}
+    return dict(fsdp_replicate=par.dp_replicate,
+                fsdp_mixed_precision=par.fsdp_mixed_precision)
+
+
 def check_hf_dir(job: JobConfig):
     """model.init_from_hf's LlamaConfig; ValueError unless it is a model tpkit reads whose
     vocabulary holds the corpus' byte ids."""
@@ -291,7 +300,7 @@ class Trainer:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         strategy = TPKitStrategy(
             layout=self.layout, data_parallel=job.parallelism.data_parallel,
-            seed=job.training.seed,
+            seed=job.training.seed, **fsdp_options(job),
             microbatches=job.pipeline.microbatches if self.layout.pp > 1 else None,
             pp_schedule=job.pipeline.schedule, virtual_stages=job.pipeline.virtual_stages)
         self.fabric = Fabric(accelerator="cuda" if torch.cuda.is_available() else "cpu",
