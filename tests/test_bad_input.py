@@ -254,6 +254,12 @@ LAUNCH = [
         "or drop --compile", T("--compile", "--precision", "fp8")),
     Row("train-compile-offload", "--compile (training.compile) with --cpu-offload-layers=1",
         "or drop --compile", T("--compile", "--cpu-offload-layers", "1", "--layers", "2")),
+    # issue 54: HSDP's replicas, checked before launch like every other axis
+    Row("train-dp-replicate", "--dp-replicate=3 (parallelism.dp_replicate) does not divide "
+        "the data ranks dp x cp = 2 x 1 = 2", "use a divisor of 2",
+        T("--data-parallel", "fsdp", "--dp-replicate", "3")),
+    Row("train-dp-replicate-ddp", "--dp-replicate=2 (parallelism.dp_replicate) needs "
+        "--data-parallel fsdp", "add --data-parallel fsdp or drop it", T("--dp-replicate", "2")),
     Row("train-fp8-dtype", "--fp8-compute-dtype='bfloat16' (precision.fp8_compute_dtype)",
         "needs --precision fp8 (precision.mode='32-true' (default) here); add --precision fp8 "
         "or drop it",

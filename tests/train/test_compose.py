@@ -116,7 +116,8 @@ def _fsdp_run(argv, units="blocks"):
     units_ = [model.embedding, *model.layers, model.final_norm, model.output]
     sharded = sum(p.to_local().untyped_storage().nbytes() for p in model.parameters()
                   if isinstance(p, DTensor))
-    return losses, peak[0], max(full(u) for u in units_), sharded, sorted(dtypes)
+    placements = str(next(p for p in model.parameters() if isinstance(p, DTensor)).placements)
+    return losses, peak[0], max(full(u) for u in units_), sharded, sorted(dtypes), placements
 
 
 FSDP = ["--data-parallel", "fsdp", "--steps", "8"]
@@ -128,12 +129,12 @@ def test_fsdp_per_block_peak_and_curve(reference):
     torch alone) stay within the largest unit unsharded plus every parameter's shard.
     Planted: the whole model as one unit -> the peak is the whole model (checked here)."""
     for tp in (1, 2):
-        for losses, peak, unit, sharded, dtypes in run(_fsdp_run, 4,
+        for losses, peak, unit, sharded, dtypes, _ in run(_fsdp_run, 4,
                                                        SMALL + FSDP + ["--tp", str(tp)]):
             _same_curve(losses, reference, 1e-5)
             assert peak <= unit + sharded, (tp, peak, unit, sharded)
             assert dtypes == ["torch.float32"], dtypes
-    for losses, peak, unit, sharded, _ in run(_fsdp_run, 4, SMALL + FSDP, units="model"):
+    for losses, peak, unit, sharded, *_ in run(_fsdp_run, 4, SMALL + FSDP, units="model"):
         assert peak > unit + sharded, (peak, unit, sharded)   # the check can fail
 
 
@@ -141,8 +142,20 @@ def test_fsdp_bf16_policy_tracks_fp32(reference):
     """--fsdp-mixed-precision bf16: the blocks run on bfloat16 parameters (seen by the
     hooks), gradients reduced in float32; the curve within bf16's tolerance of one float32
     process, and not equal to it (the policy was applied)."""
-    for losses, _, _, _, dtypes in run(_fsdp_run, 4, SMALL + FSDP
+    for losses, _, _, _, dtypes, _ in run(_fsdp_run, 4, SMALL + FSDP
                                        + ["--fsdp-mixed-precision", "bf16"]):
         assert "torch.bfloat16" in dtypes, dtypes
         _same_curve(losses, reference, 0.02)
         assert losses != reference
+
+
+@pytest.mark.slow
+def test_hsdp_2x2_with_tp2(reference):
+    """8 ranks: tp=2 x dp=4, the data ranks as 2 replicas x 2 shards (HSDP): parameters
+    Replicate() x Shard(0) on FSDP2's 2-D mesh, the one-process curve, and the peak bound
+    of per-block FSDP with the shards of a group of 2."""
+    for losses, peak, unit, sharded, _, placements in run(
+            _fsdp_run, 8, SMALL + FSDP + ["--tp", "2", "--dp-replicate", "2"]):
+        assert placements == "(Replicate(), Shard(dim=0))", placements
+        _same_curve(losses, reference, 1e-5)
+        assert peak <= unit + sharded, (peak, unit, sharded)
