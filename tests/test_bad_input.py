@@ -242,8 +242,6 @@ LAUNCH = [
         T("--virtual-stages", "2")),
     Row("train-microbatches-batch", "--global-batch=2 (training.global_batch) does not split "
         "into dp x microbatches = 2 x 4", "use a multiple of 8", T("--microbatches", "4")),
-    Row("train-pp-precision", "--precision='bf16-mixed' (precision.mode) with --pp 2", "use --pp 1",
-        T("--pp", "2", "--layers", "2", "--microbatches", "2", "--precision", "bf16-mixed")),
     Row("train-pp-zero-bubble-recompute", "'ZBVZeroBubble' with recompute",
         "use 1F1B or Interleaved1F1B with recompute",
         T("--pp", "2", "--layers", "4", "--pp-schedule", "ZBVZeroBubble", "--recompute",

@@ -296,17 +296,19 @@ class TPKitStrategy(ParallelStrategy):
         if self._pipeline is not None:
             raise ValueError("TPKitStrategy(pp > 1) pipelines one model; set up a single "
                              "module (a second fabric.setup_module call found one already)")
-        precision = getattr(self.precision, "precision", "32-true")
-        if str(precision) not in ("32-true", "32"):
-            raise ValueError(f"precision={precision!r} with pp={state.pp_size}: pipelined "
-                             "models train in float32 only so far; use precision='32-true' "
-                             "or pp=1")
         self._check_optimizers_after(module, _PP_ORDER)
+        # the precision's forward context around every stage forward and loss (Fabric's
+        # module wrapper is not on the schedule's path); 16-mixed's GradScaler scales each
+        # micro-batch's loss, as its backward() does at pp = 1
+        scaler = getattr(self.precision, "scaler", None)
+        forward_context = getattr(self.precision, "forward_context", None)
         before = {id(p): weakref.ref(p) for p in module.parameters()}
         # One flattened all-reduce per dtype over dp x cp after the step: right for every
         # schedule and micro-batch count (DDP inside the stages is not, tpkit.pipeline).
         pipe = build_pipeline(module, state=state, device=self.root_device,
-                              data_parallel="allreduce", **self._pipeline_args)
+                              data_parallel="allreduce", forward_context=forward_context,
+                              loss_scale=None if scaler is None or not scaler.is_enabled()
+                              else scaler, **self._pipeline_args)
         for p in pipe.module.parameters():
             before.pop(id(p), None)
         self._replaced.update(before)   # other stages' parameters: not this rank's to train

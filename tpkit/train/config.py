@@ -544,7 +544,6 @@ class JobConfig:
             for path, bad in (("model.init_from_hf", self.model.init_from_hf),
                               ("parallelism.data_parallel",
                                self.parallelism.data_parallel == "fsdp"),
-                              ("precision.mode", self.precision.mode != "32-true"),
                               ("training.cpu_offload_layers", t.cpu_offload_layers > 0)):
                 if bad:
                     raise ValueError(f"{self.show(path)} with --pp {pp}: pipelined training "

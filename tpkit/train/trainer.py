@@ -13,6 +13,7 @@ its share), so runs at different layouts follow the same loss curve (tests/train
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import signal
@@ -533,13 +534,16 @@ def preflight(argv, launch):
     with fake_state(config, launch.world_size) as state:
         job.check_layout(state)
         try:
-            with torch.random.fork_rng(devices=[]), torch.device("meta"):
+            with torch.random.fork_rng(devices=[]):   # the layers: on the meta state.device
                 model_parallel_seed(job.training.seed, state)   # the layers draw TP shards
                 if hf_cfg is not None:   # its shapes at this layout, no weights read
                     hf_cfg.validate().check_tp(state.tp_size)
                 from tpkit.models import GPT
-                model = None if job.model.init_from_hf else \
-                    GPT(gpt_config(job, impl="torch"), state)   # shapes: impl-independent
+                # the layers create their tensors on state.device: meta here, so that
+                # a 70B model's shapes cost no memory and no time
+                model = None if job.model.init_from_hf else GPT(   # shapes: impl-independent
+                    gpt_config(job, impl="torch"),
+                    dataclasses.replace(state, device=torch.device("meta")))
         except ValueError as e:
             m = job.model
             what = (f"--init-from-hf {m.init_from_hf}" if m.init_from_hf else
