@@ -210,3 +210,36 @@ def test_70b_dry_run_builds_shapes_only():
     assert p.returncode == 0, p.stderr[-3000:]
     assert "8 stages of 10 block(s)" in p.stdout and "world       8192" in p.stdout
     assert p.stdout.count("estimated peak") == 3, p.stdout[:3000]   # first, middle, last
+
+
+# --- a Hugging Face model with compile and gradient accumulation --------------------------
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    pytest.importorskip("transformers")
+    import torch
+    from transformers import MistralConfig, MistralForCausalLM
+    torch.manual_seed(0)
+    model = MistralForCausalLM(MistralConfig(
+        vocab_size=256, num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+        num_attention_heads=4, num_key_value_heads=2, sliding_window=None))
+    path = tmp_path_factory.mktemp("hf") / "mistral"
+    model.save_pretrained(path)
+    return str(path)
+
+
+HF = ["--steps", "6", "--seq-len", "32", "--global-batch", "4", "--warmup", "2",
+      "--log-every", "100"]
+
+
+def test_hf_with_grad_accum_and_compile(hf_dir):
+    """--init-from-hf with --microbatches 2 (gradient accumulation, one process) and with
+    --compile (aot_eager) at tp=2 x dp=2: the curve of one process without either
+    (both pairs refused before issue 54)."""
+    base = HF + ["--init-from-hf", hf_dir]
+    (ref,) = run(_one_process, 1, base)
+    assert ref[-1] < ref[0], ref
+    (accum,) = run(_one_process, 1, base + ["--microbatches", "2"])
+    _same_curve(accum, ref, 1e-5)
+    for losses in run(_one_process, 4, base + ["--tp", "2", "--compile",
+                                               "--compile-backend", "aot_eager"]):
+        _same_curve(losses, ref, 1e-5)

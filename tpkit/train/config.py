@@ -224,8 +224,6 @@ class Training:
                   "torch.compile is not supported yet)"),
                  (job.parallelism.data_parallel == "fsdp", "parallelism.data_parallel",
                   "must be ddp (FSDP2's hooks on compiled blocks are not supported yet)"),
-                 (bool(job.model.init_from_hf), "model.init_from_hf", "cannot be set "
-                  "(compile the reference GPT's blocks only, for now)"),
                  (job.training.cpu_offload_layers > 0, "training.cpu_offload_layers", "must be "
                   "0 (activation offload's hooks under torch.compile are not supported yet)")]
         for bad, path, problem in clash:
@@ -536,10 +534,6 @@ class JobConfig:
             if given:
                 raise ValueError(f"{', '.join(given)} only apply with pipeline stages (pp=1 "
                                  "here); add --pp N (N > 1) or drop them")
-            if p.microbatches is not None and self.model.init_from_hf:
-                raise ValueError(f"{self.show('pipeline.microbatches')} (gradient "
-                                 "accumulation at pp=1) runs the reference GPT on token "
-                                 "batches; drop --init-from-hf or --microbatches")
         else:
             for path, bad in (("model.init_from_hf", self.model.init_from_hf),
                               ("parallelism.data_parallel",
