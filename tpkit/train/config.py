@@ -376,6 +376,11 @@ class Experts:
             check_moe_args(self.num, self.topk, self.capacity_factor)
         except ValueError as e:
             raise ValueError(f"{job.show('experts.num')}: {e}") from None
+        if job.parallelism.data_parallel == "fsdp":   # TPKitStrategy.setup_module's refusal
+            raise ValueError(f"{job.show('experts.num')} with "
+                             f"{job.show('parallelism.data_parallel')}: FSDP2 does not shard "
+                             "expert weights yet (they are summed over the expert-data-parallel"
+                             " ranks, docs/moe.md); use --data-parallel ddp")
         ep = job.layout().ep   # tpkit-launch's --ep when not given here
         if self.num % ep:
             raise ValueError(f"{job.show('experts.num')} is not divisible by ep={ep}; use a "
@@ -535,14 +540,17 @@ class JobConfig:
                 raise ValueError(f"{', '.join(given)} only apply with pipeline stages (pp=1 "
                                  "here); add --pp N (N > 1) or drop them")
         else:
-            for path, bad in (("model.init_from_hf", self.model.init_from_hf),
-                              ("parallelism.data_parallel",
-                               self.parallelism.data_parallel == "fsdp"),
-                              ("training.cpu_offload_layers", t.cpu_offload_layers > 0)):
+            for path, bad, why in (
+                    ("model.init_from_hf", self.model.init_from_hf, "the Llama family has "
+                     "no pipeline protocol yet (pp_blocks, pp_stem, ...: docs/pipeline.md)"),
+                    ("parallelism.data_parallel", self.parallelism.data_parallel == "fsdp",
+                     "FSDP2 units inside pipeline stages are not wired yet (the stages' "
+                     "gradients are averaged by one all-reduce per step)"),
+                    ("training.cpu_offload_layers", t.cpu_offload_layers > 0, "activation "
+                     "offload inside pipeline stages is not wired yet")):
                 if bad:
-                    raise ValueError(f"{self.show(path)} with --pp {pp}: pipelined training "
-                                     "runs the reference GPT in float32 with DDP so far; drop"
-                                     " it or use --pp 1")
+                    raise ValueError(f"{self.show(path)} with --pp {pp}: {why}; drop it or "
+                                     "use --pp 1")
             from ..pipeline import plan_pipeline
             try:
                 plan_pipeline(pp=pp, num_blocks=self.model.layers, microbatches=m,
