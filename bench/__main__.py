@@ -4,7 +4,7 @@ import sys
 
 # Each module has main() that measures and calls bench.common.write_section.
 BENCHMARKS = ["tp_layers", "context_parallel", "launch", "train", "hf", "recovery", "pipeline", "moe",
-              "observe", "data", "compile"]
+              "observe", "data", "compile", "fsdp"]
 
 
 def main(argv=None) -> None:

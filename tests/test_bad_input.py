@@ -244,8 +244,6 @@ LAUNCH = [
         T("--virtual-stages", "2")),
     Row("train-microbatches-batch", "--global-batch=2 (training.global_batch) does not split "
         "into dp x microbatches = 2 x 4", "use a multiple of 8", T("--microbatches", "4")),
-    Row("train-pp-precision", "--precision='bf16-mixed' (precision.mode) with --pp 2", "use --pp 1",
-        T("--pp", "2", "--layers", "2", "--microbatches", "2", "--precision", "bf16-mixed")),
     Row("train-pp-zero-bubble-recompute", "'ZBVZeroBubble' with recompute",
         "use 1F1B or Interleaved1F1B with recompute",
         T("--pp", "2", "--layers", "4", "--pp-schedule", "ZBVZeroBubble", "--recompute",
@@ -256,6 +254,12 @@ LAUNCH = [
         "or drop --compile", T("--compile", "--precision", "fp8")),
     Row("train-compile-offload", "--compile (training.compile) with --cpu-offload-layers=1",
         "or drop --compile", T("--compile", "--cpu-offload-layers", "1", "--layers", "2")),
+    # issue 54: HSDP's replicas, checked before launch like every other axis
+    Row("train-dp-replicate", "--dp-replicate=3 (parallelism.dp_replicate) does not divide "
+        "the data ranks dp x cp = 2 x 1 = 2", "use a divisor of 2",
+        T("--data-parallel", "fsdp", "--dp-replicate", "3")),
+    Row("train-dp-replicate-ddp", "--dp-replicate=2 (parallelism.dp_replicate) needs "
+        "--data-parallel fsdp", "add --data-parallel fsdp or drop it", T("--dp-replicate", "2")),
     Row("train-fp8-dtype", "--fp8-compute-dtype='bfloat16' (precision.fp8_compute_dtype)",
         "needs --precision fp8 (precision.mode='32-true' (default) here); add --precision fp8 "
         "or drop it",

@@ -37,6 +37,7 @@ by dp x cp (tpkit.grads.reduce_expert_grads), as at pp=1.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass
 import torch
@@ -188,8 +189,11 @@ class PipelineStageModule(nn.Module):
     global indices, the head (last stage). ``forward`` runs the model's pp_* methods."""
 
     def __init__(self, model: nn.Module, stage: int, num_stages: int, blocks: range,
-                 aux_scale: float = 1.0):
+                 aux_scale: float = 1.0, forward_context=None):
         super().__init__()
+        # the precision's autocast (bf16/fp16) or fp8 autocast around every forward, as
+        # Fabric's module wrapper enters it around model(...) at pp=1
+        object.__setattr__(self, "_forward_context", forward_context or contextlib.nullcontext)
         name, stem, head = _protocol(model)
         self.stage_index, self.num_stages = stage, num_stages
         # pp_aux_loss: its gradient's scale (1 / micro-batches) and each forward's sum
@@ -215,6 +219,10 @@ class PipelineStageModule(nn.Module):
                 setattr(self, n, getattr(model, n))
 
     def forward(self, *args):
+        with self._forward_context():
+            return self._forward(*args)
+
+    def _forward(self, *args):
         m = self._shell
         aux_of = getattr(m, "pp_aux_loss", None)
         h = m.pp_stem(*args) if self.is_first else args[0]
@@ -286,7 +294,8 @@ class Pipeline:
     """This rank's stages and the schedule that runs them; see :func:`build_pipeline`."""
 
     def __init__(self, plan: PipelinePlan, stage_modules, schedule, state, *, average: bool,
-                 reduce_experts: bool = False):
+                 reduce_experts: bool = False, loss_scale=None):
+        self._loss_scale = loss_scale
         self.plan, self.stage_modules, self.schedule, self.state = \
             plan, stage_modules, schedule, state
         self._average, self._reduce_experts = average, reduce_experts
@@ -309,6 +318,9 @@ class Pipeline:
         # idempotent, unlike an average), so earlier steps' accumulated parts are set aside.
         reduce_experts = self._reduce_experts and (s.edp_size > 1 or s.dp_cp_size > 1)
         base = snapshot_grads(self._experts) if reduce_experts else []
+        if self._loss_scale is not None:   # the scaler's scale exists on every stage, not
+            # only on the last one, whose loss it scales (unscale_ refuses a scale never used)
+            self._loss_scale.scale(torch.zeros((), device=inputs[0].device))
         self.schedule.step(*inputs, target=target, losses=losses, return_outputs=False)
         if self._average:
             grads = [p.grad for p in self._dense if p.grad is not None]
@@ -319,6 +331,8 @@ class Pipeline:
         device = next(iter(self.module.parameters())).device
         loss = torch.stack([x.detach().float() for x in losses]).sum() if losses \
             else torch.zeros((), dtype=torch.float32, device=device)
+        if self._loss_scale is not None and losses:   # the loss the backward saw, scaled
+            loss = loss / float(self._loss_scale.get_scale())
         m = self.plan.microbatches
         for st in stages:   # the micro-batches' auxiliary losses, scaled as the main loss
             for aux in st.aux_values[-m:]:
@@ -333,7 +347,8 @@ def _unwrap(m: nn.Module) -> nn.Module:
 
 def build_pipeline(model: nn.Module, *, microbatches: int, schedule: str = "1F1B",
                    virtual_stages: int | None = None, data_parallel: str | None = "ddp",
-                   state=None, device: torch.device | None = None) -> Pipeline:
+                   state=None, device: torch.device | None = None, forward_context=None,
+                   loss_scale=None) -> Pipeline:
     """Split ``model`` (the pp protocol above) into ``pp x virtual_stages`` stages, keep
     this rank's (``state.pp_rank``), and build the schedule ``schedule`` (a name of
     ``SCHEDULES``) over ``state.pp_group``. The model object is consumed: the modules of
@@ -344,7 +359,12 @@ def build_pipeline(model: nn.Module, *, microbatches: int, schedule: str = "1F1B
     each stage module in DistributedDataParallel (reductions overlap the last
     micro-batch's backward; not with the zero-bubble schedules, whose split backward DDP
     does not follow), ``"allreduce"`` issues one flattened all-reduce per dtype after each
-    step (any schedule), ``None`` leaves it to the caller."""
+    step (any schedule), ``None`` leaves it to the caller.
+
+    ``forward_context``: a callable returning the context every stage forward and the
+    loss run in (a precision's autocast or fp8 autocast: ``TPKitPrecision.forward_context``).
+    ``loss_scale``: a ``torch.amp.GradScaler`` ("16-mixed") that scales each micro-batch's
+    loss before its backward; ``step`` reports the loss divided by its scale again."""
     from torch.distributed import pipelining
     state = resolve_state(state)
     _protocol(model)
@@ -366,7 +386,8 @@ def build_pipeline(model: nn.Module, *, microbatches: int, schedule: str = "1F1B
     if device is None:
         device = next(iter(model.parameters())).device
     mine = [PipelineStageModule(model, s, plan.num_stages, plan.blocks_of(s),
-                                aux_scale=1.0 / plan.microbatches)
+                                aux_scale=1.0 / plan.microbatches,
+                                forward_context=forward_context)
             for s in plan.stages_of(state.pp_rank)]
     _drop_unused(model, mine)
     ddp = data_parallel == "ddp" and state.dp_cp_size > 1
@@ -374,13 +395,14 @@ def build_pipeline(model: nn.Module, *, microbatches: int, schedule: str = "1F1B
     stages = [pipelining.PipelineStage(w, m.stage_index, plan.num_stages, device,
                                        group=state.pp_group)
               for w, m in zip(wrapped, mine)]
-    loss_fn = _mean_over_microbatches(mine[0]._shell.pp_loss, plan.microbatches)
+    loss_fn = _mean_over_microbatches(mine[0]._shell.pp_loss, plan.microbatches,
+                                      forward_context, loss_scale)
     cls = getattr(pipelining.schedules, SCHEDULES[plan.schedule][0])
     sched = cls(stages[0] if plan.style == "single" else stages, plan.microbatches,
                 loss_fn=loss_fn, scale_grads=False)
     return Pipeline(plan, wrapped, sched, state,
                     average=data_parallel == "allreduce" and state.dp_cp_size > 1,
-                    reduce_experts=data_parallel is not None)
+                    reduce_experts=data_parallel is not None, loss_scale=loss_scale)
 
 
 def _ddp(module: nn.Module, state, device: torch.device) -> nn.Module:
@@ -392,7 +414,11 @@ def _ddp(module: nn.Module, state, device: torch.device) -> nn.Module:
                                                process_group=state.dp_cp_group)
 
 
-def _mean_over_microbatches(loss_fn, m: int):
+def _mean_over_microbatches(loss_fn, m: int, forward_context=None, loss_scale=None):
+    enter = forward_context or contextlib.nullcontext
+
     def loss(output, target):
-        return loss_fn(output, target) / m
+        with enter():
+            out = loss_fn(output, target) / m
+        return out if loss_scale is None else loss_scale.scale(out)
     return loss

@@ -55,7 +55,7 @@ from torch.distributed.tensor import DTensor
 
 from .. import checkpoint, grads, parallel_state, topology
 from ..config import ParallelConfig
-from ..param_tags import is_expert, set_tags, tags_of, tp_spec
+from ..param_tags import is_expert, tp_spec
 from ..random import MODEL_PARALLEL_RNG, get_rng_tracker, model_parallel_seed
 from ..te import is_te_module, wire_parallel_groups
 from .sync import ExpertGradSum, SequenceParallelSum, TPKitBackwardSyncControl
@@ -66,14 +66,19 @@ DATA_PARALLEL = ("ddp", "fsdp")
 class TPKitStrategy(ParallelStrategy):
     """Fabric strategy for tpkit layouts; see the module docstring. Sizes left ``None``
     come from ``TPKIT_*`` variables, else 1; dp is what is left of the world. ``layout``: a
-    ParallelConfig resolved by the caller, used as it is (instead of the sizes)."""
+    ParallelConfig resolved by the caller, used as it is (instead of the sizes).
+    ``data_parallel="fsdp"``: FSDP2 in ``fsdp_units`` ("blocks": a unit per transformer
+    block, the stem and the head their own; "model": one), HSDP with ``fsdp_replicate`` >
+    1 replicas, ``fsdp_mixed_precision="bf16"`` (bf16 compute, fp32 reduce); tpkit.fsdp."""
 
     def __init__(self, tp: int | None = None, cp: int | None = None, pp: int | None = None, *,
                  sequence_parallel: bool | None = None, cp_comm_type: str | None = None,
                  cp_a2a_size: int | None = None, ep: int | None = None,
                  etp: int | None = None, data_parallel: str = "ddp",
                  microbatches: int | None = None, pp_schedule: str = "1F1B",
-                 virtual_stages: int | None = None, layout: ParallelConfig | None = None,
+                 virtual_stages: int | None = None, fsdp_units: str = "blocks",
+                 fsdp_replicate: int = 1, fsdp_mixed_precision: str | None = None,
+                 layout: ParallelConfig | None = None,
                  parallelize_fn: Callable | None = None, seed: int | None = None,
                  accelerator=None, parallel_devices=None, cluster_environment=None,
                  checkpoint_io=None, precision=None, process_group_backend: str | None = None,
@@ -107,6 +112,21 @@ class TPKitStrategy(ParallelStrategy):
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
             raise ValueError(f"seed={seed!r} must be a non-negative integer or None")
         self._data_parallel = data_parallel
+        from ..fsdp import MIXED_PRECISION, UNITS   # FSDP2's options (tpkit.fsdp)
+        fsdp = dict(units=fsdp_units, replicate=fsdp_replicate,
+                    mixed_precision=fsdp_mixed_precision)
+        for (name, v), ok, default in zip(fsdp.items(), (UNITS, None, MIXED_PRECISION),
+                                          ("blocks", 1, None)):
+            if ok is not None and v not in ok:
+                raise ValueError(f"fsdp_{name}={v!r} is unknown; use one of {list(ok)}")
+            if v != default and data_parallel != "fsdp":
+                raise ValueError(f"fsdp_{name}={v!r} applies with data_parallel='fsdp' "
+                                 f"(here {data_parallel!r}); set it or drop fsdp_{name}")
+        if isinstance(fsdp_replicate, bool) or not isinstance(fsdp_replicate, int) \
+                or fsdp_replicate < 1:
+            raise ValueError(f"fsdp_replicate={fsdp_replicate!r} must be an int >= 1 (HSDP: "
+                             "the replicas; 1: plain FSDP)")
+        self._fsdp = fsdp
         self._parallelize_fn = parallelize_fn
         self._seed = seed
         self._process_group_backend = process_group_backend
@@ -250,7 +270,7 @@ class TPKitStrategy(ParallelStrategy):
         if self._data_parallel == "fsdp":
             self._check_optimizers_after(module)
             old = {id(p): weakref.ref(p) for p in module.parameters()}
-            module = _apply_fsdp(module, state)
+            module = _apply_fsdp(module, state, **self._fsdp)
             for p in module.parameters():
                 old.pop(id(p), None)
             self._replaced.update(old)
@@ -277,17 +297,19 @@ class TPKitStrategy(ParallelStrategy):
         if self._pipeline is not None:
             raise ValueError("TPKitStrategy(pp > 1) pipelines one model; set up a single "
                              "module (a second fabric.setup_module call found one already)")
-        precision = getattr(self.precision, "precision", "32-true")
-        if str(precision) not in ("32-true", "32"):
-            raise ValueError(f"precision={precision!r} with pp={state.pp_size}: pipelined "
-                             "models train in float32 only so far; use precision='32-true' "
-                             "or pp=1")
         self._check_optimizers_after(module, _PP_ORDER)
+        # the precision's forward context around every stage forward and loss (Fabric's
+        # module wrapper is not on the schedule's path); 16-mixed's GradScaler scales each
+        # micro-batch's loss, as its backward() does at pp = 1
+        scaler = getattr(self.precision, "scaler", None)
+        forward_context = getattr(self.precision, "forward_context", None)
         before = {id(p): weakref.ref(p) for p in module.parameters()}
         # One flattened all-reduce per dtype over dp x cp after the step: right for every
         # schedule and micro-batch count (DDP inside the stages is not, tpkit.pipeline).
         pipe = build_pipeline(module, state=state, device=self.root_device,
-                              data_parallel="allreduce", **self._pipeline_args)
+                              data_parallel="allreduce", forward_context=forward_context,
+                              loss_scale=None if scaler is None or not scaler.is_enabled()
+                              else scaler, **self._pipeline_args)
         for p in pipe.module.parameters():
             before.pop(id(p), None)
         self._replaced.update(before)   # other stages' parameters: not this rank's to train
@@ -681,12 +703,8 @@ def _materialize(module: nn.Module, device: torch.device) -> None:
         m.reset_parameters()
 
 
-def _apply_fsdp(module: nn.Module, state) -> nn.Module:
-    """FSDP2 over the flattened dp x cp mesh; tpkit's parameter tags are carried over to the
-    DTensor parameters FSDP creates."""
-    from torch.distributed.fsdp import fully_shard
-    saved = {n: tags_of(p) for n, p in module.named_parameters()}
-    fully_shard(module, mesh=state.dp_cp_mesh)
-    for n, p in module.named_parameters():
-        set_tags(p, saved.get(n, {}))
-    return module
+def _apply_fsdp(module: nn.Module, state, **fsdp) -> nn.Module:
+    """FSDP2 over the dp x cp ranks, a unit per block (tpkit.fsdp.shard_model); tpkit's
+    parameter tags are carried over to the DTensor parameters FSDP creates."""
+    from ..fsdp import shard_model
+    return shard_model(module, state, **fsdp)

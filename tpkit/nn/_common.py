@@ -130,6 +130,8 @@ def init_shard(weight: torch.Tensor, init_method, fan_in: int, tp_size: int) -> 
     """Initialise a weight shard: ``init_method(weight)`` or uniform(+-1/sqrt(fan_in)) (the
     global fan-in, nn.Linear's scale), on the RNG tracker's model-parallel stream so
     shards differ across TP ranks. Tests load full weights instead (tpkit.checkpoint)."""
+    if weight.is_meta:   # shapes only (a dry run's model): no values to draw
+        return
     tracker = get_rng_tracker()
     fn = init_method or (lambda w: torch.nn.init.uniform_(w, -1 / math.sqrt(fan_in),
                                                           1 / math.sqrt(fan_in)))

@@ -59,7 +59,9 @@ class ReplicatedKV(ParallelModule):
         head = state.tp_rank // (state.tp_size // kv_heads) if kv_heads < state.tp_size \
             else state.tp_rank
         seg = kv_heads * head_dim
-        self._rows = [r for i in range(segments)   # plain ints: also under torch.device("meta")
+        # plain ints, no tensor: under ``with torch.device("meta")`` (the pre-flight's
+        # build) a torch.arange would be a meta tensor with no values to read
+        self._rows = [r for i in range(segments)
                       for r in range(i * seg + head * head_dim, i * seg + (head + 1) * head_dim)]
 
     def local(self):

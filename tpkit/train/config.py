@@ -74,8 +74,16 @@ class Parallelism:
         short="--sequence-parallel")
     cp_comm_type: str | None = opt(None, "how context-parallel attention communicates",
                                    short="--cp-comm-type", choices=CP_COMM_TYPES)
-    data_parallel: str = opt("ddp", "DDP or FSDP2 over the dp x cp ranks",
+    data_parallel: str = opt("ddp", "DDP or FSDP2 over the dp x cp ranks (fsdp: a unit per "
+                                    "transformer block, tpkit.fsdp)",
                              short="--data-parallel", choices=("ddp", "fsdp"))
+    dp_replicate: int = opt(1, "HSDP: the dp x cp ranks as dp_replicate replicas x the rest "
+                               "sharded (within a node where tp x shard fits one; needs "
+                               "data_parallel fsdp; 1: plain FSDP)", short="--dp-replicate")
+    fsdp_mixed_precision: str | None = opt(
+        None, "FSDP2's mixed-precision policy: bf16 gathers and compute, fp32 gradient "
+              "reduction and sharded parameters (needs data_parallel fsdp)",
+        short="--fsdp-mixed-precision", choices=("bf16",))
 
     def check(self, job: "JobConfig") -> None:
         for name in ("tp", "cp", "pp", "ep", "etp"):
@@ -83,6 +91,13 @@ class Parallelism:
             if v is not None and v < 1:
                 raise job.bad(f"parallelism.{name}", "must be >= 1 (or unset: tpkit-launch's "
                                                      "value, else 1)")
+        if self.dp_replicate < 1:
+            raise job.bad("parallelism.dp_replicate", "must be >= 1 (1: plain FSDP)")
+        for name in ("dp_replicate", "fsdp_mixed_precision"):
+            if not job.is_default(f"parallelism.{name}") and self.data_parallel != "fsdp":
+                raise ValueError(f"{job.show('parallelism.' + name)} needs --data-parallel "
+                                 f"fsdp ({job.show('parallelism.data_parallel')}); add "
+                                 "--data-parallel fsdp or drop it")
 
 
 @dataclass
@@ -242,8 +257,6 @@ class Training:
                   "torch.compile is not supported yet)"),
                  (job.parallelism.data_parallel == "fsdp", "parallelism.data_parallel",
                   "must be ddp (FSDP2's hooks on compiled blocks are not supported yet)"),
-                 (bool(job.model.init_from_hf), "model.init_from_hf", "cannot be set "
-                  "(compile the reference GPT's blocks only, for now)"),
                  (job.training.cpu_offload_layers > 0, "training.cpu_offload_layers", "must be "
                   "0 (activation offload's hooks under torch.compile are not supported yet)")]
         for bad, path, problem in clash:
@@ -411,6 +424,11 @@ class Experts:
             check_moe_args(self.num, self.topk, self.capacity_factor)
         except ValueError as e:
             raise ValueError(f"{job.show('experts.num')}: {e}") from None
+        if job.parallelism.data_parallel == "fsdp":   # TPKitStrategy.setup_module's refusal
+            raise ValueError(f"{job.show('experts.num')} with "
+                             f"{job.show('parallelism.data_parallel')}: FSDP2 does not shard "
+                             "expert weights yet (they are summed over the expert-data-parallel"
+                             " ranks, docs/moe.md); use --data-parallel ddp")
         ep = job.parallelism.ep   # tpkit-launch's --ep: check_layout, at the final layout
         if ep is not None and self.num % ep:
             raise ValueError(f"{job.show('experts.num')} is not divisible by ep={ep}; use a "
@@ -573,20 +591,19 @@ class JobConfig:
             if given:
                 raise ValueError(f"{', '.join(given)} only apply with pipeline stages (pp=1 "
                                  "here); add --pp N (N > 1) or drop them")
-            if p.microbatches is not None and self.model.init_from_hf:
-                raise ValueError(f"{self.show('pipeline.microbatches')} (gradient "
-                                 "accumulation at pp=1) runs the reference GPT on token "
-                                 "batches; drop --init-from-hf or --microbatches")
         else:
-            for path, bad in (("model.init_from_hf", self.model.init_from_hf),
-                              ("parallelism.data_parallel",
-                               self.parallelism.data_parallel == "fsdp"),
-                              ("precision.mode", self.precision.mode != "32-true"),
-                              ("training.cpu_offload_layers", t.cpu_offload_layers > 0)):
+            for path, bad, why in (
+                    ("model.init_from_hf", self.model.init_from_hf, "Hugging Face "
+                     "weights are not loaded into pipeline stages yet (a Llama from scratch, "
+                     "--arch llama, trains at --pp N)"),
+                    ("parallelism.data_parallel", self.parallelism.data_parallel == "fsdp",
+                     "FSDP2 units inside pipeline stages are not wired yet (the stages' "
+                     "gradients are averaged by one all-reduce per step)"),
+                    ("training.cpu_offload_layers", t.cpu_offload_layers > 0, "activation "
+                     "offload inside pipeline stages is not wired yet")):
                 if bad:
-                    raise ValueError(f"{self.show(path)} with --pp {pp}: pipelined training "
-                                     "runs the reference GPT in float32 with DDP so far; drop"
-                                     " it or use --pp 1")
+                    raise ValueError(f"{self.show(path)} with --pp {pp}: {why}; drop it or "
+                                     "use --pp 1")
             from ..pipeline import plan_pipeline
             from .arch import num_layers
             try:
@@ -596,6 +613,12 @@ class JobConfig:
             except ValueError as e:
                 raise ValueError(f"--pp {pp} --layers {num_layers(self)} --microbatches {m} "
                                  f"--pp-schedule {p.schedule}: {e}") from None
+        r = self.parallelism.dp_replicate
+        if state.dp_cp_size % r:
+            raise self.bad("parallelism.dp_replicate",
+                           f"does not divide the data ranks dp x cp = {state.dp_size} x "
+                           f"{state.cp_size} = {state.dp_cp_size}; use a divisor of "
+                           f"{state.dp_cp_size}")
         if (t.global_batch // state.dp_size) % m:
             raise ValueError(f"{self.show('training.global_batch')} does not split into dp x "
                              f"microbatches = {state.dp_size} x {m}; use a multiple of "

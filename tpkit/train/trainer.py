@@ -13,6 +13,7 @@ its share), so runs at different layouts follow the same loss curve (tests/train
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import signal
@@ -235,7 +236,8 @@ def full_init(model: torch.nn.Module, seed: int) -> None:
     from tpkit.checkpoint import full_shapes, load_full_state_dict
     new = {}
     own = model.state_dict()
-    for i, (name, shape) in enumerate(sorted(full_shapes(model).items())):
+    shapes, split = _one_process_shapes(model, full_shapes(model))
+    for i, (name, shape) in enumerate(sorted(shapes.items())):
         g = torch.Generator().manual_seed(seed * 10_007 + i)
         if name.endswith("_extra_state"):                  # TE's fp8 metadata
             new[name] = own[name]
@@ -247,6 +249,9 @@ def full_init(model: torch.nn.Module, seed: int) -> None:
             std = 0.02 / math.sqrt(2 * model.cfg.num_layers) if "proj" in name or "fc2" in name \
                 else 0.02
             new[name] = torch.randn(shape, generator=g, dtype=torch.float32).mul_(std)
+    for fused, (q, kv, rows) in split.items():   # back to this layout's names
+        w = new.pop(fused)
+        new[q], new[kv] = w[:rows], w[rows:]
     load_full_state_dict(model, new)
 
 
@@ -258,6 +263,34 @@ def adamw(params, job: JobConfig, device) -> torch.optim.AdamW:
     fused = impl == "fused" or (impl == "auto" and torch.device(device).type == "cuda")
     return torch.optim.AdamW(params, lr=job.optimizer.lr, betas=(0.9, 0.95),
                              weight_decay=0.0, fused=fused or None, foreach=not fused)
+
+
+def _one_process_shapes(model: torch.nn.Module, shapes: dict):
+    """``shapes`` under one process's names: with fewer kv heads than tp
+    (tpkit.nn.ReplicatedKV) an attention's ``linear_qkv`` holds the queries and
+    ``linear_kv`` the keys and values; one process has them fused as ``linear_qkv``
+    ([Q; K; V]). Returns (shapes, {fused name: (q name, kv name, q rows)}), so that the
+    same seed draws the same weights at every tp."""
+    shapes, split = dict(shapes), {}
+    for prefix, mod in model.named_modules():
+        if not getattr(mod, "replicated_kv", False):
+            continue
+        for kind in ("weight", "bias"):
+            q, kv = f"{prefix}.linear_qkv.{kind}", f"{prefix}.linear_kv.{kind}"
+            if q in shapes and kv in shapes:
+                sq, skv = shapes.pop(q), shapes.pop(kv)
+                shapes[q] = torch.Size([sq[0] + skv[0], *sq[1:]])
+                split[q] = (q, kv, sq[0])
+    return shapes, split
+
+
+def fsdp_options(job: JobConfig) -> dict:
+    """TPKitStrategy's FSDP2 keywords of this job (none with DDP)."""
+    par = job.parallelism
+    if par.data_parallel != "fsdp":
+        return {}
+    return dict(fsdp_replicate=par.dp_replicate,
+                fsdp_mixed_precision=par.fsdp_mixed_precision)
 
 
 def check_hf_dir(job: JobConfig):
@@ -342,7 +375,7 @@ class Trainer:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         strategy = TPKitStrategy(
             layout=self.layout, data_parallel=job.parallelism.data_parallel,
-            seed=job.training.seed,
+            seed=job.training.seed, **fsdp_options(job),
             microbatches=job.pipeline.microbatches if self.layout.pp > 1 else None,
             pp_schedule=job.pipeline.schedule, virtual_stages=job.pipeline.virtual_stages)
         self.fabric = Fabric(accelerator="cuda" if torch.cuda.is_available() else "cpu",
@@ -589,7 +622,7 @@ def preflight(argv, launch):
         job.check_layout(state)
         check_vocab(job, state.tp_size)
         try:
-            with torch.random.fork_rng(devices=[]), torch.device("meta"):
+            with torch.random.fork_rng(devices=[]):   # the layers: on the meta state.device
                 model_parallel_seed(job.training.seed, state)   # the layers draw TP shards
                 if hf_cfg is not None:   # its shapes at this layout, no weights read
                     hf_cfg.validate().check_tp(state.tp_size)
@@ -597,8 +630,11 @@ def preflight(argv, launch):
                 from .arch import is_llama, llama_config
                 if is_llama(job):   # its shapes at this layout (RoPE's table needs data)
                     llama_config(job, impl="torch").check_tp(state.tp_size)
-                model = None if job.model.init_from_hf or is_llama(job) else \
-                    GPT(gpt_config(job, impl="torch"), state)   # shapes: impl-independent
+                # the layers create their tensors on state.device: meta here, so that
+                # a 70B model's shapes cost no memory and no time
+                model = None if job.model.init_from_hf or is_llama(job) else GPT(
+                    gpt_config(job, impl="torch"),   # shapes: impl-independent
+                    dataclasses.replace(state, device=torch.device("meta")))
         except ValueError as e:
             m = job.model
             what = (f"--init-from-hf {m.init_from_hf}" if m.init_from_hf else

@@ -1,0 +1,129 @@
+"""Sharded data parallelism (FSDP2, ``torch.distributed.fsdp.fully_shard``) for tpkit's
+layouts: one unit per transformer block, HSDP, a mixed-precision policy.
+
+``shard_model(model, state)`` shards every parameter over the data ranks (dp x cp; the
+TP shards of tpkit's layers are what FSDP2 shards further) in units, so that forward
+holds one unit's parameters unsharded at a time (docs/train.md, "Sharded data
+parallelism"):
+
+- each transformer block is its own unit (``model.pp_blocks`` of the pp protocol, else
+  every outermost ``tpkit.nn.TransformerLayer``: the blocks ``tpkit.compile_blocks``
+  compiles; a ``tpkit.parallelize``d model's blocks are TransformerLayers or its
+  ``pp_blocks``);
+  else the longest ``nn.ModuleList`` of one class (Hugging Face's ``model.layers``); a
+  model with none of these is the root unit alone;
+- the stem (``pp_stem_modules``: the embedding) its own unit, the head
+  (``pp_head_modules``: final norm and output layer) one unit, and the root the rest
+  (for a model without the pp protocol, its embedding and head are in the root unit);
+- ``reshard_after_forward`` per unit (``RESHARD``): True for the stem and every block
+  (their parameters are gathered again in backward: the memory FSDP exists to save; the
+  last block too, which torchtitan keeps gathered to save one all-gather, so that forward
+  never holds two units unsharded at once), False for the head (backward starts there:
+  a reshard would be gathered again at once) and the root (FSDP2's own choice for it);
+- prefetching: in forward each block gathers the next one as it starts
+  (``set_modules_to_forward_prefetch``), in backward the one before
+  (``set_modules_to_backward_prefetch``), so the all-gathers overlap compute on devices
+  with a communication stream; a prefetched block's gathered bytes sit in FSDP2's
+  all-gather buffer until its own forward starts, not in its parameters;
+- ``units="model"``: the whole model as one unit (the old behaviour; the bench's peer);
+- ``replicate`` > 1 is HSDP: the dp x cp ranks form a (replicate, shard) mesh, the
+  parameters sharded over the inner ``shard`` ranks (consecutive in dp x cp order, so
+  within a node whenever tp x shard ranks fit one) and replicated over the outer ones
+  (gradients reduce-scattered within, all-reduced across);
+- ``mixed_precision="bf16"``: FSDP2's MixedPrecisionPolicy(param_dtype=bfloat16,
+  reduce_dtype=float32): the gathered parameters and the compute in bfloat16, the
+  gradients reduced and the sharded parameters (and the optimizer) in float32.
+
+tpkit's parameter tags (tp_partition_dim, sequence_parallel, ...) are carried over to the
+DTensor parameters FSDP2 creates, so checkpoints, clipping and the SP gradient sum treat
+them as before.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .param_tags import set_tags, tags_of
+
+__all__ = ["UNITS", "MIXED_PRECISION", "RESHARD", "fsdp_units", "fsdp_mesh", "shard_model"]
+
+UNITS = ("blocks", "model")
+MIXED_PRECISION = (None, "bf16")
+# reshard_after_forward of each kind of unit (shard_model's docstring says why)
+RESHARD = {"stem": True, "block": True, "head": False, "root": False}
+
+
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    """``model.pp_blocks``, else its outermost TransformerLayers (tpkit.compile_blocks'
+    rule), else its longest ``nn.ModuleList`` of modules of one class (Hugging Face's
+    ``model.layers``, nanoGPT's ``transformer.h``: a ``tpkit.parallelize``d model's
+    decoder layers), else none."""
+    from .nn.compile import _blocks as blocks   # one definition of "the blocks"
+    found = [b for b in blocks(model) if b is not model]
+    if found:
+        return found
+    lists = [list(m) for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 1
+             and len({type(c) for c in m}) == 1]
+    return max(lists, key=len) if lists else []
+
+
+def fsdp_units(model: nn.Module, units: str = "blocks") -> list[tuple[str, list, bool]]:
+    """The units ``shard_model`` makes, in forward order: (kind, modules,
+    reshard_after_forward); the root (the model itself) is last."""
+    if units not in UNITS:
+        raise ValueError(f"units={units!r} is unknown; use one of {list(UNITS)}")
+    out = []
+    if units == "blocks":
+        cls = type(model)
+        stem = [getattr(model, n) for n in getattr(cls, "pp_stem_modules", ())
+                if isinstance(getattr(model, n, None), nn.Module)]
+        head = [getattr(model, n) for n in getattr(cls, "pp_head_modules", ())
+                if isinstance(getattr(model, n, None), nn.Module)]
+        blocks = _blocks(model)   # none (a model without blocks): the root alone
+        stem = [m for m in stem if any(True for _ in m.parameters())]
+        head = [m for m in head if any(True for _ in m.parameters())]
+        if stem:
+            out.append(("stem", stem, RESHARD["stem"]))
+        out += [("block", [b], RESHARD["block"]) for b in blocks]
+        if head:
+            out.append(("head", head, RESHARD["head"]))
+    out.append(("root", [model], RESHARD["root"]))
+    return out
+
+
+def fsdp_mesh(state, replicate: int = 1):
+    """The DeviceMesh FSDP2 shards over: the dp x cp ranks (1-D), or with ``replicate`` >
+    1 those ranks as (replicate, shard), shard the inner (consecutive) dimension."""
+    n = state.dp_cp_size
+    if replicate < 1 or n % replicate:
+        raise ValueError(f"HSDP replicate={replicate} does not divide the data ranks dp x cp"
+                         f" = {state.dp_size} x {state.cp_size} = {n}; use a divisor of {n}")
+    if replicate == 1:
+        return state.dp_cp_mesh
+    return state.dp_cp_mesh._unflatten(0, (replicate, n // replicate),
+                                       ("dp_replicate", "dp_shard"))
+
+
+def shard_model(model: nn.Module, state, *, units: str = "blocks", replicate: int = 1,
+                mixed_precision: str | None = None, mesh=None) -> nn.Module:
+    """Shard ``model`` (in place) with FSDP2 over ``state``'s data ranks in ``units``
+    (the module docstring); returns ``model``."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    if mixed_precision not in MIXED_PRECISION:
+        raise ValueError(f"mixed_precision={mixed_precision!r} is unknown; use one of "
+                         f"{list(MIXED_PRECISION)}")
+    mesh = fsdp_mesh(state, replicate) if mesh is None else mesh
+    mp = MixedPrecisionPolicy() if mixed_precision is None else MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    saved = {n: tags_of(p) for n, p in model.named_parameters()}
+    plan = fsdp_units(model, units)
+    for kind, mods, reshard in plan:
+        fully_shard(mods if len(mods) > 1 else mods[0], mesh=mesh,
+                    reshard_after_forward=reshard, mp_policy=mp)
+    blocks = [mods[0] for kind, mods, _ in plan if kind == "block"]
+    for prev, nxt in zip(blocks, blocks[1:]):
+        prev.set_modules_to_forward_prefetch([nxt])
+        nxt.set_modules_to_backward_prefetch([prev])
+    for n, p in model.named_parameters():
+        set_tags(p, saved.get(n, {}))
+    return model
