@@ -737,6 +737,14 @@ API = [
             _touch(tmp / "x.pt") / "ck", {"model": torch.nn.Linear(2, 2)})),
     Row("load-empty-dir", "{tmp}/.metadata is missing", "load another checkpoint",
         call=_load(lambda tmp: tmp)),
+    # checkpoints at fsspec URLs (tests/test_checkpoint_fsspec.py: the marker, the checks)
+    Row("load-url-missing", "no checkpoint at memory://tpkit-bad/nope", "pass the directory "
+        "tpkit.checkpoint.save", call=_load(lambda tmp: "memory://tpkit-bad/nope")),
+    Row("load-url-unknown-scheme", "checkpoint path nosuchfs://b/ck", "install the file "
+        "system's package", call=_load(lambda tmp: "nosuchfs://b/ck")),
+    Row("save-url-mode", "mode=0o600 sets local files' modes", "drop mode",
+        call=lambda tmp: __import__("tpkit.checkpoint").checkpoint.save(
+            "memory://tpkit-bad/ck", {"model": torch.nn.Linear(2, 2)}, mode=0o600)),
     Row("save-mode", "mode=0o444", "pass e.g. 0o600",
         call=lambda tmp: __import__("tpkit.checkpoint").checkpoint.save(
             tmp / "ck", {"model": torch.nn.Linear(2, 2)}, mode=0o444)),
