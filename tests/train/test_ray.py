@@ -127,5 +127,8 @@ def test_corpus_does_not_depend_on_patched_modules(monkeypatch):
     monkeypatch.setattr(logging, "_logRecordFactory", lambda *a, **k: None)
     monkeypatch.setattr(inspect, "isgenerator", lambda obj: False)
     monkeypatch.setattr(warnings, "formatwarning", lambda *a, **k: "")
+    import sys
+    import types
+    monkeypatch.setitem(sys.modules, "http.client", types.ModuleType("http.client"))
     assert corpus.corpus_text() == before
     assert "A LogRecord instance represents an event being logged." in before

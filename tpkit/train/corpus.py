@@ -7,7 +7,8 @@ English prose and code, built at run time from the interpreter that runs the job
 from __future__ import annotations
 
 import ast
-import importlib.util
+import os
+import sysconfig
 
 import torch
 
@@ -37,11 +38,16 @@ def corpus_text() -> str:
     loss curve, must not depend on what else runs in the process (tpkit-launch and Ray
     Train workers train on the same bytes)."""
     parts = []
+    stdlib = sysconfig.get_paths()["stdlib"]
     for name in MODULES:
-        spec = importlib.util.find_spec(name)
-        if spec is None or not (spec.origin or "").endswith(".py"):
+        # the file by its place in the standard library, not importlib's find_spec: that
+        # answers from sys.modules, which a library may have filled with something else
+        base = os.path.join(stdlib, *name.split("."))
+        path = next((p for p in (base + ".py", os.path.join(base, "__init__.py"))
+                     if os.path.isfile(p)), None)
+        if path is None:
             continue
-        with open(spec.origin, encoding="utf-8") as f:
+        with open(path, encoding="utf-8") as f:
             tree = ast.parse(f.read())
         doc = ast.get_docstring(tree, clean=False)
         if doc:
