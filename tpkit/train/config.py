@@ -44,7 +44,10 @@ def opt(default, doc: str, *, short: str | tuple = (), choices=None):
 
 def output_dir_problem(path: str) -> str | None:
     """Why the job could not write the directory ``path`` (checked before any worker
-    starts, not at the first save hours in), or None."""
+    starts, not at the first save hours in), or None. An fsspec URL (``s3://...``) is
+    its store's to refuse."""
+    if "://" in path:
+        return None
     probe = os.path.abspath(path)
     if os.path.exists(probe) and not os.path.isdir(probe):
         return "is a file"
