@@ -74,6 +74,10 @@ def _write(name: str, text: str):
 
 
 # --- tpkit-launch command lines ------------------------------------------------------------
+_K8S = {"PET_NNODES": "2", "PET_NPROC_PER_NODE": "2", "PET_NODE_RANK": "1",
+        "PET_MASTER_ADDR": "gpt-node-0-0.gpt", "PET_MASTER_PORT": "29400"}
+_SKY = {"SKYPILOT_NODE_IPS": "10.0.0.7\n10.0.0.8", "SKYPILOT_NUM_NODES": "2",
+        "SKYPILOT_NODE_RANK": "1", "SKYPILOT_NUM_GPUS_PER_NODE": "0"}
 LAUNCH = [
     # the layout, checked against the world
     Row("tp-vs-world", "tp*cp*pp = 3*1*1", "use a world size that is a multiple of 3",
@@ -205,6 +209,21 @@ LAUNCH = [
         ["--nproc-per-node", "2", SCRIPT], slurm={"tasks": 4}, hosts=["node07", "node08"]),
     Row("slurm-nodelist", "'node[07-08]'", "pass --rdzv-endpoint HOST:PORT",
         ["--nproc-per-node", "2", SCRIPT], slurm={}, hosts=None, absent="localhost"),
+    # Kubernetes (Kubeflow Trainer's PET_*) and SkyPilot, as tests/cli/test_clusters.py sets them
+    Row("k8s-nnodes", "--nnodes=3 conflicts with PET_NNODES=2", "drop --nnodes under Kubernetes",
+        ["--nnodes", "3", SCRIPT], env=_K8S),
+    Row("k8s-node-rank", "PET_NODE_RANK=1", "drop --node-rank under Kubernetes",
+        ["--node-rank", "0", SCRIPT], env=_K8S),
+    Row("k8s-nproc", "PET_NPROC_PER_NODE=2", "drop --nproc-per-node under Kubernetes",
+        ["--nproc-per-node", "4", SCRIPT], env=_K8S),
+    Row("k8s-tp-vs-world", "tp*cp*pp = 3*1*1", "use a world size that is a multiple of 3",
+        ["--tp", "3", SCRIPT], env=_K8S),
+    Row("k8s-rank-range", "PET_NODE_RANK=2 is out of range for PET_NNODES=2",
+        "run tpkit-launch in the job's own pods", [SCRIPT], env={**_K8S, "PET_NODE_RANK": "2"}),
+    Row("sky-ips", "SKYPILOT_NODE_IPS lists 1 address(es) but SKYPILOT_NUM_NODES=2",
+        "one IP per node", [SCRIPT], env={**_SKY, "SKYPILOT_NODE_IPS": "10.0.0.7"}),
+    Row("sky-node-rank", "SKYPILOT_NODE_RANK=1", "drop --node-rank under SkyPilot",
+        ["--node-rank", "0", SCRIPT], env=_SKY),
     # launch/train.py's arguments, checked by its tpkit_preflight (issue 15, defect 4)
     Row("train-tp-vs-world", "tp=4 from --tp", "smaller tp/cp/pp", T("--tp", "4")),
     Row("train-batch-vs-dp", "--global-batch=3", "use a multiple of 2",
@@ -735,6 +754,14 @@ API = [
             _touch(tmp / "x.pt") / "ck", {"model": torch.nn.Linear(2, 2)})),
     Row("load-empty-dir", "{tmp}/.metadata is missing", "load another checkpoint",
         call=_load(lambda tmp: tmp)),
+    # checkpoints at fsspec URLs (tests/test_checkpoint_fsspec.py: the marker, the checks)
+    Row("load-url-missing", "no checkpoint at memory://tpkit-bad/nope", "pass the directory "
+        "tpkit.checkpoint.save", call=_load(lambda tmp: "memory://tpkit-bad/nope")),
+    Row("load-url-unknown-scheme", "checkpoint path nosuchfs://b/ck", "install the file "
+        "system's package", call=_load(lambda tmp: "nosuchfs://b/ck")),
+    Row("save-url-mode", "mode=0o600 sets local files' modes", "drop mode",
+        call=lambda tmp: __import__("tpkit.checkpoint").checkpoint.save(
+            "memory://tpkit-bad/ck", {"model": torch.nn.Linear(2, 2)}, mode=0o600)),
     Row("save-mode", "mode=0o444", "pass e.g. 0o600",
         call=lambda tmp: __import__("tpkit.checkpoint").checkpoint.save(
             tmp / "ck", {"model": torch.nn.Linear(2, 2)}, mode=0o444)),

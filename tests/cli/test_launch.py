@@ -17,9 +17,9 @@ SCRIPT = os.path.join(HERE, "launch_scripts", "check_layout.py")
 
 @pytest.fixture(autouse=True)
 def clean_env(monkeypatch):
-    """No Slurm, torchrun (PET_*) or port variables from the surrounding shell."""
+    """No Slurm, torchrun (PET_*), SkyPilot or port variables from the surrounding shell."""
     for var in list(os.environ):
-        if var.startswith(("SLURM_", "PET_", "TPKIT_")) or var in ("MASTER_PORT", "OMP_NUM_THREADS"):
+        if var.startswith(("SLURM_", "PET_", "TPKIT_", "SKYPILOT_")) or var in ("MASTER_PORT", "OMP_NUM_THREADS"):
             monkeypatch.delenv(var)
 
 

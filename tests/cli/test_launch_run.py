@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 
 def launch_env() -> dict:
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SLURM_", "PET_", "TPKIT_", "TORCHELASTIC_"))
+           if not k.startswith(("SLURM_", "PET_", "TPKIT_", "TORCHELASTIC_", "SKYPILOT_"))
            and k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["PYTHONPATH"] = ROOT  # run this checkout's tpkit, launcher and workers alike
     return env

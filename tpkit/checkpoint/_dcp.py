@@ -45,7 +45,6 @@ from __future__ import annotations
 import io
 import os
 import re
-import shutil
 from typing import Any
 
 import torch
@@ -56,8 +55,10 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from ._dcp_verify import (agree, check_mode, checkpoint_dir, dir_problem, inside, link_problem,
-                          load_metadata, replace_dir, set_mode, staging_path, verify_files)
+from . import _dcp_fs as fs
+from ._dcp_fs import checkpoint_dir, is_url, verify_files
+from ._dcp_verify import (agree, check_mode, dir_problem, link_problem,
+                          load_metadata, replace_dir, set_mode, staging_path)
 from ..comm.collectives import all_gather, group_size
 from ..param_tags import is_expert, tp_spec
 from ..topology import resolve_state
@@ -117,6 +118,23 @@ class _SafeReader(dcp.FileSystemReader):
             md.storage_meta = StorageMeta()
         md.storage_meta.load_id = self.load_id
         return md
+
+
+def _reader(path: str):
+    """DCP's reader for ``path``, with ``.metadata`` read safely (local or a URL)."""
+    if not is_url(path):
+        return _SafeReader(path)
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    class _SafeFsspecReader(FsspecReader):
+        def read_metadata(self, *args, **kwargs):
+            from torch.distributed.checkpoint.metadata import StorageMeta
+            md = verify_files(path)   # marker, metadata (no code runs), shard paths, sizes
+            if getattr(md, "storage_meta", None) is None:
+                md.storage_meta = StorageMeta()
+            md.storage_meta.load_id = self.load_id
+            return md
+    return _SafeFsspecReader(path)
 
 
 class _SafeLoadPlanner(DefaultLoadPlanner):
@@ -393,7 +411,10 @@ def _staging_name(path: str, mode: int | None) -> str:
     same on every rank; with ``mode``, rank 0 creates it first, private (0o700), so no
     one else reads the files while they are written. Collective."""
     name = [None]
-    if _rank() == 0:
+    if _rank() == 0 and is_url(path):   # no atomic rename: in place, complete at the marker
+        fs.clear_for_save(path)
+        name = [path]
+    elif _rank() == 0:
         name = [staging_path(path)]
         if mode is not None:
             os.mkdir(name[0], 0o700)
@@ -409,11 +430,16 @@ def _prepare(path, state_dict: dict, filter: dict | None, mode: int | None):
     build DCP's views. Returns (absolute path, staging path, views). Collective."""
     _check_filter(filter, state_dict)
     check_mode(mode)
-    path = os.path.abspath(os.fspath(path))
-    problem = dir_problem(os.path.dirname(path))   # before any rank writes a byte
-    if problem is not None:
-        problem += "; pass a path in a writable directory"
-    problem = problem or link_problem(path)
+    if is_url(path):
+        problem = None if mode is None else (
+            f"mode={oct(mode)} sets local files' modes; a URL's access is its store's: "
+            "drop mode")
+    else:
+        path = os.path.abspath(os.fspath(path))
+        problem = dir_problem(os.path.dirname(path))   # before any rank writes a byte
+        if problem is not None:
+            problem += "; pass a path in a writable directory"
+        problem = problem or link_problem(path)
     agree(None if problem is None else ValueError(f"cannot save checkpoint {path}: {problem}"))
     views, _ = _build(state_dict, for_load=False, filter=filter)   # collective with FSDP2
     error = None
@@ -433,11 +459,14 @@ def _commit(tmp: str, path: str, mode: int | None) -> ValueError | None:
     old or the new checkpoint at every moment); with ``mode``, every file gets it first.
     The error (the staging directory removed) instead of raising, for ``agree``."""
     try:
+        if is_url(path):
+            fs.write_marker(path)   # the save's last write: complete from now on
+            return None
         if mode is not None:
             set_mode(tmp, mode)
         replace_dir(tmp, path)
     except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
+        fs.remove_tree(tmp)
         return ValueError(f"cannot save checkpoint {path}: {e.strerror or e}; the previous "
                           "one (if any) is unchanged")
     return None
@@ -453,11 +482,11 @@ def save(path: str | os.PathLike, state_dict: dict[str, Any], *,
     staging directory is private (0o700) while it is written."""
     path, tmp, views = _prepare(path, state_dict, filter, mode)
     try:
-        dcp.save(views, storage_writer=dcp.FileSystemWriter(tmp), planner=_SavePlanner())
+        dcp.save(views, storage_writer=fs.writer(tmp), planner=_SavePlanner())
     except BaseException:
         # DCP gathers write failures to every rank, so all ranks land here together.
         if _rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+            fs.remove_tree(tmp)
         raise
     _barrier()
     agree(_commit(tmp, path, mode) if _rank() == 0 else None)   # every rank learns it
@@ -489,7 +518,7 @@ class PendingSave:
             self.future.result()
         except BaseException:
             if _rank() == 0:
-                shutil.rmtree(self.tmp, ignore_errors=True)
+                fs.remove_tree(self.tmp)
             self.committed = True
             raise
         self.committed = True
@@ -556,12 +585,12 @@ def async_save(path: str | os.PathLike, state_dict: dict[str, Any], *,
                          "write's collectives must not interleave with training's")
     path, tmp, views = _prepare(path, state_dict, filter, mode)
     try:
-        future = dcp.async_save(_cpu_copy(views, buffers), storage_writer=dcp.FileSystemWriter(tmp),
+        future = dcp.async_save(_cpu_copy(views, buffers), storage_writer=fs.writer(tmp),
                                 process_group=process_group, async_stager=_Staged(),
                                 planner=_SavePlanner())
     except BaseException:
         if _rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+            fs.remove_tree(tmp)
         raise
     return PendingSave(future, tmp, path, mode)
 
@@ -706,7 +735,7 @@ def _read_plain(path: str, md, keys, weights_only: bool) -> dict[str, Any]:
                    f"it is stored with DCP transforms {list(info.transform_descriptors)}")
             raise ValueError(f"checkpoint {path}: cannot read entry {key!r} ({why}); tpkit "
                              "reads the checkpoints tpkit.checkpoint.save writes")
-        with open(inside(path, info.relative_path), "rb") as f:   # load_metadata checked it
+        with fs.open_shard(path, info.relative_path) as f:   # its metadata's read checked it
             f.seek(info.offset)
             data = f.read(info.length)
         try:
@@ -731,7 +760,7 @@ def _dcp_load(flat: dict, path: str, md, weights_only: bool) -> None:
     meta = md.state_dict_metadata
     plain = [k for k in flat if isinstance(meta.get(k), BytesStorageMetadata)]
     tensors = {k: v for k, v in flat.items() if k not in plain}
-    dcp.load(tensors, storage_reader=_SafeReader(path), planner=_SafeLoadPlanner())
+    dcp.load(tensors, storage_reader=_reader(path), planner=_SafeLoadPlanner())
     flat.update(tensors)
     error = None
     try:
@@ -844,7 +873,7 @@ def read(path: str | os.PathLike, keys=None, *, exclude=(),
     as :func:`load`'s."""
     from torch.distributed.checkpoint._traverse import set_element
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
-    path = os.path.abspath(os.fspath(path))
+    path = os.fspath(path) if is_url(path) else os.path.abspath(os.fspath(path))
     md = _metadata(path)
     paths = _paths(md)
     exclude = set(exclude)

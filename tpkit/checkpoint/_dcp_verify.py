@@ -37,7 +37,7 @@ import uuid
 METADATA = ".metadata"
 
 __all__ = ["verify_files", "checkpoint_dir", "previous_checkpoint", "agree", "dir_problem",
-           "load_metadata", "inside", "replace_dir", "fsync_dir", "link_problem", "job_token",
+           "load_metadata", "parse_metadata", "inside", "replace_dir", "fsync_dir", "link_problem", "job_token",
            "staging_path", "STAGING", "set_mode", "check_mode"]
 
 # ``<final name>.tmp-<job token>-<random>``: a directory being written (DCP saves, save_hf)
@@ -94,16 +94,28 @@ def load_metadata(path: str):
     """The DCP ``Metadata`` in ``path/.metadata``, unpickled without running code from it
     and checked: its types, and every shard file it names inside ``path``. ValueError
     (without a suggestion) if missing, unreadable or crafted."""
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, Metadata,
-                                                       TensorStorageMetadata)
     meta_file = os.path.join(path, METADATA)
     if not os.path.isfile(meta_file):
         raise ValueError(f"{meta_file} is missing: the save did not finish, or {path} is not "
                          "a checkpoint directory")
+    with open(meta_file, "rb") as f:
+        md = parse_metadata(f, meta_file)
+    for info in md.storage_data.values():
+        if inside(path, info.relative_path) is None:
+            raise ValueError(f"{meta_file} names shard {info.relative_path!r}, which is "
+                             f"outside {path} (a crafted .metadata); not read")
+    return md
+
+
+def parse_metadata(f, meta_file: str):
+    """The DCP ``Metadata`` unpickled from the open file ``f`` without running code from
+    it, its types checked (``meta_file`` names it in errors); the shard paths are the
+    caller's to check (``load_metadata``; ``tpkit.checkpoint._dcp_fs`` for URLs)."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, Metadata,
+                                                       TensorStorageMetadata)
     try:
-        with open(meta_file, "rb") as f:
-            md = _MetadataUnpickler(f).load()
+        md = _MetadataUnpickler(f).load()
         storage = md.storage_data
         assert isinstance(storage, dict) and isinstance(md.state_dict_metadata, dict)
         assert isinstance(md, Metadata)
@@ -122,10 +134,6 @@ def load_metadata(path: str):
         why = f"{type(e).__name__}: {e}".strip().rstrip(":")
         raise ValueError(f"{meta_file} cannot be read ({why}): the file is damaged or "
                          "truncated") from None
-    for info in md.storage_data.values():
-        if inside(path, info.relative_path) is None:
-            raise ValueError(f"{meta_file} names shard {info.relative_path!r}, which is "
-                             f"outside {path} (a crafted .metadata); not read")
     return md
 
 

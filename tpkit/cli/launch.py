@@ -93,9 +93,10 @@ def build_parser():
     _add_tpkit_options(parser)
     parser.add_argument("--help-all", action="help", help=_HELP_ALL)
     env = os.environ
+    # None = not given: resolve() takes nodes, node rank and workers per node from Slurm,
+    # Kubernetes or SkyPilot (tpkit.cli.clusters), else torchrun's PET_* variables.
     parser.set_defaults(
-        nproc_per_node=env.get("PET_NPROC_PER_NODE", "auto"), nnodes=env.get("PET_NNODES"),
-        node_rank=env.get("PET_NODE_RANK"), rdzv_backend=env.get("PET_RDZV_BACKEND"),
+        nproc_per_node=None, nnodes=None, node_rank=None, rdzv_backend=env.get("PET_RDZV_BACKEND"),
         rdzv_endpoint=env.get("PET_RDZV_ENDPOINT"), rdzv_id=env.get("PET_RDZV_ID"))
     for action in parser._actions:
         if action.dest in _RESOLVED:
@@ -152,7 +153,40 @@ class Plan:
     memory_jobs: list = dataclasses.field(default_factory=list)  # the hook's MemoryJobs
 
 
-def _nproc(value: str, config, *, gpus: int, nnodes: int) -> int:
+def _env_int(env: Mapping[str, str], name: str) -> int:
+    try:
+        return int(env[name])
+    except ValueError:
+        raise LaunchError(f"{name}={env[name]!r} is not an integer; unset it or pass "
+                          "--node-rank") from None
+
+
+def _from_cluster(args, cluster) -> tuple[int, int, int, str | None]:
+    """Nodes, node rank and workers per node from Kubernetes or SkyPilot: flags that agree
+    are accepted, flags that conflict are errors (as inside Slurm)."""
+    where = f"drop {{}} under {cluster.engine}"
+    if args.nnodes is not None and _nnodes(args.nnodes) != (cluster.nnodes, cluster.nnodes):
+        raise LaunchError(f"--nnodes={args.nnodes} conflicts with {cluster.nnodes_var}="
+                          f"{cluster.nnodes}; " + where.format("--nnodes"))
+    if args.node_rank is not None and args.node_rank != cluster.node_rank:
+        raise LaunchError(f"--node-rank={args.node_rank} conflicts with "
+                          f"{cluster.node_rank_var}={cluster.node_rank}; "
+                          + where.format("--node-rank"))
+    if args.nproc_per_node is not None and cluster.nproc_per_node is not None \
+            and args.nproc_per_node != cluster.nproc_per_node:
+        raise LaunchError(f"--nproc-per-node={args.nproc_per_node} conflicts with "
+                          f"{cluster.nproc_var}={cluster.nproc_per_node}; "
+                          + where.format("--nproc-per-node"))
+    if not 0 <= cluster.node_rank < cluster.nnodes:
+        raise LaunchError(f"{cluster.node_rank_var}={cluster.node_rank} is out of range for "
+                          f"{cluster.nnodes_var}={cluster.nnodes}; the {cluster.engine} job's "
+                          "node ranks are 0..nnodes-1: run tpkit-launch in the job's own pods/nodes")
+    return cluster.nnodes, cluster.nnodes, cluster.node_rank, \
+        args.nproc_per_node or cluster.nproc_per_node
+
+
+def _nproc(value: str, config, *, gpus: int, nnodes: int,
+           given_as: str = "--nproc-per-node") -> int:
     if value == "auto":
         if gpus:
             return gpus
@@ -168,9 +202,9 @@ def _nproc(value: str, config, *, gpus: int, nnodes: int) -> int:
     except ValueError:
         if value == "gpu" and gpus:
             return gpus
-        raise LaunchError(f"--nproc-per-node={value!r} is not a number; pass N or auto") from None
+        raise LaunchError(f"{given_as}={value!r} is not a number; pass N or auto") from None
     if n < 1:
-        raise LaunchError(f"--nproc-per-node={n} must be >= 1")
+        raise LaunchError(f"{given_as}={n} must be >= 1")
     return n
 
 
@@ -194,6 +228,7 @@ def resolve(args, env: Mapping[str, str]) -> Plan:
     """Check the invocation against the layout, the machine and Slurm; raise LaunchError."""
     from tpkit.config import LAUNCH_GIVEN, ParallelConfig, env_flag, fused_attn_enabled
     from tpkit.comm.shm import shm_allreduce_enabled, shm_p2p_enabled
+    from .clusters import cluster_info
     from .slurm import slurm_info
     try:
         shm_allreduce_enabled(env)
@@ -207,12 +242,22 @@ def resolve(args, env: Mapping[str, str]) -> Plan:
             sequence_parallel=args.sequence_parallel, cp_comm_type=args.cp_comm_type,
             cp_a2a_size=args.cp_a2a_size, ep=args.ep, etp=args.etp, given_as="tpkit-launch --{flag}")
         slurm = slurm_info(env)
+        cluster = None if slurm is not None else cluster_info(env)
     except ValueError as e:
         raise LaunchError(str(e)) from None
     gpus = _visible_gpus()
 
     node_rank = args.node_rank
     endpoint, rdzv_id = args.rdzv_endpoint, args.rdzv_id
+    nproc_value = args.nproc_per_node
+    if cluster is not None:
+        lo, hi, node_rank, nproc_value = _from_cluster(args, cluster)
+        endpoint = endpoint or cluster.endpoint
+        rdzv_id = rdzv_id or cluster.rdzv_id
+    elif slurm is None:
+        if node_rank is None and env.get("PET_NODE_RANK"):
+            node_rank = _env_int(env, "PET_NODE_RANK")
+        nproc_value = nproc_value or env.get("PET_NPROC_PER_NODE")
     if slurm is not None:
         if args.nnodes is not None and _nnodes(args.nnodes) != (slurm.nnodes, slurm.nnodes):
             raise LaunchError(f"--nnodes={args.nnodes} conflicts with the Slurm allocation's "
@@ -228,10 +273,12 @@ def resolve(args, env: Mapping[str, str]) -> Plan:
             except ValueError as e:
                 raise LaunchError(str(e)) from None
         rdzv_id = rdzv_id or slurm.rdzv_id
-    else:
-        lo, hi = _nnodes(args.nnodes or "1")
-    nproc = _nproc(args.nproc_per_node, config, gpus=gpus, nnodes=lo)
-    rdzv_backend = args.rdzv_backend or "c10d"
+    elif cluster is None:
+        lo, hi = _nnodes(args.nnodes or env.get("PET_NNODES") or "1")
+    nproc = _nproc(nproc_value or "auto", config, gpus=gpus, nnodes=lo,
+                   given_as=(f"{cluster.nproc_var}" if cluster and not args.nproc_per_node
+                             and nproc_value else "--nproc-per-node"))
+    rdzv_backend = args.rdzv_backend or (cluster.rdzv_backend if cluster else "c10d")
     if rdzv_backend == "c10d" and hi == 1 and not endpoint:
         endpoint = "localhost:0"  # one node: c10d store on a free port (torchrun --standalone)
         rdzv_id = rdzv_id or f"tpkit-{os.getpid()}"

@@ -83,6 +83,10 @@ class TPKitStrategy(ParallelStrategy):
                  accelerator=None, parallel_devices=None, cluster_environment=None,
                  checkpoint_io=None, precision=None, process_group_backend: str | None = None,
                  timeout: timedelta | None = None, **ddp_kwargs: Any) -> None:
+        if cluster_environment is None:   # inside a Ray Train worker: Ray's ranks
+            from .environment import RayEnvironment, ray_train_context
+            ctx = ray_train_context()
+            cluster_environment = RayEnvironment(ctx) if ctx is not None else None
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision=precision)

@@ -4,22 +4,27 @@ and keeping the last K.
 A save directory holds one checkpoint per save, ``DIR/stepNNNNNN`` (the number: steps
 done), each written by ``tpkit.checkpoint.save`` / ``async_save`` under a staging name
 (``stepNNNNNN.tmp-<job>-<id>``, ``<job>``: ``_dcp_verify.job_token``, the same for every
-restart of one job) and renamed into place by rank 0 once every rank wrote its part. Everything here is local to the calling process (no collectives): rank 0 decides
+restart of one job) and renamed into place by rank 0 once every rank wrote its part; at an fsspec URL
+(``s3://bucket/run``, ``memory://``...) it is written in place and complete once its
+marker is there (``tpkit.checkpoint._dcp_fs``). Everything here is local to the calling process (no collectives): rank 0 decides
 and broadcasts (:mod:`tpkit.recovery.manager`).
 """
 from __future__ import annotations
 
 import os
 import re
-import shutil
 
-from ..checkpoint._dcp_verify import STAGING, job_token, verify_files
+from ..checkpoint import _dcp_fs as fs
+from ..checkpoint._dcp_fs import is_url, verify_files
+from ..checkpoint._dcp_verify import STAGING, job_token
 
 STEP_DIR = re.compile(r"^step(\d+)$")
 
 
 def checkpoint_path(save_dir: str | os.PathLike, steps_done: int) -> str:
     """``save_dir/stepNNNNNN``: where the checkpoint after ``steps_done`` steps goes."""
+    if is_url(save_dir):
+        return fs.join(save_dir, f"step{steps_done:06d}")
     return os.path.join(os.fspath(save_dir), f"step{steps_done:06d}")
 
 
@@ -30,8 +35,8 @@ def is_complete(path: str | os.PathLike) -> bool:
     its final name is, when ``verify_files`` finds its ``.metadata`` readable and every
     shard file it names present and of the recorded length (a checkpoint damaged or
     truncated since the save is not). The one definition auto-resume and ``keep`` use."""
-    path = os.fspath(path)
-    if STAGING.search(os.path.basename(os.path.normpath(path))) is not None:
+    path = path if is_url(path) else os.fspath(path)
+    if STAGING.search(fs.name(path)) is not None:
         return False
     try:
         verify_files(path)
@@ -43,16 +48,13 @@ def is_complete(path: str | os.PathLike) -> bool:
 def skipped_checkpoints(save_dir: str | os.PathLike) -> list[tuple[str, str]]:
     """``(path, why)`` of every ``stepN`` directory in ``save_dir`` newer than its newest
     complete checkpoint that is not complete itself (what auto-resume passes over)."""
-    save_dir = os.fspath(save_dir)
-    if not os.path.isdir(save_dir):
-        return []
     found = list_checkpoints(save_dir)
     newest = found[-1][0] if found else -1
     out = []
-    for name in sorted(os.listdir(save_dir)):
+    for name in fs.listdir(save_dir):
         m = STEP_DIR.match(name)
-        path = os.path.join(save_dir, name)
-        if m and int(m.group(1)) > newest and os.path.isdir(path):
+        path = _child(save_dir, name)
+        if m and int(m.group(1)) > newest and fs.isdir(path):
             try:
                 verify_files(path)
             except ValueError as e:
@@ -63,13 +65,10 @@ def skipped_checkpoints(save_dir: str | os.PathLike) -> list[tuple[str, str]]:
 def list_checkpoints(save_dir: str | os.PathLike) -> list[tuple[int, str]]:
     """``(steps done, path)`` of every complete ``stepN`` checkpoint in ``save_dir``,
     oldest first; ``[]`` when the directory does not exist."""
-    save_dir = os.fspath(save_dir)
-    if not os.path.isdir(save_dir):
-        return []
     out = []
-    for name in os.listdir(save_dir):
+    for name in fs.listdir(save_dir):
         m = STEP_DIR.match(name)
-        path = os.path.join(save_dir, name)
+        path = _child(save_dir, name)
         if m and is_complete(path):
             out.append((int(m.group(1)), path))
     return sorted(out)
@@ -83,10 +82,15 @@ def latest_checkpoint(save_dir: str | os.PathLike) -> str | None:
 
 def unfinished_saves(save_dir: str | os.PathLike) -> list[str]:
     """Staging directories of saves that never finished (the job died while writing)."""
-    save_dir = os.fspath(save_dir)
-    if not os.path.isdir(save_dir):
-        return []
-    return sorted(os.path.join(save_dir, n) for n in os.listdir(save_dir) if STAGING.search(n))
+    return sorted(_child(save_dir, n) for n in fs.listdir(save_dir) if STAGING.search(n))
+
+
+def _child(save_dir, name: str) -> str:
+    return fs.join(save_dir, name) if is_url(save_dir) else os.path.join(os.fspath(save_dir), name)
+
+
+def _same(path) -> str:
+    return path.rstrip("/") if is_url(path) else os.path.abspath(path)
 
 
 def prune(save_dir: str | os.PathLike, keep: int, *, protect=()) -> list[str]:
@@ -98,13 +102,13 @@ def prune(save_dir: str | os.PathLike, keep: int, *, protect=()) -> list[str]:
     this job in flight. Returns the deleted paths."""
     if keep < 1:
         raise ValueError(f"keep={keep} would delete every checkpoint; pass keep >= 1")
-    protect = {os.path.abspath(p) for p in protect}
+    protect = {_same(p) for p in protect if p}
     found = list_checkpoints(save_dir)
     mine = job_token()
     doomed = [p for _, p in found[:max(0, len(found) - keep)]
-              if os.path.abspath(p) not in protect and not os.path.islink(p)]
+              if _same(p) not in protect and not os.path.islink(p)]
     doomed += [p for p in unfinished_saves(save_dir) if not os.path.islink(p)
                and STAGING.search(p).group(1) == mine]
     for path in doomed:
-        shutil.rmtree(path, ignore_errors=True)
+        fs.remove_tree(path)
     return doomed

@@ -22,6 +22,7 @@ import time
 import torch.distributed as dist
 
 from .. import checkpoint
+from ..checkpoint._dcp_fs import is_url, name
 from ..checkpoint._dcp_verify import check_mode
 from . import checkpoints as dirs
 from .hang import HangWatchdog
@@ -74,7 +75,8 @@ class Recovery:
             raise ValueError("saving, keep, async_save and save-on-signal need a save "
                              "directory; pass save_dir (or signals=() with nothing to save)")
         self.mode = check_mode(mode)
-        self.save_dir = os.path.abspath(os.fspath(save_dir)) if save_dir is not None else None
+        self.save_dir = None if save_dir is None else save_dir if is_url(save_dir) \
+            else os.path.abspath(os.fspath(save_dir))
         self.save_every, self.keep, self.async_save = save_every, keep, async_save
         self.watchdog = HangWatchdog(hang_timeout) if hang_timeout is not None else None
         self.stragglers = StragglerMonitor(straggler_every, threshold=straggler_threshold) \
@@ -105,7 +107,7 @@ class Recovery:
                                      dirs.skipped_checkpoints(self.save_dir))
                                     if _rank() == 0 else None)
         for path, why in skipped:
-            _say(f"skipping {os.path.basename(path)}: {why}")
+            _say(f"skipping {name(path)}: {why}")
         if found is None:
             _say(f"no complete checkpoint in {self.save_dir}: starting fresh")
             return 0
@@ -196,6 +198,6 @@ class Recovery:
             return
         gone = dirs.prune(self.save_dir, self.keep, protect=[self.resumed_from or ""]) \
             if self.keep else []
-        extra = f"; removed {', '.join(os.path.basename(p) for p in gone)}" if gone else ""
+        extra = f"; removed {', '.join(name(p) for p in gone)}" if gone else ""
         note = f" (waited {waited:.2f} s for the background write)" if waited else ""
         _say(f"saved {path}{note}{extra}")

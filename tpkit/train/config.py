@@ -45,7 +45,10 @@ def opt(default, doc: str, *, short: str | tuple = (), choices=None):
 
 def output_dir_problem(path: str) -> str | None:
     """Why the job could not write the directory ``path`` (checked before any worker
-    starts, not at the first save hours in), or None."""
+    starts, not at the first save hours in), or None. An fsspec URL (``s3://...``) is
+    its store's to refuse."""
+    if "://" in path:
+        return None
     probe = os.path.abspath(path)
     if os.path.exists(probe) and not os.path.isdir(probe):
         return "is a file"
@@ -847,10 +850,12 @@ _OLD_BACKEND = ("--backend {value}: the trainer's layer implementation (torch, t
 
 
 def parse(argv=None, *, prog: str | None = None, description: str | None = None,
-          env=None) -> tuple[JobConfig, argparse.Namespace]:
+          env=None, defaults: dict | None = None) -> tuple[JobConfig, argparse.Namespace]:
     """(the checked JobConfig, the parsed namespace: ``config``, ``print_config``) from
-    ``argv``: defaults < ``--config`` file < flags. Flag mistakes exit 2 through argparse;
-    value mistakes raise ValueError (one line: field, value, origin, fix)."""
+    ``argv``: defaults < ``defaults`` (``{"section.field": (value, origin)}``, e.g. the
+    Ray run's storage as checkpoint.save) < ``--config`` file < flags. Flag mistakes exit
+    2 through argparse; value mistakes raise ValueError (one line: field, value, origin,
+    fix)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     env = os.environ if env is None else env
     for i, a in enumerate(argv):
@@ -870,6 +875,9 @@ def parse(argv=None, *, prog: str | None = None, description: str | None = None,
                          "pass one job file (flags override its values; tpkit-train "
                          "--config A --print-config > B writes one to edit)")
     ns.config = ns.config[0] if ns.config else None
+    for dest, (value, origin) in (defaults or {}).items():
+        setattr(getattr(job, dest.split(".")[0]), dest.split(".")[1], value)
+        job.origin[dest] = origin
     if ns.config:
         read_toml(ns.config, job)
     for dest, value, flag in ns._flags:

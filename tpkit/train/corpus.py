@@ -1,13 +1,14 @@
 """A small real-text corpus and a byte-level tokenizer, with no downloads.
 
 The text is the documentation of Python's standard library (module, class and function
-docstrings of a fixed list of modules), about 0.5 MB of English prose and code, built at
-run time from the interpreter that runs the job. Tokens are bytes (vocabulary 256).
+docstrings of a fixed list of modules, read from their source files), about 0.4 MB of
+English prose and code, built at run time from the interpreter that runs the job. Tokens are bytes (vocabulary 256).
 """
 from __future__ import annotations
 
-import importlib
-import warnings
+import ast
+import os
+import sysconfig
 
 import torch
 
@@ -29,22 +30,34 @@ MODULES = (
 
 
 def corpus_text() -> str:
+    """The modules' docstrings and those of the functions and classes each defines at
+    top level, read from their source files (``ast``), names in sorted order. Read from
+    the files, not from the imported modules: a library the process imported may have
+    replaced a module's attribute (Lightning ``warnings.formatwarning``, Ray
+    ``logging``'s record factory and ``inspect.isgenerator``), and the corpus, so the
+    loss curve, must not depend on what else runs in the process (tpkit-launch and Ray
+    Train workers train on the same bytes)."""
     parts = []
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for name in MODULES:
-            try:
-                mod = importlib.import_module(name)
-            except ImportError:
-                continue
-            if mod.__doc__:
-                parts.append(mod.__doc__)
-            for attr in sorted(dir(mod)):
-                obj = getattr(mod, attr, None)
-                doc = getattr(obj, "__doc__", None)
-                if callable(obj) and isinstance(doc, str) and \
-                        getattr(obj, "__module__", None) == mod.__name__:
-                    parts.append(doc)
+    stdlib = sysconfig.get_paths()["stdlib"]
+    for name in MODULES:
+        # the file by its place in the standard library, not importlib's find_spec: that
+        # answers from sys.modules, which a library may have filled with something else
+        base = os.path.join(stdlib, *name.split("."))
+        path = next((p for p in (base + ".py", os.path.join(base, "__init__.py"))
+                     if os.path.isfile(p)), None)
+        if path is None:
+            continue
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        doc = ast.get_docstring(tree, clean=False)
+        if doc:
+            parts.append(doc)
+        defs = {node.name: node for node in tree.body if isinstance(
+            node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+        for _, node in sorted(defs.items()):
+            doc = ast.get_docstring(node, clean=False)
+            if doc:
+                parts.append(doc)
     return "\n\n".join(parts)
 
 

@@ -323,13 +323,16 @@ def build_model(job: JobConfig, state) -> torch.nn.Module:
 
 def resolve_resume(job: JobConfig) -> str:
     """checkpoint.resume itself if it is a checkpoint, else the latest SAVE/stepNNNNNN."""
+    from tpkit.checkpoint import _dcp_fs as fs
     path = job.checkpoint.resume
-    if not os.path.isdir(path):
+    if not fs.isdir(path):
         raise job.bad("checkpoint.resume", "is not a directory; pass a checkpoint written by "
                                            "--save (SAVE/stepNNNNNN) or the --save directory "
                                            "(its latest)")
-    steps = sorted(d for d in os.listdir(path) if d.startswith("step") and d[4:].isdigit())
-    return os.path.join(path, steps[-1]) if steps else path
+    steps = sorted(d for d in fs.listdir(path) if d.startswith("step") and d[4:].isdigit())
+    if not steps:
+        return path
+    return fs.join(path, steps[-1]) if fs.is_url(path) else os.path.join(path, steps[-1])
 
 
 def steps_done(job: JobConfig, path: str, extras: dict) -> int:
@@ -362,6 +365,10 @@ def resume_line(job: JobConfig, path: str, done: int) -> str:
 # --- the trainer ----------------------------------------------------------------------------
 class Trainer:
     """Builds ``job`` (a checked JobConfig) and trains it with ``fit()``."""
+
+    #: the signals that save a checkpoint and stop (with checkpoint.save); () where the
+    #: engine stops the workers itself (Ray Train runs the loop off the main thread)
+    save_signals = (signal.SIGTERM, signal.SIGUSR1)
 
     def __init__(self, job: JobConfig):
         from lightning.fabric import Fabric
@@ -405,7 +412,7 @@ class Trainer:
         self.recovery = Recovery(
             c.save, save_every=c.save_every, keep=c.keep,
             hang_timeout=job.recovery.hang_timeout, async_save=c.async_save,
-            signals=(signal.SIGTERM, signal.SIGUSR1) if c.save else (),
+            signals=self.save_signals if c.save else (),
             straggler_every=job.logging.log_every if state.world_size > 1 else None)
         self.start = 0
         strict = not c.resume_partial
