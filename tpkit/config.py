@@ -236,7 +236,8 @@ class ParallelConfig:
         something other than "a2a+p2p". So ``init_parallel(tp=4)`` under a plain
         ``tpkit-launch`` builds tp=4 with dp = world / 4; under ``tpkit-launch --tp 2``
         (a size the launch was given, listed in ``$TPKIT_LAUNCH_GIVEN``) a different value
-        is a ValueError: the layout is given once."""
+        is a ValueError for the first layout the process builds: the layout is given once;
+        after destroy_parallel(), another layout is the script's choice."""
         env = os.environ if env is None else env
         kwargs: dict = {}
         origin: dict = {}
@@ -255,7 +256,9 @@ class ParallelConfig:
                 except ValueError:
                     raise ValueError(f"{var}={raw!r} is not an integer; set e.g. {var}=1") from None
         overrides = {k: v for k, v in overrides.items() if v is not None}
-        given = {f for f in env.get(LAUNCH_GIVEN, "").split(",") if f}
+        # the launch's sizes bind this process's first layout (note_layout_built)
+        given = set() if _LAYOUT_BUILT and env is os.environ else \
+            {f for f in env.get(LAUNCH_GIVEN, "").split(",") if f}
         for k, v in overrides.items():   # a size the launch was given, contradicted
             if k in given and k in kwargs and v != kwargs[k]:
                 raise ValueError(
@@ -311,6 +314,15 @@ class Layout(ParallelConfig):
 #: The layout flags tpkit-launch was given (comma-separated field names), exported to the
 #: workers: a script's own value for one of them that differs is refused (from_env).
 LAUNCH_GIVEN = "TPKIT_LAUNCH_GIVEN"
+_LAYOUT_BUILT = False   # this process built a layout: the launch's flags are spent
+
+
+def note_layout_built() -> None:
+    """init_parallel (and so TPKitStrategy) calls it after building a layout: the sizes
+    tpkit-launch was given ($TPKIT_LAUNCH_GIVEN) bind the first layout a process builds;
+    after destroy_parallel() another one is the script's own choice (README's re-init)."""
+    global _LAYOUT_BUILT
+    _LAYOUT_BUILT = True
 
 
 def env_flag(name: str, env: Mapping[str, str] | None = None, *, default: bool,

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from . import topology
-from .config import LAUNCH_GIVEN, ParallelConfig, fused_attn_enabled
+from .config import ParallelConfig, fused_attn_enabled, note_layout_built
 from .random import get_rng_tracker, model_parallel_seed
 from .comm.shm import shm_allreduce_enabled, shm_p2p_enabled
 from .topology import (ParallelState, build_state, get_parallel_state,  # noqa: F401
@@ -35,7 +35,6 @@ from .topology import (ParallelState, build_state, get_parallel_state,  # noqa: 
 # created none). It outlives every layout and is destroyed once, at interpreter exit
 # (_destroy_default_group).
 _DEFAULT_GROUP: "weakref.ref | None" = None
-_LAYOUT_BUILT = False   # this process has built a layout (init_parallel)
 
 
 def _default_backend() -> str:
@@ -150,16 +149,12 @@ def init_parallel(tp: int | None = None, cp: int | None = None, pp: int | None =
     then from ParallelConfig's defaults. ``ep``/``etp`` re-cut each stage's tp*cp*dp
     ranks for the expert layers (docs/moe.md). ``seed`` seeds the RNG tracker
     (tpkit.random.model_parallel_seed); None skips it."""
-    global _LAYOUT_BUILT
     if is_initialized():
         raise RuntimeError("a parallel state is already initialised; call "
                            "tpkit.destroy_parallel() before init_parallel() with a new layout")
     if config is None:
-        # the launch's layout flags bind the first layout this process builds; after
-        # destroy_parallel() another layout is the script's choice (README's re-init)
-        env = {k: v for k, v in os.environ.items() if k != LAUNCH_GIVEN or not _LAYOUT_BUILT}
         config = ParallelConfig.from_env(
-            env, tp=tp, cp=cp, pp=pp, dp=dp, sequence_parallel=sequence_parallel,
+            tp=tp, cp=cp, pp=pp, dp=dp, sequence_parallel=sequence_parallel,
             cp_comm_type=cp_comm_type, cp_a2a_size=cp_a2a_size, ep=ep, etp=etp,
             given_as="init_parallel's {name} argument")
     elif any(v is not None for v in (tp, cp, pp, dp, sequence_parallel, cp_comm_type,
@@ -188,7 +183,7 @@ def init_parallel(tp: int | None = None, cp: int | None = None, pp: int | None =
     _init_default_group(backend)
     state = build_state(config)
     set_parallel_state(state)
-    _LAYOUT_BUILT = True
+    note_layout_built()   # the launch's layout flags bound this first layout only
     if seed is not None:
         model_parallel_seed(seed, state)
     return state
