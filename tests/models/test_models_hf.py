@@ -354,6 +354,13 @@ def _odd_vocab(path, x, out):
     return logits, None if pad is None else (pad.abs().max().item(), pad.shape[0])
 
 
+def _train_odd(src, out):
+    from tpkit.train import Trainer, parse
+    job, _ = parse(TRAIN_ARGS + ["--steps", "2", "--tp", "2", "--init-from-hf", src,
+                                 "--export-hf", out])
+    return Trainer(job).fit()
+
+
 def test_odd_vocabulary_is_padded_on_load_and_exported_unpadded(tmp_path):
     """An HF Llama (untied) and Qwen2 (tied) of 301 tokens at tp=2: from_hf pads the
     embedding and lm_head to 384 rows (zero), the logits on the real ids are transformers',
@@ -363,11 +370,13 @@ def test_odd_vocabulary_is_padded_on_load_and_exported_unpadded(tmp_path):
     common = dict(vocab_size=ODD, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5)
     x = torch.randint(0, ODD, (2, 16), generator=torch.Generator().manual_seed(3))
+    model_llama = None
     for name, model in (("llama", LlamaForCausalLM(LlamaConfig(**common))),
                         ("qwen2", Qwen2ForCausalLM(Qwen2Config(tie_word_embeddings=True,
                                                                **common)))):
         _randomise(model)
         model.eval()
+        model_llama = model if name == "llama" else model_llama
         src, out = str(tmp_path / name), str(tmp_path / f"{name}-out")
         model.save_pretrained(src)
         ref = hf_logits(model, x)
@@ -382,3 +391,13 @@ def test_odd_vocabulary_is_padded_on_load_and_exported_unpadded(tmp_path):
         assert all(torch.equal(got[k], want[k]) for k in want), name
         with open(os.path.join(out, "config.json")) as f:
             assert json.load(f)["vocab_size"] == ODD
+    # tpkit-train --init-from-hf at tp=2 (--vocab-multiple 128, the default): step 0's
+    # loss is transformers' on the corpus batch; the trained export loads in transformers
+    from transformers import AutoModelForCausalLM
+    from tpkit.train import corpus
+    trained = str(tmp_path / "trained")
+    first = run(_train_odd, 2, str(tmp_path / "llama"), trained)[0][0]
+    x, y = corpus.batch(corpus.split(corpus.tokens())[0], 0, 4, 32, seed=1234)
+    assert abs(first - hf_loss(hf_logits(model_llama, x), y)) <= 1e-5 * first
+    back = AutoModelForCausalLM.from_pretrained(trained, dtype=torch.float32)
+    assert back.model.embed_tokens.weight.shape[0] == back.lm_head.weight.shape[0] == ODD
