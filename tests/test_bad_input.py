@@ -436,9 +436,14 @@ LAUNCH = [
         "use --vocab-multiple 384 or a multiple of it",
         ["--nproc-per-node", "3", TRAIN, *SMALL, "--tp", "3", "--heads", "3", "--gqa-groups",
          "3", "--hidden", "48"]),
-    Row("train-vocab-multiple-hf", "--vocab-multiple=64 (model.vocab_multiple) cannot be "
-        "combined with --init-from-hf", "drop them", T("--vocab-multiple", "64",
-                                                       "--init-from-hf", "{tmp}")),
+    Row("train-vocab-vs-tp-hf-config", "--hf-config='{tmp}/c.json' (model.hf_config)'s "
+        "vocabulary of 301, padded to a multiple of --vocab-multiple=1 (model.vocab_multiple),"
+        " is 301, which tp=2 does not divide", "use --vocab-multiple 2 or a multiple of it",
+        ["--nproc-per-node", "2", TRAIN, "--steps", "2", "--seq-len", "16", "--global-batch",
+         "2", "--hf-config", "{tmp}/c.json", "--vocab-multiple", "1", "--tp", "2"],
+        setup=_write("c.json", '{"model_type": "llama", "hidden_size": 64, '
+                               '"intermediate_size": 96, "num_hidden_layers": 2, '
+                               '"num_attention_heads": 4, "vocab_size": 301}')),
     Row("train-resume-partial-alone", "--resume-partial (checkpoint.resume_partial)",
         "needs --resume CKPT or --auto-resume", T("--resume-partial")),
 ]

@@ -246,15 +246,16 @@ def test_generate_cli_encodes_with_the_jobs_tokenizer():
         _tokenizer(args, job)
 
 
-def _padded_vocabulary():
+def _padded_vocabulary(arch):
     import torch.nn.functional as F
 
     import tpkit
-    from tpkit.models import GPT, GPTConfig
+    from tpkit.models import GPT, GPTConfig, Llama, LlamaConfig
     st = tpkit.init_parallel(tp=1, seed=1)
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=250, hidden_size=32, num_layers=1, num_heads=4,
-                          num_gqa_groups=2, ffn_hidden_size=64, vocab_multiple=128), st)
+    cls, cfg = {"gpt": (GPT, GPTConfig), "llama": (Llama, LlamaConfig)}[arch]
+    model = cls(cfg(vocab_size=250, hidden_size=32, num_layers=1, num_heads=4,
+                    num_gqa_groups=2, ffn_hidden_size=64, vocab_multiple=128), st)
     rows = (model.output.weight.shape[0], model.embedding.weight.shape[0])
     with torch.no_grad():
         model.output.weight[250:] = 5 * model.final_norm.weight   # would win unmasked
@@ -274,11 +275,12 @@ def _padded_vocabulary():
     return rows, got, want, int(out.sequences[:, 8:].max()), tuple(out.logits[0].shape)
 
 
-def test_padded_vocabulary_is_masked_in_the_loss_and_generation():
-    """GPTConfig(vocab_multiple=128) pads 250 ids to 256 rows (issue 51): the loss is the
-    cross-entropy over the 250 real logits (torch's, on the same weights), and greedy
-    generation never picks a padded id even where its row would win."""
-    ((rows, got, want, top, shape),) = run(_padded_vocabulary, 1)
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+def test_padded_vocabulary_is_masked_in_the_loss_and_generation(arch):
+    """GPTConfig/LlamaConfig(vocab_multiple=128) pads 250 ids to 256 rows (issue 51): the
+    loss is the cross-entropy over the 250 real logits (torch's, on the same weights), and
+    greedy generation never picks a padded id even where its row would win."""
+    ((rows, got, want, top, shape),) = run(_padded_vocabulary, 1, arch)
     assert rows == (256, 256)
     assert abs(got - want) <= 1e-5 * abs(want), (got, want)
     assert top < 250 and shape == (2, 250), (top, shape)

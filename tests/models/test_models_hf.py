@@ -325,3 +325,79 @@ def test_train_refuses_bad_hf_arguments(ckpts, tmp_path):
         with pytest.raises(ValueError, match=message):
             Trainer(parse(argv)[0])
         assert not dist.is_initialized()
+
+
+# --- vocabulary padding (issue 51) ------------------------------------------------------------
+ODD = 301   # tp=2 cannot split it (GPT-2's 50,257 neither)
+
+
+def _odd_vocab(path, x, out):
+    """from_hf of an odd-vocabulary checkpoint at tp=2, padded to 128 rows: its gathered
+    logits on the real ids, the padded rows of this rank and its export."""
+    from fabric_helpers import launch_fabric
+    from tpkit.models import hf
+    from tpkit.nn.mappings import gather_from_tp_region
+    fabric, state = launch_fabric(tp=2)
+    with pytest.raises(ValueError, match=f"vocab_size={ODD} is not divisible by the "
+                                         "tensor-parallel size tp=2"):
+        hf.from_hf(path, state)
+    with pytest.raises(ValueError, match=f"vocab_size={ODD} padded to a multiple of "
+                                         "vocab_multiple=3 is 303, which the tensor-parallel "
+                                         "size tp=2 does not divide; use vocab_multiple=6"):
+        hf.from_hf(path, state, vocab_multiple=3)
+    model = hf.from_hf(path, state, vocab_multiple=128)
+    assert model.embedding.weight.shape[0] == 384 // 2
+    with torch.no_grad():
+        logits = gather_from_tp_region(model(x), state.tp_group).transpose(0, 1)
+    pad = model.embedding.weight[ODD - 192:] if state.tp_rank == 1 else None
+    hf.save_hf(model, out)
+    return logits, None if pad is None else (pad.abs().max().item(), pad.shape[0])
+
+
+def _train_odd(src, out):
+    from tpkit.train import Trainer, parse
+    job, _ = parse(TRAIN_ARGS + ["--steps", "2", "--tp", "2", "--init-from-hf", src,
+                                 "--export-hf", out])
+    return Trainer(job).fit()
+
+
+def test_odd_vocabulary_is_padded_on_load_and_exported_unpadded(tmp_path):
+    """An HF Llama (untied) and Qwen2 (tied) of 301 tokens at tp=2: from_hf pads the
+    embedding and lm_head to 384 rows (zero), the logits on the real ids are transformers',
+    the padded ids' are masked (the dtype's lowest), and save_hf writes back exactly the
+    tensors and vocab_size transformers wrote."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    common = dict(vocab_size=ODD, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5)
+    x = torch.randint(0, ODD, (2, 16), generator=torch.Generator().manual_seed(3))
+    model_llama = None
+    for name, model in (("llama", LlamaForCausalLM(LlamaConfig(**common))),
+                        ("qwen2", Qwen2ForCausalLM(Qwen2Config(tie_word_embeddings=True,
+                                                               **common)))):
+        _randomise(model)
+        model.eval()
+        model_llama = model if name == "llama" else model_llama
+        src, out = str(tmp_path / name), str(tmp_path / f"{name}-out")
+        model.save_pretrained(src)
+        ref = hf_logits(model, x)
+        (logits, none), (_, (pad_max, pad_rows)) = run(_odd_vocab, 2, src, x, out)
+        assert none is None and pad_max == 0.0 and pad_rows == 384 - ODD, name
+        assert logits.shape[-1] == 384
+        err = (logits[..., :ODD] - ref).abs().max().item()
+        assert err <= REL, (name, err)
+        assert (logits[..., ODD:] == torch.finfo(logits.dtype).min).all(), name
+        want, got = _tensors(src), _tensors(out)
+        assert got.keys() == want.keys(), name
+        assert all(torch.equal(got[k], want[k]) for k in want), name
+        with open(os.path.join(out, "config.json")) as f:
+            assert json.load(f)["vocab_size"] == ODD
+    # tpkit-train --init-from-hf at tp=2 (--vocab-multiple 128, the default): step 0's
+    # loss is transformers' on the corpus batch; the trained export loads in transformers
+    from transformers import AutoModelForCausalLM
+    from tpkit.train import corpus
+    trained = str(tmp_path / "trained")
+    first = run(_train_odd, 2, str(tmp_path / "llama"), trained)[0][0]
+    x, y = corpus.batch(corpus.split(corpus.tokens())[0], 0, 4, 32, seed=1234)
+    assert abs(first - hf_loss(hf_logits(model_llama, x), y)) <= 1e-5 * first
+    back = AutoModelForCausalLM.from_pretrained(trained, dtype=torch.float32)
+    assert back.model.embed_tokens.weight.shape[0] == back.lm_head.weight.shape[0] == ODD

@@ -93,6 +93,49 @@ def test_odd_vocabulary_is_padded_and_trains_at_tp2(odd_data):
         _same([v for _, v in val], [v for _, v in val_ref])
 
 
+def _llama_odd(tp, extra):
+    """A Llama from scratch (--arch llama) at tp: its losses, validation losses and its
+    gathered logits ``[b, s, V]`` (the padded vocabulary's included) on fixed ids."""
+    import torch
+    from tpkit.nn.mappings import gather_from_tp_region
+    from tpkit.train import Trainer, parse
+    job, _ = parse([a for a in SMALL if a != "--pack"] +
+                   ["--arch", "llama", "--tp", str(tp)] + list(extra))
+    trainer = Trainer(job)
+    losses = trainer.fit()
+    model = trainer.raw_model.eval()
+    x = torch.arange(2 * 32).reshape(2, 32) * 7 % 301   # ids 0..300
+    with torch.no_grad():
+        logits = gather_from_tp_region(model(x), trainer.state.tp_group).transpose(0, 1)
+    return losses, trainer.val_losses, logits
+
+
+def test_odd_vocabulary_llama_is_padded_at_tp2_and_exported_unpadded(odd_data, tmp_path):
+    """Issue 51 for tpkit's Llama (--arch llama): the 301-token vocabulary padded to 384
+    rows at tp=2 follows the one-process curve of the unpadded model (--vocab-multiple 1);
+    the padded logits are masked; --export-hf writes the 301 real rows, which transformers'
+    LlamaForCausalLM loads (vocab_size 301) and runs to tpkit's logits on the real ids."""
+    import torch
+    from transformers import LlamaForCausalLM
+    ((ref, val_ref, ref_logits),) = run(_llama_odd, 1, 1,
+                                        odd_data + ["--vocab-multiple", "1"])
+    out = str(tmp_path / "hf")
+    for losses, val, logits in run(_llama_odd, 2, 2, odd_data + ["--export-hf", out]):
+        _same(losses, ref)
+        _same([v for _, v in val], [v for _, v in val_ref])
+        assert ref_logits.shape[-1] == 301 and logits.shape[-1] == 384
+        assert (logits[..., 301:] == torch.finfo(logits.dtype).min).all()
+    with open(os.path.join(out, "config.json")) as f:
+        assert json.load(f)["vocab_size"] == 301
+    hf = LlamaForCausalLM.from_pretrained(out, torch_dtype=torch.float64).eval()
+    assert hf.model.embed_tokens.weight.shape[0] == hf.lm_head.weight.shape[0] == 301
+    x = torch.arange(2 * 32).reshape(2, 32) * 7 % 301
+    with torch.no_grad():
+        want = hf(x).logits
+    err = (logits[..., :301].double() - want).abs().max().item()
+    assert err <= 1e-4, err
+
+
 def _llama(data):
     """A Llama from scratch (--arch llama) on the dataset: its vocabulary and losses."""
     from tpkit.data import Tokenizer

@@ -25,6 +25,7 @@ from ..offload import get_cpu_offload_context
 from ..recompute import checkpoint
 from ..topology import get_parallel_state
 from .generate import GenerationMixin
+from .vocab import mask_padding, padded_vocab_size
 
 
 @dataclasses.dataclass
@@ -56,8 +57,7 @@ class GPTConfig:
 
     @property
     def padded_vocab_size(self) -> int:
-        m = self.vocab_multiple
-        return -(-self.vocab_size // m) * m
+        return padded_vocab_size(self.vocab_size, self.vocab_multiple)
 
 
 class GPT(GenerationMixin, nn.Module):
@@ -120,17 +120,8 @@ class GPT(GenerationMixin, nn.Module):
         return layer(x, rotary_pos_emb=freqs)
 
     def pp_head(self, x: torch.Tensor) -> torch.Tensor:
-        return self._mask_padding(self.output(self.final_norm(x)))  # [s_cp, b, V/tp]
-
-    def _mask_padding(self, logits: torch.Tensor) -> torch.Tensor:
-        """This rank's logits with the padded vocabulary's (ids >= vocab_size) at the
-        dtype's lowest value: no probability, no gradient."""
-        v, n = self.cfg.vocab_size, logits.shape[-1]
-        start = self.state.tp_rank * n
-        if start + n <= v:
-            return logits
-        pad = torch.arange(start, start + n, device=logits.device) >= v
-        return logits.masked_fill(pad, torch.finfo(logits.dtype).min)
+        logits = self.output(self.final_norm(x))                     # [s_cp, b, V/tp]
+        return mask_padding(logits, self.cfg.vocab_size, self.state.tp_rank)
 
     def pp_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         targets = shard_sequence(targets, 1, self.state).t().contiguous()

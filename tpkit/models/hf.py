@@ -44,7 +44,7 @@ _DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
            torch.float64: "F64"}
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)   # buffers some old checkpoints carry
 _TRAINING_FIELDS = ("backend", "recompute", "hidden_dropout", "attention_dropout",
-                    "initializer_range")
+                    "initializer_range", "vocab_multiple")
 
 
 # --- config.json ---------------------------------------------------------------------------
@@ -284,8 +284,13 @@ def load_llama(cls, path: str, state, *, dtype: torch.dtype, overrides: dict):
                     p.narrow(0, at, length).copy_(index.read(name))
                     at += length
                     continue
-                k = length // n
-                p.narrow(dim, at, k).copy_(index.read(name, dim, rank * k, (rank + 1) * k))
+                # a padded vocabulary's shard: its rows past the checkpoint's are zero
+                k = p.shape[dim] if len(names) == 1 else length // n
+                start, stop = rank * k, min((rank + 1) * k, length)
+                if stop > start:
+                    p.narrow(dim, at, stop - start).copy_(index.read(name, dim, start, stop))
+                if stop - start < k:
+                    p.narrow(dim, at + max(stop - start, 0), k - max(stop - start, 0)).zero_()
                 at += k
             assert at == p.shape[0 if dim is None else dim], (pname, at, p.shape)
     return model
@@ -372,6 +377,8 @@ def save_llama(model, path: str, *, dtype, max_shard_size: int) -> None:
             p = params[pname]
             dim, lengths = _layout(p, hfs, shapes)
             full = _full_tensor(p, dim, lengths, state)
+            if dim is not None and full.shape[dim] > sum(lengths):   # padded vocabulary
+                full = full.narrow(dim, 0, sum(lengths))
             if state.rank == 0:
                 for hf, t in zip(hfs, full.split(lengths, 0 if dim is None else dim)):
                     t = t.to(device="cpu", dtype=out_dtype).contiguous()   # .numpy(): host

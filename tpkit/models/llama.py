@@ -27,6 +27,7 @@ from ..recompute import checkpoint
 from ..te import is_te_module
 from ..topology import resolve_state
 from .generate import GenerationMixin
+from .vocab import mask_padding, padded_vocab_size
 
 __all__ = ["LlamaConfig", "Llama", "ARCHITECTURES", "ROPE_TYPES", "rope_inv_freq"]
 
@@ -62,6 +63,9 @@ class LlamaConfig:
     hidden_dropout: float = 0.0
     recompute: bool = False
     backend: str = "torch"               # the blocks': "torch", "te" or "auto" (tpkit.nn)
+    # embedding/output rows padded to a multiple of this (tpkit.models.vocab: the padded
+    # logits are masked out; config.json and an export keep the real vocab_size)
+    vocab_multiple: int = 1
 
     @property
     def kv_heads(self) -> int:
@@ -72,13 +76,17 @@ class LlamaConfig:
         return self.hidden_size // self.num_heads
 
     @property
+    def padded_vocab_size(self) -> int:
+        return padded_vocab_size(self.vocab_size, self.vocab_multiple)
+
+    @property
     def has_qkv_bias(self) -> bool:
         return self.bias if self.qkv_bias is None else bool(self.qkv_bias)
 
     def validate(self) -> "LlamaConfig":
         """Raise ValueError naming the first field that tpkit cannot build; return self."""
         for name in ("vocab_size", "hidden_size", "ffn_hidden_size", "num_layers", "num_heads",
-                     "kv_heads", "max_position_embeddings"):
+                     "kv_heads", "max_position_embeddings", "vocab_multiple"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"LlamaConfig.{name}={v!r} must be a positive integer")
@@ -122,7 +130,13 @@ class LlamaConfig:
                         ("num_gqa_groups (num_key_value_heads)",
                          tp if kv_shared else self.kv_heads),
                         ("ffn_hidden_size (intermediate_size)", self.ffn_hidden_size),
-                        ("vocab_size", self.vocab_size)):
+                        ("vocab_size", self.padded_vocab_size)):
+            if n % tp and what == "vocab_size" and self.vocab_multiple > 1:
+                raise ValueError(f"vocab_size={self.vocab_size} padded to a multiple of "
+                                 f"vocab_multiple={self.vocab_multiple} is "
+                                 f"{self.padded_vocab_size}, which the tensor-parallel size "
+                                 f"tp={tp} does not divide; use vocab_multiple="
+                                 f"{math.lcm(self.vocab_multiple, tp)}")
             if n % tp:
                 raise ValueError(f"{what}={n} is not divisible by the tensor-parallel size "
                                  f"tp={tp}; choose a tp that divides it")
@@ -206,7 +220,7 @@ class Llama(GenerationMixin, nn.Module):
         std = cfg.initializer_range
         init = init_method or (lambda w: nn.init.normal_(w, 0.0, std))
         kw = dict(state=state, dtype=dtype)
-        self.embedding = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size,
+        self.embedding = VocabParallelEmbedding(cfg.padded_vocab_size, cfg.hidden_size,
                                                 init_method=init, **kw)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, device=state.device)
         with torch.no_grad():
@@ -225,7 +239,7 @@ class Llama(GenerationMixin, nn.Module):
         # rank's chunks itself; tpkit's takes the angles of this rank's positions.
         self._te_blocks = any(is_te_module(m) for m in self.layers)
         self.final_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, **kw)
-        self.output = ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size, bias=False,
+        self.output = ColumnParallelLinear(cfg.hidden_size, cfg.padded_vocab_size, bias=False,
                                            gather_output=False,
                                            init_method=_no_init if cfg.tie_word_embeddings
                                            else init, **kw)
@@ -261,7 +275,8 @@ class Llama(GenerationMixin, nn.Module):
         return layer(x, rotary_pos_emb=freqs)
 
     def pp_head(self, x: torch.Tensor) -> torch.Tensor:
-        return self.output(self.final_norm(x))                     # [s_cp, b, V/tp]
+        logits = self.output(self.final_norm(x))                   # [s_cp, b, V/tp]
+        return mask_padding(logits, self.cfg.vocab_size, self.state.tp_rank)
 
     def pp_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         targets = shard_sequence(targets, 1, self.state).t().contiguous()

@@ -115,10 +115,11 @@ class ModelShape:
 
     @classmethod
     def from_llama_config(cls, cfg) -> "ModelShape":
-        """From a tpkit.models.LlamaConfig (SwiGLU MLPs, RMSNorm)."""
+        """From a tpkit.models.LlamaConfig (SwiGLU MLPs, RMSNorm), the vocabulary padded
+        to ``vocab_multiple`` as built."""
         return cls(layers=cfg.num_layers, hidden=cfg.hidden_size, ffn=cfg.ffn_hidden_size,
                    heads=cfg.num_heads, kv_heads=cfg.kv_heads,
-                   vocab=cfg.vocab_size, activation="swiglu", norm="RMSNorm",
+                   vocab=cfg.padded_vocab_size, activation="swiglu", norm="RMSNorm",
                    bias=bool(cfg.bias), qkv_bias=cfg.qkv_bias,
                    tied_embeddings=bool(cfg.tie_word_embeddings))
 

@@ -53,7 +53,7 @@ def llama_config(job, impl: str | None = None):
     from tpkit.models.hf import config_from_hf
     m, t = job.model, job.training
     train = dict(backend=impl or m.impl, recompute=t.recompute, hidden_dropout=m.dropout,
-                 attention_dropout=m.dropout)
+                 attention_dropout=m.dropout, vocab_multiple=m.vocab_multiple)
     vocab = vocab_size(job)
     if m.hf_config is not None:
         with open(hf_config_path(m.hf_config)) as f:

@@ -121,7 +121,7 @@ class Model:
                           short="--gqa-groups")
     ffn: int = opt(512, "MLP hidden size (each expert's, with experts)", short="--ffn")
     dropout: float = opt(0.0, "hidden and attention dropout", short="--dropout")
-    vocab_multiple: int = opt(128, "pad the reference GPT's vocabulary to a multiple of this "
+    vocab_multiple: int = opt(128, "pad the model's vocabulary to a multiple of this "
                                    "(Megatron's make-vocab-size-divisible-by; the padded logits"
                                    " are masked out of the loss and of generation)",
                               short="--vocab-multiple")
@@ -144,7 +144,7 @@ class Model:
             raise job.bad("model.dropout", "must be in [0, 1)")
         if self.init_from_hf:
             given = [job.show(f"model.{n}") for n in ("hidden", "layers", "heads",
-                                                      "gqa_groups", "ffn", "vocab_multiple")
+                                                      "gqa_groups", "ffn")
                      if not job.is_default(f"model.{n}")]
             if given:
                 raise ValueError(f"{', '.join(given)} cannot be combined with "

@@ -215,16 +215,26 @@ def gpt_config(job: JobConfig, impl: str | None = None):
 
 
 def check_vocab(job: JobConfig, tp: int) -> None:
-    """The reference GPT's padded vocabulary must split over ``tp``: ValueError naming the
-    vocabulary, where it came from and the model.vocab_multiple to use."""
-    if job.model.init_from_hf:
-        return
-    cfg = gpt_config(job)
-    if cfg.padded_vocab_size % tp:
+    """The model's padded vocabulary (tpkit.models.vocab) must split over ``tp``: ValueError
+    naming the vocabulary, where it came from and the model.vocab_multiple to use."""
+    from tpkit.models.vocab import padded_vocab_size
+    m = job.model
+    if m.init_from_hf:   # (a dry run may plan a download: no config.json yet)
+        if not os.path.isfile(os.path.join(m.init_from_hf, "config.json")):
+            return
+        from tpkit.models.hf import read_config
+        vocab, where = read_config(m.init_from_hf)[0].vocab_size, \
+            f"{job.show('model.init_from_hf')}'s"
+    elif m.hf_config is not None:
+        vocab, where = arch.llama_config(job).vocab_size, f"{job.show('model.hf_config')}'s"
+    else:
+        vocab = vocab_size(job)
         where = (f"{job.show('data.tokenizer')}'s" if job.data.path is not None
                  else "the built-in corpus'")
-        raise ValueError(f"{where} vocabulary of {cfg.vocab_size}, padded to a multiple of "
-                         f"{job.show('model.vocab_multiple')}, is {cfg.padded_vocab_size}, "
+    padded = padded_vocab_size(vocab, m.vocab_multiple)
+    if padded % tp:
+        raise ValueError(f"{where} vocabulary of {vocab}, padded to a multiple of "
+                         f"{job.show('model.vocab_multiple')}, is {padded}, "
                          f"which tp={tp} does not divide; use --vocab-multiple "
                          f"{math.lcm(job.model.vocab_multiple, tp)} or a multiple of it (the "
                          "padded rows are masked out of the loss and of generation)")
@@ -313,7 +323,7 @@ def build_model(job: JobConfig, state) -> torch.nn.Module:
         from tpkit.models import hf
         return hf.from_hf(m.init_from_hf, state, backend=m.impl,
                           recompute=job.training.recompute, hidden_dropout=m.dropout,
-                          attention_dropout=m.dropout)
+                          attention_dropout=m.dropout, vocab_multiple=m.vocab_multiple)
     from tpkit.models import GPT, Llama
     from .arch import is_llama, llama_config
     model = Llama(llama_config(job), state) if is_llama(job) else GPT(gpt_config(job), state)
@@ -632,7 +642,8 @@ def preflight(argv, launch):
             with torch.random.fork_rng(devices=[]):   # the layers: on the meta state.device
                 model_parallel_seed(job.training.seed, state)   # the layers draw TP shards
                 if hf_cfg is not None:   # its shapes at this layout, no weights read
-                    hf_cfg.validate().check_tp(state.tp_size)
+                    dataclasses.replace(hf_cfg, vocab_multiple=job.model.vocab_multiple
+                                        ).validate().check_tp(state.tp_size)
                 from tpkit.models import GPT
                 from .arch import is_llama, llama_config
                 if is_llama(job):   # its shapes at this layout (RoPE's table needs data)
