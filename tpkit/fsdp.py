@@ -14,7 +14,8 @@ parallelism"):
   model with none of these is the root unit alone;
 - the stem (``pp_stem_modules``: the embedding) its own unit, the head
   (``pp_head_modules``: final norm and output layer) one unit, and the root the rest
-  (for a model without the pp protocol, its embedding and head are in the root unit);
+  (for a model without the pp protocol, or whose head is tied to its embedding: one
+  parameter in two units would be two parameters, so both stay in the root unit);
 - ``reshard_after_forward`` per unit (``RESHARD``): True for the stem and every block
   (their parameters are gathered again in backward: the memory FSDP exists to save; the
   last block too, which torchtitan keeps gathered to save one all-gather, so that forward
@@ -82,6 +83,9 @@ def fsdp_units(model: nn.Module, units: str = "blocks") -> list[tuple[str, list,
         blocks = _blocks(model)   # none (a model without blocks): the root alone
         stem = [m for m in stem if any(True for _ in m.parameters())]
         head = [m for m in head if any(True for _ in m.parameters())]
+        stem_params = {id(p) for m in stem for p in m.parameters()}
+        if any(id(p) in stem_params for m in head for p in m.parameters()):
+            stem, head = [], []   # a tied embedding and head: one parameter, the root's unit
         if stem:
             out.append(("stem", stem, RESHARD["stem"]))
         out += [("block", [b], RESHARD["block"]) for b in blocks]
