@@ -41,6 +41,19 @@ EFFECTS = {
     "model.hidden": HERE, "model.layers": HERE, "model.heads": HERE,
     "model.gqa_groups": HERE, "model.ffn": HERE, "model.dropout": HERE,
     "model.init_from_hf": "tests/models/test_models_hf.py::test_train_init_from_hf_and_export",
+    "model.arch": "tests/train/test_train_data.py::"
+                  "test_llama_from_scratch_takes_the_tokenizers_vocabulary",
+    "model.hf_config": "tests/train/test_llama_scratch.py::"
+                       "test_llama_from_scratch_matches_transformers",
+    "model.rope_theta": "tests/train/test_llama_scratch.py::"
+                        "test_llama_from_scratch_matches_transformers",
+    "model.vocab_multiple": "tests/train/test_train_data.py::"
+                            "test_odd_vocabulary_is_padded_and_trains_at_tp2",
+    "parallelism.dp_replicate": "tests/train/test_compose.py::test_hsdp_2x2_with_tp2",
+    "parallelism.fsdp_mixed_precision": "tests/train/test_compose.py::"
+                                        "test_fsdp_bf16_policy_tracks_fp32",
+    "checkpoint.resume_partial": "tests/test_bad_input.py::test_partial_resume_trains_on",
+    "optimizer.impl": "tests/train/test_option_effects.py::test_optimizer_impl_takes_effect",
     "data.pack": "tests/train/test_train_data.py::test_own_data_packed_same_curves_at_tp2_cp2",
     "data.path": "tests/train/test_train_data.py::test_own_data_packed_same_curves_at_tp2_cp2",
     "data.tokenizer": "tests/train/test_train_data.py::test_own_data_packed_same_curves_at_tp2_cp2",
@@ -313,3 +326,22 @@ def test_data_format_takes_effect(tmp_path):
     (res,) = run(_formats, 1, str(path), tok)
     assert res["text"] != res["sft"], res
     assert res["auto"] in (res["text"], res["sft"]), res
+
+
+def test_optimizer_impl_takes_effect():
+    """optimizer.impl picks torch's AdamW kernel: fused (one kernel over every parameter)
+    or foreach (multi-tensor); auto is fused on CUDA only. Its effect is the kernel the
+    optimizer runs, read from torch's own AdamW defaults (the curves agree by design:
+    tests/train/test_train_step.py::test_fused_adamw_trains_as_the_multi_tensor_one)."""
+    import torch
+    from tpkit.train import parse
+    from tpkit.train.trainer import adamw
+    p = [torch.nn.Parameter(torch.ones(3))]
+    for impl, device, fused in (("fused", "cpu", True), ("foreach", "cpu", False),
+                                ("auto", "cpu", False), ("auto", "cuda", True),
+                                ("foreach", "cuda", False)):
+        job, _ = parse(["--optimizer-impl", impl])
+        opt = adamw(p, job, device)
+        assert bool(opt.defaults["fused"]) is fused, (impl, device)
+        assert bool(opt.defaults["foreach"]) is not fused, (impl, device)
+
