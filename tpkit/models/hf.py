@@ -309,7 +309,7 @@ def _full_tensor(p, dim, lengths, state) -> torch.Tensor:
     dp x cp first for an FSDP2 shard)."""
     t = p
     if hasattr(p, "to_local"):   # an FSDP2 DTensor: this rank's TP shard first
-        from ..checkpoint._dcp import _gather_fsdp
+        from ..checkpoint._dcp_views import _gather_fsdp
         t = _gather_fsdp(p, state.dp_cp_group)
     t = t.detach()
     if dim is None:
