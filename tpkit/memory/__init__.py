@@ -29,8 +29,8 @@ import dataclasses
 import math
 from typing import Iterable
 
-from .config import ParallelConfig
-from .models.shape import ModelShape
+from ..config import ParallelConfig
+from ..models.shape import ModelShape
 
 __all__ = ["ModelShape", "MemoryJob", "MemoryEstimate", "estimate_memory", "role_ranks",
            "estimate_roles", "suggest_layouts", "format_estimate", "format_roles",
@@ -357,7 +357,7 @@ def _stage_blocks(plan_style: str, pp: int, v: int, layers: int, r: int) -> list
 
 
 def _style(schedule: str) -> tuple[str, int]:
-    from .pipeline import SCHEDULES
+    from ..pipeline import SCHEDULES
     names = {k.lower(): k for k in SCHEDULES}
     key = names.get(schedule.lower())
     if key is None:
@@ -543,7 +543,7 @@ def estimate_roles(job: MemoryJob, config: ParallelConfig, world_size: int | Non
                    ) -> list[MemoryEstimate]:
     """One estimate per distinct role (first, middle, last pipeline rank; the expert ranks
     hold the same as their stage's others), each named with its ranks."""
-    from .planning import format_ranks
+    from ..planning import format_ranks
     if config.dp is None:
         config = config.validate(world_size)
     per_stage = config.tp * config.cp * config.dp
