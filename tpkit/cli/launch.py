@@ -153,7 +153,8 @@ def _visible_gpus() -> int:
 
 def resolve(args, env: Mapping[str, str]) -> Plan:
     """Check the invocation against the layout, the machine and Slurm; raise LaunchError."""
-    from tpkit.config import LAUNCH_GIVEN, ParallelConfig, env_flag, fused_attn_enabled
+    from tpkit._env import env_flag
+    from tpkit.config import LAUNCH_GIVEN, ParallelConfig, fused_attn_enabled
     from tpkit.comm.shm import shm_allreduce_enabled, shm_p2p_enabled
     from .clusters import cluster_info
     from .slurm import slurm_info
@@ -407,7 +408,7 @@ def _launch(args, plan: Plan) -> int:
         e.name = script  # torchrun would name the wrapper module
         line = describe_failure(e)
         if user_error(line):  # a user's ValueError: the one line says it all
-            from tpkit.config import env_flag
+            from tpkit._env import env_flag
             if not env_flag("TPKIT_TRACEBACK", default=False):   # checked by resolve()
                 line += " [TPKIT_TRACEBACK=1 shows the traceback]"
         else:
