@@ -63,7 +63,7 @@ def _pipelined(layers, *, tp=1, cp=1, pp=2, schedule="1F1B", microbatches=4,
     from tpkit.models.gpt import GPT
     from tpkit.checkpoint import gather_param, load_full_state_dict
     from tpkit.grads import sync_sequence_parallel_grads
-    from tpkit.param_tags import tp_spec
+    from tpkit.layout.param_tags import tp_spec
     from tpkit.pipeline import build_pipeline
     state = tpkit.init_parallel(tp=tp, cp=cp, pp=pp, sequence_parallel=sp)
     model = GPT(_cfg(layers, recompute))
@@ -223,7 +223,7 @@ def _full_local(module, opt, state):
     """{name: full tensor} of this rank's parameters and their Adam exp_avg (tp rank 0 and
     dp rank 0 report; None elsewhere), the lrs and the step."""
     from tpkit.checkpoint import gather_param
-    from tpkit.param_tags import tp_spec
+    from tpkit.layout.param_tags import tp_spec
 
     def full(t, p):
         spec = tp_spec(p)

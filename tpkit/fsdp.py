@@ -43,7 +43,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .param_tags import set_tags, tags_of
+from .layout.param_tags import set_tags, tags_of
 
 __all__ = ["UNITS", "MIXED_PRECISION", "RESHARD", "fsdp_units", "fsdp_mesh", "shard_model"]
 

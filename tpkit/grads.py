@@ -3,7 +3,7 @@ clipping. Used by TPKitStrategy, launch/train.py and hand-written loops alike.
 
 All work on the *local* tensors: with FSDP2 a gradient is a DTensor over the dp(x cp)
 mesh and its local shard is what this rank owns. Which parameters are TP shards and
-which need a TP sum is read off their tags (tpkit.param_tags).
+which need a TP sum is read off their tags (tpkit.layout.param_tags).
 """
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .comm.collectives import all_reduce_flat, all_reduce_max, all_reduce_sum
-from .param_tags import is_expert, is_sequence_parallel, tp_spec
-from .topology import resolve_state
+from .layout.param_tags import is_expert, is_sequence_parallel, tp_spec
+from .layout.topology import resolve_state
 
 __all__ = ["sync_sequence_parallel_grads", "reduce_expert_grads", "grad_norm",
            "clip_grad_norm", "clip_grad_value", "snapshot_grads", "reduce_since"]

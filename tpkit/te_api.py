@@ -34,9 +34,9 @@ from .nn.export import export_mode as _export_mode
 from .nn.inference import InferenceParams
 from .nn.linear import linear_fn
 from .offload import get_cpu_offload_context
-from .random import RNGStatesTracker
+from .layout.random import RNGStatesTracker
 from .recompute import checkpoint
-from .topology import resolve_state
+from .layout.topology import resolve_state
 
 __all__ = ["Linear", "LayerNorm", "RMSNorm", "LayerNormLinear", "LayerNormMLP",
            "DotProductAttention", "MultiheadAttention", "TransformerLayer", "InferenceParams",

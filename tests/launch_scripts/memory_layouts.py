@@ -24,7 +24,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 import tpkit  # noqa: E402
 from memcount import LiveBytes  # noqa: E402
-from tpkit.config import ParallelConfig  # noqa: E402
+from tpkit.layout.config import ParallelConfig  # noqa: E402
 from tpkit.memory import MemoryJob, ModelShape, estimate_memory  # noqa: E402
 
 from tpkit.models.gpt import GPT, GPTConfig  # noqa: E402   # the reference GPT
@@ -98,7 +98,7 @@ def run_layout(name: str):
             from torch.distributed.fsdp import fully_shard
             fully_shard(model, mesh=state.dp_cp_mesh)
         elif state.dp_cp_size > 1:
-            from tpkit.param_tags import is_expert
+            from tpkit.layout.param_tags import is_expert
             experts = [n for n, p in model.named_parameters() if is_expert(p)]
             torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
                 model, experts)

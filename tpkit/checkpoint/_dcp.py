@@ -56,7 +56,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from . import _dcp_fs as fs
 from ._dcp_fs import checkpoint_dir, is_url, verify_files
 from ._dcp_verify import agree
-from ..topology import resolve_state
+from ..layout.topology import resolve_state
 from ._dcp_views import (EXTRA_STATE_SUFFIX, SEG_DIM, _SafeLoadPlanner, _build, _param_names,
                          _reader, _stateful, _unsafe_global, fsdp_local, unwrap_module)
 from ._dcp_save import PendingSave, async_save, save

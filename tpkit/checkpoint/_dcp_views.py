@@ -17,8 +17,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from ._dcp_fs import is_url, verify_files
 from ._dcp_verify import load_metadata
 from ..comm.collectives import all_gather, group_size
-from ..param_tags import is_expert, tp_spec
-from ..topology import resolve_state
+from ..layout.param_tags import is_expert, tp_spec
+from ..layout.topology import resolve_state
 
 
 EXTRA_STATE_SUFFIX = "_extra_state"

@@ -154,7 +154,7 @@ def _visible_gpus() -> int:
 def resolve(args, env: Mapping[str, str]) -> Plan:
     """Check the invocation against the layout, the machine and Slurm; raise LaunchError."""
     from tpkit._env import env_flag
-    from tpkit.config import LAUNCH_GIVEN, ParallelConfig, fused_attn_enabled
+    from tpkit.layout.config import LAUNCH_GIVEN, ParallelConfig, fused_attn_enabled
     from tpkit.comm.shm import shm_allreduce_enabled, shm_p2p_enabled
     from .clusters import cluster_info
     from .slurm import slurm_info
@@ -285,7 +285,7 @@ def _settle(plan: Plan, layouts: list, env: Mapping[str, str], *, dry_run: bool)
     """Make ``layouts`` (one Layout per node count) the plan's final layout: its config
     (the Layout; for an elastic launch the sizes with dp left to the world), its
     TPKIT_* exports and the pre-flight's LaunchInfo per node count."""
-    from tpkit.config import ENV_VARS, ParallelConfig
+    from tpkit.layout.config import ENV_VARS, ParallelConfig
     first = layouts[0]
     if plan.min_nodes == plan.max_nodes:
         plan.config = first

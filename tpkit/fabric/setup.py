@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..param_tags import is_expert, tp_spec
+from ..layout.param_tags import is_expert, tp_spec
 from ..te import is_te_module
 
 

@@ -49,10 +49,11 @@ from lightning.fabric.utilities.distributed import (_get_default_process_group_b
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from torch import nn
 
-from .. import checkpoint, grads, parallel_state, topology
-from ..config import ParallelConfig
-from ..param_tags import is_expert
-from ..random import MODEL_PARALLEL_RNG, get_rng_tracker, model_parallel_seed
+from .. import checkpoint, grads
+from ..layout import parallel_state, topology
+from ..layout.config import ParallelConfig
+from ..layout.param_tags import is_expert
+from ..layout.random import MODEL_PARALLEL_RNG, get_rng_tracker, model_parallel_seed
 from ..te import is_te_module, wire_parallel_groups
 from .sync import ExpertGradSum, SequenceParallelSum, TPKitBackwardSyncControl
 from .setup import (_FSDP_ORDER, _PP_ORDER, _SWAP_ORDER, _TIMED_OUT, _apply_fsdp,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from ..config import ParallelConfig
+from ..layout.config import ParallelConfig
 from .job import AUTOCAST, MemoryEstimate, MemoryJob, _ACT
 
 
@@ -405,7 +405,7 @@ def estimate_roles(job: MemoryJob, config: ParallelConfig, world_size: int | Non
                    ) -> list[MemoryEstimate]:
     """One estimate per distinct role (first, middle, last pipeline rank; the expert ranks
     hold the same as their stage's others), each named with its ranks."""
-    from ..planning import format_ranks
+    from ..layout.planning import format_ranks
     if config.dp is None:
         config = config.validate(world_size)
     per_stage = config.tp * config.cp * config.dp

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..config import ParallelConfig
+from ..layout.config import ParallelConfig
 from .job import MemoryJob
 from .estimate import _dtype_bytes, _estimate
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from ..config import ParallelConfig
+from ..layout.config import ParallelConfig
 from .job import GiB, MemoryEstimate, MemoryJob
 
 

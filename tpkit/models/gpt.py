@@ -23,7 +23,7 @@ from ..nn import (ColumnParallelLinear, RMSNorm, RotaryEmbedding, TransformerLay
                   VocabParallelEmbedding, vocab_parallel_cross_entropy)
 from ..offload import get_cpu_offload_context
 from ..recompute import checkpoint
-from ..topology import get_parallel_state
+from ..layout.topology import get_parallel_state
 from .generate import GenerationMixin
 
 

@@ -25,7 +25,7 @@ from ..nn import (ColumnParallelLinear, RMSNorm, RotaryEmbedding, TransformerLay
                   VocabParallelEmbedding, vocab_parallel_cross_entropy)
 from ..recompute import checkpoint
 from ..te import is_te_module
-from ..topology import resolve_state
+from ..layout.topology import resolve_state
 from .generate import GenerationMixin
 
 __all__ = ["LlamaConfig", "Llama", "ARCHITECTURES", "ROPE_TYPES", "rope_inv_freq"]

@@ -24,7 +24,7 @@ def _launched() -> bool:
 def resolve_layout(job: JobConfig, env=None):
     """The job's layout (JobConfig.layout: its parallelism section over the layout
     tpkit-launch exported, which already holds the job's sizes) checked against this
-    world: a ``tpkit.config.Layout``; ValueError naming the sizes, where they came from
+    world: a ``tpkit.layout.config.Layout``; ValueError naming the sizes, where they came from
     and the fix."""
     config = job.layout(env)
     world = dist.get_world_size() if dist.is_initialized() else \

@@ -144,7 +144,7 @@ class JobConfig:
         launch then runs this layout (its dry run prints it, its workers read it back).
         Else an environment (default os.environ): its ``TPKIT_*`` are defaults that the
         job's values win over (``ParallelConfig.from_env``)."""
-        from ..config import ENV_VARS, ParallelConfig
+        from ..layout.config import ENV_VARS, ParallelConfig
         job = self
 
         class _Where(str):   # ParallelConfig's messages name each value's origin

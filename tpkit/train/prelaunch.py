@@ -16,7 +16,7 @@ from .build import (build_model, check_hf_dir, check_vocab, gpt_config, memory_j
 def pipeline_stages(job: JobConfig, state) -> list[str]:
     """The dry run's lines: which stages and blocks every pp rank (and its ranks) runs."""
     from tpkit.pipeline import plan_pipeline
-    from tpkit.planning import format_ranks
+    from tpkit.layout.planning import format_ranks
     from .arch import num_layers
     layers = num_layers(job)
     plan = plan_pipeline(pp=state.pp_size, num_blocks=layers,
@@ -52,8 +52,8 @@ def preflight(argv, launch):
     ValueError (or argparse's exit 2) stops the launch; --print-config and --help answer
     instead of launching."""
     from tpkit.checkpoint import verify
-    from tpkit.planning import fake_state
-    from tpkit.random import get_rng_tracker, model_parallel_seed
+    from tpkit.layout.planning import fake_state
+    from tpkit.layout.random import get_rng_tracker, model_parallel_seed
     job, ns = parse(argv)
     if ns.print_config:
         print(job.to_toml(), end="")

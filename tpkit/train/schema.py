@@ -6,7 +6,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from ..config import CP_COMM_TYPES, FP8_RECIPES
+from ..layout.config import CP_COMM_TYPES, FP8_RECIPES
 
 
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "fp8")

@@ -274,6 +274,6 @@ def cli(prog: str | None = None) -> None:
     layout and the process group torn down."""
     main(prog=prog)
     import tpkit
-    from tpkit.parallel_state import release_default_group
+    from tpkit.layout.parallel_state import release_default_group
     tpkit.destroy_parallel()
     release_default_group()   # now, not at interpreter finalization (its docstring)

@@ -11,7 +11,7 @@ import os
 import re
 from typing import Mapping
 
-from ._env import env_flag
+from .._env import env_flag
 
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
 # fp8 recipes by name -> the class name they share in tpkit.fp8 and Transformer Engine
