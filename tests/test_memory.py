@@ -60,7 +60,7 @@ def _meta_params(cfg, layout, world, rank=0):
         try:
             model = GPT(cfg, state)
             if state.pp_size > 1:
-                from tpkit.pipeline import PipelineStageModule, plan_pipeline
+                from tpkit.distributed.pipeline import PipelineStageModule, plan_pipeline
                 plan = plan_pipeline(pp=state.pp_size, num_blocks=cfg.num_layers,
                                      microbatches=state.pp_size)
                 st = plan.stages_of(state.pp_rank)[0]

@@ -329,6 +329,7 @@ SUBSYSTEMS = {   # package -> the modules that live in it, never at tpkit's root
     "comm": ("collectives", "shm"),
     "layout": ("config", "param_tags", "topology", "random", "planning", "parallel_state"),
     "memory": ("job", "estimate", "fit", "text"),
+    "distributed": ("pipeline", "fsdp"),
 }
 
 

@@ -90,8 +90,8 @@ def grad_norm(params: Iterable[torch.nn.Parameter], state, norm_type: float = 2.
     once (not ``tp`` times); expert weights (tpkit.nn.MoE) count every (etp, ep) shard
     once. One all-reduce over TP (plus one over dp(x cp) under FSDP, and one over etp x ep
     when the model has expert weights and ep*etp > 1).
-    Under pipeline parallelism (``pp > 1``) ``params`` are this rank's stages' (tpkit.pipeline:
-    every parameter lives on exactly one pp rank) and the norm is all-reduced over
+    Under pipeline parallelism (``pp > 1``) ``params`` are this rank's stages'
+    (tpkit.distributed.pipeline: every parameter lives on exactly one pp rank) and the norm is all-reduced over
     ``pp_group`` too, so every stage sees the whole model's norm, each parameter counted once.
     Every pp rank must call it (it is collective over ``pp_group``)."""
     params = [p for p in params if p.grad is not None]

@@ -91,7 +91,7 @@ _PP_ORDER = ("with pp > 1 the optimizer must be created after the module is spli
 def _pipeline_args(pp: int, microbatches, schedule, virtual_stages, data_parallel) -> dict:
     """TPKitStrategy's pipeline arguments, checked before any process starts (the number of
     blocks is checked by setup_module, which sees the model)."""
-    from ..pipeline import plan_pipeline
+    from ..distributed.pipeline import plan_pipeline
     if pp == 1:
         given = [f"{k}={v!r}" for k, v, d in (("microbatches", microbatches, None),
                                                ("pp_schedule", schedule, "1F1B"),
@@ -158,7 +158,7 @@ def _materialize(module: nn.Module, device: torch.device) -> None:
 
 
 def _apply_fsdp(module: nn.Module, state, **fsdp) -> nn.Module:
-    """FSDP2 over the dp x cp ranks, a unit per block (tpkit.fsdp.shard_model); tpkit's
+    """FSDP2 over the dp x cp ranks, a unit per block (tpkit.distributed.fsdp.shard_model); tpkit's
     parameter tags are carried over to the DTensor parameters FSDP creates."""
-    from ..fsdp import shard_model
+    from ..distributed.fsdp import shard_model
     return shard_model(module, state, **fsdp)

@@ -69,7 +69,8 @@ class TPKitStrategy(ParallelStrategy):
     ParallelConfig resolved by the caller, used as it is (instead of the sizes).
     ``data_parallel="fsdp"``: FSDP2 in ``fsdp_units`` ("blocks": a unit per transformer
     block, the stem and the head their own; "model": one), HSDP with ``fsdp_replicate`` >
-    1 replicas, ``fsdp_mixed_precision="bf16"`` (bf16 compute, fp32 reduce); tpkit.fsdp."""
+    1 replicas, ``fsdp_mixed_precision="bf16"`` (bf16 compute, fp32 reduce);
+    tpkit.distributed.fsdp."""
 
     def __init__(self, tp: int | None = None, cp: int | None = None, pp: int | None = None, *,
                  sequence_parallel: bool | None = None, cp_comm_type: str | None = None,
@@ -116,7 +117,7 @@ class TPKitStrategy(ParallelStrategy):
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
             raise ValueError(f"seed={seed!r} must be a non-negative integer or None")
         self._data_parallel = data_parallel
-        from ..fsdp import MIXED_PRECISION, UNITS   # FSDP2's options (tpkit.fsdp)
+        from ..distributed.fsdp import MIXED_PRECISION, UNITS   # FSDP2's options
         fsdp = dict(units=fsdp_units, replicate=fsdp_replicate,
                     mixed_precision=fsdp_mixed_precision)
         for (name, v), ok, default in zip(fsdp.items(), (UNITS, None, MIXED_PRECISION),
@@ -296,8 +297,8 @@ class TPKitStrategy(ParallelStrategy):
     # --- pipeline parallelism (pp > 1; docs/pipeline.md "Fabric") ---------------------
     def _setup_pipeline(self, module: nn.Module, state) -> nn.Module:
         """Split ``module`` into this rank's stages and build the schedule
-        (tpkit.pipeline.build_pipeline); returns the stages' PipelineModule."""
-        from ..pipeline import build_pipeline
+        (tpkit.distributed.pipeline.build_pipeline); returns the stages' PipelineModule."""
+        from ..distributed.pipeline import build_pipeline
         if self._pipeline is not None:
             raise ValueError("TPKitStrategy(pp > 1) pipelines one model; set up a single "
                              "module (a second fabric.setup_module call found one already)")
@@ -309,7 +310,7 @@ class TPKitStrategy(ParallelStrategy):
         forward_context = getattr(self.precision, "forward_context", None)
         before = {id(p): weakref.ref(p) for p in module.parameters()}
         # One flattened all-reduce per dtype over dp x cp after the step: right for every
-        # schedule and micro-batch count (DDP inside the stages is not, tpkit.pipeline).
+        # schedule and micro-batch count (DDP inside the stages is not, tpkit.distributed.pipeline).
         pipe = build_pipeline(module, state=state, device=self.root_device,
                               data_parallel="allreduce", forward_context=forward_context,
                               loss_scale=None if scaler is None or not scaler.is_enabled()
@@ -324,7 +325,7 @@ class TPKitStrategy(ParallelStrategy):
 
     @property
     def pipeline(self):
-        """The tpkit.pipeline.Pipeline built by setup_module (pp > 1), else None."""
+        """The tpkit.distributed.pipeline.Pipeline built by setup_module (pp > 1), else None."""
         return self._pipeline
 
     def pipeline_step(self, *inputs, target: torch.Tensor) -> torch.Tensor:

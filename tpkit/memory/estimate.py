@@ -219,7 +219,7 @@ def _stage_blocks(plan_style: str, pp: int, v: int, layers: int, r: int) -> list
 
 
 def _style(schedule: str) -> tuple[str, int]:
-    from ..pipeline import SCHEDULES
+    from ..distributed.pipeline import SCHEDULES
     names = {k.lower(): k for k in SCHEDULES}
     key = names.get(schedule.lower())
     if key is None:

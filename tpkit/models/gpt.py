@@ -95,7 +95,7 @@ class GPT(GenerationMixin, nn.Module):
         self.output = ColumnParallelLinear(cfg.hidden_size, cfg.padded_vocab_size, bias=False,
                                            gather_output=False, **kw)
 
-    # --- pipeline protocol (tpkit.pipeline): stem, blocks, head and loss -------------
+    # --- pipeline protocol (tpkit.distributed.pipeline): stem, blocks, head and loss -------------
     pp_blocks = "layers"
     pp_stem_modules = ("embedding",)
     pp_head_modules = ("final_norm", "output")
@@ -139,7 +139,7 @@ class GPT(GenerationMixin, nn.Module):
     def pp_aux_loss(self, layer: nn.Module) -> torch.Tensor | None:
         """The router losses of ``layer``'s last forward (this rank's share, docs/moe.md),
         None for a dense layer: forward adds them to the loss; a pipeline stage attaches
-        their gradient to its activations (tpkit.pipeline)."""
+        their gradient to its activations (tpkit.distributed.pipeline)."""
         from ..nn import MoE
         aux = [m.aux_loss for m in layer.modules() if isinstance(m, MoE)]
         return sum(aux) if aux else None

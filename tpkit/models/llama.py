@@ -232,7 +232,7 @@ class Llama(GenerationMixin, nn.Module):
         if cfg.tie_word_embeddings:   # same [V/tp, h] rows on both sides: share the shard
             self.output.weight = self.embedding.weight
 
-    # --- pipeline protocol (tpkit.pipeline): stem, blocks, head and loss -------------
+    # --- pipeline protocol (tpkit.distributed.pipeline): stem, blocks, head and loss -------------
     pp_blocks = "layers"
     pp_stem_modules = ("embedding",)
     pp_head_modules = ("final_norm", "output")

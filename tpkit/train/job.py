@@ -115,7 +115,7 @@ class JobConfig:
                 if bad:
                     raise ValueError(f"{self.show(path)} with --pp {pp}: {why}; drop it or "
                                      "use --pp 1")
-            from ..pipeline import plan_pipeline
+            from ..distributed.pipeline import plan_pipeline
             from .arch import num_layers
             try:
                 plan_pipeline(pp=pp, num_blocks=num_layers(self), microbatches=m,

@@ -15,7 +15,7 @@ from .build import (build_model, check_hf_dir, check_vocab, gpt_config, memory_j
 # --- before any worker starts (tpkit-launch calls the script's tpkit_preflight) ------------
 def pipeline_stages(job: JobConfig, state) -> list[str]:
     """The dry run's lines: which stages and blocks every pp rank (and its ranks) runs."""
-    from tpkit.pipeline import plan_pipeline
+    from tpkit.distributed.pipeline import plan_pipeline
     from tpkit.layout.planning import format_ranks
     from .arch import num_layers
     layers = num_layers(job)

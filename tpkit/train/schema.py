@@ -56,7 +56,7 @@ class Parallelism:
     cp_comm_type: str | None = opt(None, "how context-parallel attention communicates",
                                    short="--cp-comm-type", choices=CP_COMM_TYPES)
     data_parallel: str = opt("ddp", "DDP or FSDP2 over the dp x cp ranks (fsdp: a unit per "
-                                    "transformer block, tpkit.fsdp)",
+                                    "transformer block, tpkit.distributed.fsdp)",
                              short="--data-parallel", choices=("ddp", "fsdp"))
     dp_replicate: int = opt(1, "HSDP: the dp x cp ranks as dp_replicate replicas x the rest "
                                "sharded (within a node where tp x shard fits one; needs "
@@ -362,7 +362,7 @@ class Recovery:
 
 @dataclass
 class Pipeline:
-    """Pipeline schedules (tpkit.pipeline; docs/pipeline.md); the stage count is
+    """Pipeline schedules (tpkit.distributed.pipeline; docs/pipeline.md); the stage count is
     parallelism.pp."""
     microbatches: int | None = opt(
         None, "micro-batches per step and dp rank (default 2 x pp; at pp=1 gradient "
@@ -372,7 +372,7 @@ class Pipeline:
                                            "(default 2)", short="--virtual-stages")
 
     def check(self, job: "JobConfig") -> None:
-        from ..pipeline import SCHEDULES   # imports torch: only when a job is checked
+        from ..distributed.pipeline import SCHEDULES   # imports torch: only when a job is checked
         if self.schedule not in SCHEDULES:
             raise job.bad("pipeline.schedule", f"is unknown; use one of {list(SCHEDULES)}")
         if self.microbatches is not None and self.microbatches < 1:

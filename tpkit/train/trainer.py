@@ -115,7 +115,7 @@ class Trainer:
 
     def step_loss(self, step: int, batch=None) -> torch.Tensor:
         """Forward and backward of step ``step``'s batch (``batch(step)`` unless given);
-        this rank's loss (pp > 1: every stage gets it from the last, tpkit.pipeline)."""
+        this rank's loss (pp > 1: every stage gets it from the last, tpkit.distributed.pipeline)."""
         fabric, state = self.fabric, self.state
         kind, data = self.batch(step) if batch is None else batch
         if kind == "packed":
