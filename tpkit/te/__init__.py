@@ -32,9 +32,9 @@ from collections.abc import Mapping
 
 import torch
 
-from .layout.config import FP8_RECIPES
-from .layout.random import EXPERT_PARALLEL_RNG, get_rng_tracker
-from .layout.topology import add_destroy_hook, is_initialized, resolve_state
+from ..layout.config import FP8_RECIPES
+from ..layout.random import EXPERT_PARALLEL_RNG, get_rng_tracker
+from ..layout.topology import add_destroy_hook, is_initialized, resolve_state
 
 CHECKED_TE_VERSION = "2.20.2"
 INSTALL_HINT = "pip install 'tpkit[te]'"
