@@ -330,6 +330,7 @@ SUBSYSTEMS = {   # package -> the modules that live in it, never at tpkit's root
     "layout": ("config", "param_tags", "topology", "random", "planning", "parallel_state"),
     "memory": ("job", "estimate", "fit", "text"),
     "distributed": ("pipeline", "fsdp"),
+    "te": ("offload",),
 }
 
 

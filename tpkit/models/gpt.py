@@ -21,7 +21,7 @@ from torch import nn
 from ..data import shard_position_ids, shard_sequence
 from ..nn import (ColumnParallelLinear, RMSNorm, RotaryEmbedding, TransformerLayer,
                   VocabParallelEmbedding, vocab_parallel_cross_entropy)
-from ..offload import get_cpu_offload_context
+from ..te.offload import get_cpu_offload_context
 from ..recompute import checkpoint
 from ..layout.topology import get_parallel_state
 from .generate import GenerationMixin
@@ -46,7 +46,7 @@ class GPTConfig:
     moe_every: int = 1
     moe_aux_coeff: float = 1e-2
     moe_capacity_factor: float | None = None
-    # Activation offload (tpkit.offload, TE's get_cpu_offload_context): the activations of
+    # Activation offload (tpkit.te.offload, TE's get_cpu_offload_context): the activations of
     # the first cpu_offload_layers blocks wait for the backward off the compute device.
     cpu_offload_layers: int = 0
     # Vocabulary padding (Megatron's make-vocab-size-divisible-by): the embedding and the
