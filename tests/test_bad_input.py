@@ -720,7 +720,7 @@ API = [
         call=lambda tmp: _fabric("TPKitStrategy")(pp=1, microbatches=4)),
     Row("pipeline-zero-bubble-recompute", "'ZBVZeroBubble' with recompute",
         "use 1F1B or Interleaved1F1B with recompute",
-        call=lambda tmp: __import__("tpkit.distributed.pipeline").pipeline.plan_pipeline(
+        call=lambda tmp: __import__("tpkit.distributed.pipeline").distributed.pipeline.plan_pipeline(
             pp=2, num_blocks=4, microbatches=4, schedule="ZBVZeroBubble", recompute=True)),
     Row("compile-fullgraph-false", "compile_blocks(fullgraph=False)", "drop fullgraph",
         call=lambda tmp: __import__("tpkit").compile_blocks(torch.nn.Linear(2, 2),
