@@ -4,7 +4,7 @@
 
 4 spawned gloo processes (1 thread each), dp=4, tpkit/models/gpt.py's GPT (float32,
 AdamW). One process set builds three copies of the same weights: DDP over the data ranks,
-``tpkit.fsdp.shard_model(units="model")`` (the whole model one fully_shard unit: what
+``tpkit.distributed.fsdp.shard_model(units="model")`` (the whole model one fully_shard unit: what
 ``data_parallel="fsdp"`` did before issue 54) and ``shard_model(units="blocks")`` (a unit
 per block, the default), and times their training steps (forward + backward + AdamW step)
 interleaved in rounds, so all three see the same load. Memory, counted from the storages
@@ -43,7 +43,7 @@ def _worker(rank, world, port, out):
     import torch.distributed as dist
 
     import tpkit
-    from tpkit.fsdp import shard_model
+    from tpkit.distributed.fsdp import shard_model
     from tpkit.models.gpt import GPT, GPTConfig
     state = tpkit.init_parallel(seed=1234)
     torch.manual_seed(0)

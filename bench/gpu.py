@@ -75,7 +75,7 @@ FP8 = ("fp8",)
 def layers(device_gib: float = DEVICE_GIB, headroom: float = HEADROOM) -> int:
     """The most Llama-3-8B blocks whose tpkit.memory estimate (AdamW, micro-batch 1 of
     seq 8192, 8 micro-batches, bf16-mixed and fp8) fits ``headroom`` of the device."""
-    from tpkit.config import ParallelConfig
+    from tpkit.layout.config import ParallelConfig
     from tpkit.memory import GiB, MemoryJob, ModelShape, estimate_memory
     s, best = LLAMA3_8B, 0
     for n in range(1, 64):
@@ -130,7 +130,7 @@ def figures(tokens_per_s: float, s: dict, device_name: str, *, fp8: bool,
 
 def memory_estimate(s: dict, precision: str) -> dict:
     """tpkit.memory's estimate for a row: the peak, its phase, and each phase's GiB."""
-    from tpkit.config import ParallelConfig
+    from tpkit.layout.config import ParallelConfig
     from tpkit.memory import GiB, MemoryJob, ModelShape, estimate_memory
     shape = ModelShape(layers=s["layers"], hidden=s["hidden"], ffn=s["ffn"],
                        heads=s["heads"], kv_heads=s["kv_heads"], vocab=s["vocab"],
@@ -220,7 +220,7 @@ def hand_model(s: dict, which: str):
         import tpkit
         from tpkit.models import Llama
         from tpkit.models.hf import config_from_hf
-        if not tpkit.topology.is_initialized():
+        if not tpkit.layout.topology.is_initialized():
             tpkit.init_parallel(backend="nccl" if torch.cuda.is_available() else "gloo")
         cfg = config_from_hf(hf_config(s))
         cfg.backend = "te" if torch.cuda.is_available() else "torch"

@@ -83,7 +83,7 @@ def _worker(rank, world, port, ep, out):
     gloo_rank(rank, world, port)
     import tpkit
     from tpkit.grads import reduce_expert_grads
-    from tpkit.param_tags import is_expert
+    from tpkit.layout.param_tags import is_expert
     state = tpkit.init_parallel(ep=ep)
     x, y = token_batch(state, BATCH, SEQ)
     model = _model(state)

@@ -33,7 +33,7 @@ def _model(state):
 def _worker(rank, world, port, pp, microbatches, out):
     gloo_rank(rank, world, port)
     import tpkit
-    from tpkit.pipeline import build_pipeline
+    from tpkit.distributed.pipeline import build_pipeline
     state = tpkit.init_parallel(pp=pp)
     x, y = token_batch(state, BATCH, SEQ)
     model = _model(state)

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 import tpkit
-from tpkit.planning import format_rank_table
+from tpkit.layout.planning import format_rank_table
 
 
 def main() -> None:

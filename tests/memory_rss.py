@@ -14,7 +14,7 @@ os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("PORT", "2
                   RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
 dist.init_process_group("gloo")
 import tpkit  # noqa: E402
-from tpkit.config import ParallelConfig  # noqa: E402
+from tpkit.layout.config import ParallelConfig  # noqa: E402
 from tpkit.memory import MemoryJob, ModelShape, estimate_memory  # noqa: E402
 from tpkit.models.gpt import GPT, GPTConfig  # noqa: E402
 

@@ -81,7 +81,7 @@ EXPORTS = ("Linear", "GroupedLinear", "LayerNormLinear", "LayerNormMLP", "LayerN
            "quantized_model_init", "fp8_model_init", "checkpoint")
 # Renamed in TE 2.9: tpkit.te uses the new name when TE exports it, else the old one.
 RENAMED = {"autocast": "fp8_autocast", "quantized_model_init": "fp8_model_init"}
-# What tpkit passes (tpkit/te.py, tpkit/nn/_backend.py) per callable of SIGNATURES: a set of
+# What tpkit passes (tpkit/te/__init__.py, tpkit/nn/_backend.py) per callable of SIGNATURES: a set of
 # keyword names, or a tuple of the leading positional parameters, in order.
 _TP = {"tp_group", "tp_size", "sequence_parallel", "get_rng_state_tracker", "device"}
 TPKIT_PASSES = {

@@ -71,7 +71,7 @@ def cuda(monkeypatch):
 def fake_state():
     """The state rank 1 of a tp=2, cp=2, dp=2 world with SP builds, on the fake PG."""
     from tpkit import ParallelConfig
-    from tpkit.planning import build_fake_state, destroy_fake_state
+    from tpkit.layout.planning import build_fake_state, destroy_fake_state
     state = build_fake_state(ParallelConfig(tp=2, cp=2, sequence_parallel=True), 8, rank=1)
     yield state
     destroy_fake_state(state)

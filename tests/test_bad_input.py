@@ -168,7 +168,7 @@ LAUNCH = [
         "the cheapest layout that fits is --tp 2",
         ["--nproc-per-node", "2", "--device-memory", "0.001", TRAIN, *SMALL]),
     Row("preflight-returns-other", "tpkit_preflight returned int",
-        "returns None, a tpkit.config.Layout", ["{tmp}/hook.py"],
+        "returns None, a tpkit.layout.config.Layout", ["{tmp}/hook.py"],
         setup=_write("hook.py", "def tpkit_preflight(argv, launch):\n    return 5\n")),
     # the script or module
     Row("missing-script", "'missing_script.py' does not exist", "pass the path of a .py file",
@@ -482,8 +482,8 @@ def test_launch_mistake_is_one_line_exit_2(row, capsys, no_workers, monkeypatch,
 # --- the public API -----------------------------------------------------------------------
 def _at(tp: int, build, *, cp: int = 1, sp: bool = False):
     """``build(state)`` on the state rank 0 of a tp*cp world would build (fake group)."""
-    from tpkit.config import ParallelConfig
-    from tpkit.planning import fake_state
+    from tpkit.layout.config import ParallelConfig
+    from tpkit.layout.planning import fake_state
 
     def call(tmp):
         with fake_state(ParallelConfig(tp=tp, cp=cp, sequence_parallel=sp), tp * cp) as state:
@@ -492,7 +492,7 @@ def _at(tp: int, build, *, cp: int = 1, sp: bool = False):
 
 
 def _cfg(**kw):
-    from tpkit.config import ParallelConfig
+    from tpkit.layout.config import ParallelConfig
     return lambda tmp: ParallelConfig(**kw)
 
 
@@ -502,9 +502,9 @@ def _te(build):
     def call(tmp):
         import te_fake
         import tpkit.te
-        from tpkit.config import ParallelConfig
-        from tpkit.planning import fake_state
-        from tpkit.random import model_parallel_seed
+        from tpkit.layout.config import ParallelConfig
+        from tpkit.layout.planning import fake_state
+        from tpkit.layout.random import model_parallel_seed
         te_fake.install()
         was, tpkit.te._cuda_available = tpkit.te._cuda_available, lambda: True
         try:
@@ -563,7 +563,7 @@ def _fp8_weight_sgd_step(tmp):
 
 def _llama(state):
     from tpkit.models import Llama, LlamaConfig
-    from tpkit.random import model_parallel_seed
+    from tpkit.layout.random import model_parallel_seed
     model_parallel_seed(1, state)
     return Llama(LlamaConfig(vocab_size=16, hidden_size=16, ffn_hidden_size=32, num_layers=1,
                              num_heads=2), state)
@@ -571,7 +571,7 @@ def _llama(state):
 
 def _onnx_tp2_layer(state):
     """A layer of a tp=2 state run inside onnx_export: refused at its collective."""
-    from tpkit.random import model_parallel_seed
+    from tpkit.layout.random import model_parallel_seed
     model_parallel_seed(1, state)
     layer = _nn("ColumnParallelLinear")(8, 8, state=state)
     with _te_api("onnx_export")(True):
@@ -579,7 +579,7 @@ def _onnx_tp2_layer(state):
 
 
 def _onnx_moe(state):
-    from tpkit.random import model_parallel_seed
+    from tpkit.layout.random import model_parallel_seed
     model_parallel_seed(1, state)
     moe = _nn("MoE")(8, 16, 2, 1, state=state)
     with _te_api("onnx_export")(True):
@@ -588,7 +588,7 @@ def _onnx_moe(state):
 
 def _onnx_legacy(tmp):
     def build(state):
-        from tpkit.random import model_parallel_seed
+        from tpkit.layout.random import model_parallel_seed
         model_parallel_seed(1, state)
         layer = _nn("ColumnParallelLinear")(8, 8, state=state)
         with _te_api("onnx_export")(True):
@@ -626,17 +626,17 @@ API = [
     Row("config-world", "3*1*1", "multiple of 3",
         call=lambda tmp: _cfg(tp=3)(tmp).validate(8)),
     Row("config-env-int", "TPKIT_TP='x'", "set e.g. TPKIT_TP=1",
-        call=lambda tmp: __import__("tpkit.config").config.ParallelConfig.from_env(
+        call=lambda tmp: __import__("tpkit.layout.config").layout.config.ParallelConfig.from_env(
             {"TPKIT_TP": "x"})),
     # issue 15, defect 2: the message says where a value came from
     Row("config-env-dp", "dp=2 from $TPKIT_DP", "unset TPKIT_DP (a value left from another "
         "job?) or set TPKIT_DP=1",
-        call=lambda tmp: __import__("tpkit.config").config.ParallelConfig.from_env(
+        call=lambda tmp: __import__("tpkit.layout.config").layout.config.ParallelConfig.from_env(
             {"TPKIT_TP": "1", "TPKIT_DP": "2"}).validate(1)),
     # issue 51: init_parallel(tp=2) in a script launched with tpkit-launch --tp 4
     Row("init-tp-vs-launch", "tp=2 from init_parallel's tp argument contradicts tp=4 from "
         "tpkit-launch --tp", "give the layout once",
-        call=lambda tmp: __import__("tpkit.config").config.ParallelConfig.from_env(
+        call=lambda tmp: __import__("tpkit.layout.config").layout.config.ParallelConfig.from_env(
             {"TPKIT_TP": "4", "TPKIT_LAUNCH_GIVEN": "tp"},
             given_as="init_parallel's {name} argument", tp=2)),
     Row("init-tp-vs-world", "tp=3 from init_parallel's tp argument", "smaller tp/cp/pp",
@@ -645,7 +645,7 @@ API = [
         call=lambda tmp: __import__("tpkit").init_parallel(backend="mpi")),
     Row("init-config-and-sizes", "config=", "not both",
         call=lambda tmp: __import__("tpkit").init_parallel(
-            tp=1, config=__import__("tpkit.config").config.ParallelConfig())),
+            tp=1, config=__import__("tpkit.layout.config").layout.config.ParallelConfig())),
     # issue 15, defect 7: the layers say what to use instead
     Row("attention-hidden-vs-heads", "hidden_size=10", "use hidden_size=8 or 12",
         call=_at(1, lambda s: _nn("ParallelSelfAttention")(10, 4, state=s))),
@@ -686,7 +686,7 @@ API = [
         call=_at(1, lambda s: _nn("TransformerLayer")(8, 16, 2, attn_input_format="bhsd",
                                                      state=s))),
     Row("pg-timeout-env", "TPKIT_PG_TIMEOUT='soon'", "positive number of seconds",
-        call=lambda tmp: __import__("tpkit.parallel_state").parallel_state.pg_timeout(
+        call=lambda tmp: __import__("tpkit.layout.parallel_state").layout.parallel_state.pg_timeout(
             {"TPKIT_PG_TIMEOUT": "soon"})),
     Row("embedding-vs-tp", "num_embeddings (vocab size)=10", "use num_embeddings (vocab size)=8",
         call=_at(4, lambda s: _nn("VocabParallelEmbedding")(10, 8, state=s))),
@@ -725,7 +725,7 @@ API = [
         call=lambda tmp: _fabric("TPKitStrategy")(pp=1, microbatches=4)),
     Row("pipeline-zero-bubble-recompute", "'ZBVZeroBubble' with recompute",
         "use 1F1B or Interleaved1F1B with recompute",
-        call=lambda tmp: __import__("tpkit.pipeline").pipeline.plan_pipeline(
+        call=lambda tmp: __import__("tpkit.distributed.pipeline").distributed.pipeline.plan_pipeline(
             pp=2, num_blocks=4, microbatches=4, schedule="ZBVZeroBubble", recompute=True)),
     Row("compile-fullgraph-false", "compile_blocks(fullgraph=False)", "drop fullgraph",
         call=lambda tmp: __import__("tpkit").compile_blocks(torch.nn.Linear(2, 2),

@@ -1,7 +1,7 @@
 """ParallelConfig: validation messages, dp resolution, TPKIT_* round trip."""
 import pytest
 
-from tpkit.config import ParallelConfig
+from tpkit.layout.config import ParallelConfig
 
 # (kwargs, world_size or None, text that must appear in the message)
 BAD = [
@@ -101,7 +101,7 @@ def test_shm_p2p_switch():
 
 
 def test_fused_attn_switch():
-    from tpkit.config import fused_attn_enabled
+    from tpkit.layout.config import fused_attn_enabled
     assert fused_attn_enabled({}) is True
     assert fused_attn_enabled({"TPKIT_FUSED_ATTN": "0"}) is False
     with pytest.raises(ValueError, match="TPKIT_FUSED_ATTN='fast' is not a boolean; use 1"):
@@ -124,10 +124,10 @@ def test_env_details_mutation_testing_found_untested():
         assert ParallelConfig(cp=4, cp_comm_type=comm).validate(8).cp_p2p_size is None
     # the shm switch lives in tpkit.comm.shm only (no old-path alias: nothing was released);
     # a missing name is an AttributeError
-    import tpkit.config
-    assert not hasattr(tpkit.config, "shm_allreduce_enabled")
+    import tpkit.layout.config
+    assert not hasattr(tpkit.layout.config, "shm_allreduce_enabled")
     with pytest.raises(AttributeError, match="world_default"):
-        tpkit.config.world_default  # noqa: B018
+        tpkit.layout.config.world_default  # noqa: B018
     # tp * cp * pp with no two sizes equal (2 ** 3 * 2 or 2 * 3 ** 2 would pass with 2, 2, 3)
     assert ParallelConfig(tp=2, cp=3, pp=2).validate(24).dp == 2
     # a layout is a value: frozen (it keys the state and travels in TPKIT_*)
@@ -234,7 +234,7 @@ def test_from_env_keeps_dependent_values_of_unchanged_sizes():
 
 
 def test_no_old_path_by_any_string():
-    import tpkit.config as config
+    import tpkit.layout.config as config
     name = "".join(["shm_", "allreduce_enabled"])   # not an interned constant
     with pytest.raises(AttributeError, match="shm_allreduce_enabled"):
         getattr(config, name)

@@ -297,7 +297,7 @@ def test_te_autocast_hands_te_the_amax_group(state):
 
 def test_te_checkpoint_replays_dropout_with_the_cuda_tracker(state):
     from tpkit.nn import RotaryEmbedding, TransformerLayer
-    from tpkit.random import get_rng_tracker
+    from tpkit.layout.random import get_rng_tracker
     from tpkit.recompute import checkpoint
     tracker = get_rng_tracker()
     assert tracker.device.type == "cuda"
@@ -333,7 +333,7 @@ def test_te_checkpoint_replays_dropout_with_the_cuda_tracker(state):
 
 
 def test_rng_tracker_on_cuda(state):
-    from tpkit.random import MODEL_PARALLEL_RNG, get_rng_tracker
+    from tpkit.layout.random import MODEL_PARALLEL_RNG, get_rng_tracker
     tracker = get_rng_tracker()
     saved = tracker.get_states()
     with tracker.fork():

@@ -17,7 +17,7 @@ import torch
 
 import paths
 from tpkit.cli import launch
-from tpkit.config import ParallelConfig
+from tpkit.layout.config import ParallelConfig
 from tpkit.memory import (GiB, MemoryJob, ModelShape, estimate_memory, estimate_roles,
                           format_measured, measured_peak_bytes, suggest_layouts)
 
@@ -52,15 +52,15 @@ def test_estimate_within_10_percent_of_measured_live_bytes_at_18_launched_layout
 def _meta_params(cfg, layout, world, rank=0):
     """Parameter elements rank ``rank`` holds, counted on the model built on the meta
     device at the planned layout (the pipeline split keeps this rank's stages)."""
-    from tpkit.planning import fake_state
-    from tpkit.random import get_rng_tracker, model_parallel_seed
+    from tpkit.layout.planning import fake_state
+    from tpkit.layout.random import get_rng_tracker, model_parallel_seed
     from tpkit.models.gpt import GPT
     with fake_state(layout, world, rank) as state, torch.device("meta"):
         model_parallel_seed(1, state)
         try:
             model = GPT(cfg, state)
             if state.pp_size > 1:
-                from tpkit.pipeline import PipelineStageModule, plan_pipeline
+                from tpkit.distributed.pipeline import PipelineStageModule, plan_pipeline
                 plan = plan_pipeline(pp=state.pp_size, num_blocks=cfg.num_layers,
                                      microbatches=state.pp_size)
                 st = plan.stages_of(state.pp_rank)[0]
@@ -289,8 +289,8 @@ def test_hf_config_parameters_equal_the_built_llamas(hf):
     embeddings)."""
     from tpkit.models import Llama
     from tpkit.models.hf import config_from_hf
-    from tpkit.planning import fake_state
-    from tpkit.random import get_rng_tracker, model_parallel_seed
+    from tpkit.layout.planning import fake_state
+    from tpkit.layout.random import get_rng_tracker, model_parallel_seed
     raw = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=2, vocab_size=300, **hf)
     shape = ModelShape.from_hf_config(raw)

@@ -1,4 +1,4 @@
-"""Activation offload (tpkit.offload, TE's get_cpu_offload_context): gradients bitwise those
+"""Activation offload (tpkit.te.offload, TE's get_cpu_offload_context): gradients bitwise those
 without offload; the bytes kept on the compute device between forward and backward go
 down by what was offloaded, measured by a tensor-bytes tracker that knows nothing of
 tpkit (tests/memcount.py's storages, each classified when measured: private memory is
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from memcount import LiveBytes
-from tpkit.offload import get_cpu_offload_context
+from tpkit.te.offload import get_cpu_offload_context
 
 T, H, F, LAYERS, OFFLOADED = 6, 8, 24, 4, 2
 

@@ -1,4 +1,4 @@
-"""tpkit.pipeline: losses and gradients of a pipelined GPT (every schedule that runs on
+"""tpkit.distributed.pipeline: losses and gradients of a pipelined GPT (every schedule that runs on
 CPU/gloo, composed with TP, SP, CP and DP) against the same GPT in one process, and the
 ValueErrors of bad layouts. docs/pipeline.md says what has landed."""
 import os
@@ -63,8 +63,8 @@ def _pipelined(layers, *, tp=1, cp=1, pp=2, schedule="1F1B", microbatches=4,
     from tpkit.models.gpt import GPT
     from tpkit.checkpoint import gather_param, load_full_state_dict
     from tpkit.grads import sync_sequence_parallel_grads
-    from tpkit.param_tags import tp_spec
-    from tpkit.pipeline import build_pipeline
+    from tpkit.layout.param_tags import tp_spec
+    from tpkit.distributed.pipeline import build_pipeline
     state = tpkit.init_parallel(tp=tp, cp=cp, pp=pp, sequence_parallel=sp)
     model = GPT(_cfg(layers, recompute))
     load_full_state_dict(model, _full_weights(model))
@@ -170,7 +170,7 @@ def test_all_four_dims(ref4):
     (dict(schedule="DualPipeV", recompute=True), "use 1F1B or Interleaved1F1B with recompute"),
 ])
 def test_plan_errors(kw, match):
-    from tpkit.pipeline import plan_pipeline
+    from tpkit.distributed.pipeline import plan_pipeline
     args = dict(pp=2, num_blocks=4, microbatches=4, schedule="1F1B") | kw
     with pytest.raises(ValueError, match=match):
         plan_pipeline(**args)
@@ -178,7 +178,7 @@ def test_plan_errors(kw, match):
 
 def test_plan_stage_maps():
     """Which stages and blocks every rank runs (the independent reference: written out)."""
-    from tpkit.pipeline import plan_pipeline
+    from tpkit.distributed.pipeline import plan_pipeline
     loop = plan_pipeline(pp=2, num_blocks=8, microbatches=4, schedule="Interleaved1F1B")
     assert [loop.stages_of(r) for r in (0, 1)] == [[0, 2], [1, 3]]
     assert [list(loop.blocks_of(s)) for s in range(4)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
@@ -192,7 +192,7 @@ def _bad_models():
     import tpkit
     from tpkit.models.gpt import GPT
     from torch import nn
-    from tpkit.pipeline import build_pipeline
+    from tpkit.distributed.pipeline import build_pipeline
     tpkit.init_parallel(pp=2)
     errors = []
     for model, kw in ((nn.Sequential(nn.Linear(2, 2)), {}),
@@ -223,7 +223,7 @@ def _full_local(module, opt, state):
     """{name: full tensor} of this rank's parameters and their Adam exp_avg (tp rank 0 and
     dp rank 0 report; None elsewhere), the lrs and the step."""
     from tpkit.checkpoint import gather_param
-    from tpkit.param_tags import tp_spec
+    from tpkit.layout.param_tags import tp_spec
 
     def full(t, p):
         spec = tp_spec(p)
@@ -242,7 +242,7 @@ def _ckpt_save(path, *, tp, pp):
     import tpkit
     from tpkit.models.gpt import GPT
     from tpkit.checkpoint import load_full_state_dict, save
-    from tpkit.pipeline import build_pipeline
+    from tpkit.distributed.pipeline import build_pipeline
     state = tpkit.init_parallel(tp=tp, pp=pp)
     model = GPT(_cfg(4))
     load_full_state_dict(model, _full_weights(model))
@@ -264,7 +264,7 @@ def _ckpt_load(path, *, tp, pp):
     import tpkit
     from tpkit.models.gpt import GPT
     from tpkit.checkpoint import load
-    from tpkit.pipeline import build_pipeline
+    from tpkit.distributed.pipeline import build_pipeline
     state = tpkit.init_parallel(tp=tp, pp=pp)
     model = GPT(_cfg(4))
     module = build_pipeline(model, microbatches=4).module if pp > 1 else model

@@ -1,12 +1,13 @@
-"""tpkit.planning in one process: the fake-process-group state, and the rank table and
+"""tpkit.layout.planning in one process: the fake-process-group state, and the rank table and
 group summary as text (what tpkit-launch --dry-run prints), against tables written out
 by hand here."""
 import pytest
 import torch.distributed as dist
 
-from tpkit.config import ParallelConfig
-from tpkit.planning import (build_fake_state, destroy_fake_state, fake_state, format_rank_table,
-                            format_ranks, group_summary, planned_rank_table)
+from tpkit.layout.config import ParallelConfig
+from tpkit.layout.planning import (build_fake_state, destroy_fake_state, fake_state,
+                                   format_rank_table, format_ranks, group_summary,
+                                   planned_rank_table)
 
 
 @pytest.mark.parametrize("ranks,text", [
@@ -101,7 +102,7 @@ def test_fake_state_needs_no_group_and_frees_it():
 
 
 def test_a_failed_build_frees_the_group(monkeypatch):
-    import tpkit.planning as planning
+    import tpkit.layout.planning as planning
 
     def broken(config, device_type):
         assert dist.is_initialized()

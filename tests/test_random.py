@@ -3,13 +3,13 @@ import pytest
 import torch
 
 from dist import run
-from tpkit.random import MODEL_PARALLEL_RNG, RNGStatesTracker, derive_seed
+from tpkit.layout.random import MODEL_PARALLEL_RNG, RNGStatesTracker, derive_seed
 
 
 def _masks_worker():
     import torch.nn.functional as F
     import tpkit
-    from tpkit.random import get_rng_tracker
+    from tpkit.layout.random import get_rng_tracker
     s = tpkit.init_parallel(tp=2, cp=2, dp=2, seed=42)
     x = torch.ones(4096)
     default = F.dropout(x, 0.5).bool()
@@ -129,9 +129,9 @@ def test_derive_seed_is_the_documented_formula():
 def _streams(seed, **layout):
     """Per rank of the layout: (its rank record, default, model-parallel and expert
     streams' first draws), with model_parallel_seed on that rank's fake state."""
-    from tpkit.config import ParallelConfig
-    from tpkit.planning import fake_state
-    from tpkit.random import EXPERT_PARALLEL_RNG, model_parallel_seed
+    from tpkit.layout.config import ParallelConfig
+    from tpkit.layout.planning import fake_state
+    from tpkit.layout.random import EXPERT_PARALLEL_RNG, model_parallel_seed
     world = 8
     out = []
     for rank in range(world):
@@ -163,9 +163,9 @@ def test_streams_per_rank_are_the_documented_seeds(layout):
 
 
 def test_model_parallel_seed_bad_seed_and_reseeding():
-    from tpkit.config import ParallelConfig
-    from tpkit.planning import fake_state
-    from tpkit.random import model_parallel_seed
+    from tpkit.layout.config import ParallelConfig
+    from tpkit.layout.planning import fake_state
+    from tpkit.layout.random import model_parallel_seed
     with fake_state(ParallelConfig(tp=2), 2, 1) as s:
         for bad in (-1, 1.5, True, "3"):
             with pytest.raises(ValueError, match=rf"seed={bad!r} must be a non-negative "):
@@ -175,9 +175,9 @@ def test_model_parallel_seed_bad_seed_and_reseeding():
 
 
 def test_device_choice_and_non_cuda_devices_use_the_cpu_generator():
-    from tpkit.config import ParallelConfig
-    from tpkit.planning import fake_state
-    from tpkit.random import get_device_rng_state, get_rng_tracker, model_parallel_seed
+    from tpkit.layout.config import ParallelConfig
+    from tpkit.layout.planning import fake_state
+    from tpkit.layout.random import get_device_rng_state, get_rng_tracker, model_parallel_seed
     want = "cuda" if torch.cuda.is_available() else "cpu"
     assert RNGStatesTracker().device.type == want
     torch.manual_seed(3)

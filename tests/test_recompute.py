@@ -31,7 +31,7 @@ class _ForgetfulTracker:
 def _run_mode(block, x0, mode, rng0):
     import torch.nn.functional as F  # noqa: F401
     from torch.autograd.graph import saved_tensors_hooks
-    from tpkit.random import get_rng_tracker
+    from tpkit.layout.random import get_rng_tracker
     from tpkit.recompute import checkpoint
 
     cpu0, tracker0 = rng0
@@ -68,7 +68,7 @@ def _run_mode(block, x0, mode, rng0):
 
 def _recompute_worker(layouts):
     import tpkit
-    from tpkit.random import get_rng_tracker
+    from tpkit.layout.random import get_rng_tracker
     from tpblock import TPBlock
     out = {}
     for tp, sp in layouts:

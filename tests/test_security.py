@@ -343,7 +343,7 @@ def _two_ranks(tmp):
         save(os.path.join(tmp, "save", "step000010"), {"model": _linear()})
     except ValueError as e:
         out["link"] = str(e)
-    import tpkit.checkpoint._dcp as impl   # the swap fails on rank 0 alone (a link raced in, EXDEV...)
+    import tpkit.checkpoint._dcp_save as impl   # the swap fails on rank 0 alone (a link raced in, EXDEV...)
     swap = impl.replace_dir
     if dist.get_rank() == 0:
         def fail(tmp, path):

@@ -234,7 +234,7 @@ def _shared_and_bypassed():
 
     import tpkit
     from tpkit.comm import shm
-    from tpkit.topology import build_state
+    from tpkit.layout.topology import build_state
     st = tpkit.init_parallel(tp=2, seed=None)
     t = shm.get(st.tp_group)
     again = build_state(st.config)          # the same (world) TP group: the same transport

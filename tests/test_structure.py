@@ -111,11 +111,11 @@ def test_layer_check_catches_an_upward_import(tmp_path):
     order, exceptions = layer_table(open(DESIGN).read())
     (tmp_path / "tpkit" / "nn").mkdir(parents=True)
     (tmp_path / "tpkit" / "nn" / "x.py").write_text(
-        "def f():\n    from ..fabric import strategy\n    from ..config import ParallelConfig\n")
+        "def f():\n    from ..fabric import strategy\n    from ..layout.config import ParallelConfig\n")
     (tmp_path / "tpkit" / "brand_new.py").write_text("import os\n")
     bad = layer_violations(order, set(), root=str(tmp_path))
     assert any("tpkit/nn/x.py:2: nn" in b and "imports fabric" in b for b in bad), bad
-    assert not any(":3:" in b for b in bad), bad      # config is below nn: fine
+    assert not any(":3:" in b for b in bad), bad      # layout is below nn: fine
     assert any("'brand_new' is not in the layer table" in b for b in bad), bad
     assert len([b for b in bad if "matches no import" in b]) == 0
 
@@ -327,6 +327,10 @@ def test_cycle_check_catches_a_lazy_circle(tmp_path):
 SUBSYSTEMS = {   # package -> the modules that live in it, never at tpkit's root
     "checkpoint": ("_dcp", "_dcp_verify"),
     "comm": ("collectives", "shm"),
+    "layout": ("config", "param_tags", "topology", "random", "planning", "parallel_state"),
+    "memory": ("job", "estimate", "fit", "text"),
+    "distributed": ("pipeline", "fsdp"),
+    "te": ("offload",),
 }
 
 
@@ -343,3 +347,36 @@ def test_subsystems_are_packages():
             assert not os.path.exists(os.path.join(ROOT, "tpkit", f"{name}.py")), \
                 f"tpkit/{name}.py: it lives in tpkit/{package}/"
             assert name not in order, f"{name} is inside {package}, not a unit of its own"
+
+
+# --- the package's shape (issue 49) ---------------------------------------------------------
+MAX_ROOT_MODULES = 6     # tpkit/*.py: the rest lives in the subsystems' packages
+MAX_MODULE_LINES = 600   # a longer module is split by job into siblings of its package
+
+
+def shape_problems(root=ROOT, max_root=MAX_ROOT_MODULES, max_lines=MAX_MODULE_LINES):
+    """Too many modules at tpkit's root, and every module over ``max_lines`` lines."""
+    bad = []
+    at_root = sorted(f for f in os.listdir(os.path.join(root, "tpkit")) if f.endswith(".py"))
+    if len(at_root) > max_root:
+        bad.append(f"{len(at_root)} modules at tpkit's root (at most {max_root}): {at_root}")
+    for path, rel in tpkit_files(root):
+        with open(path) as f:
+            n = sum(1 for _ in f)
+        if n > max_lines:
+            bad.append(f"{rel}: {n} lines (at most {max_lines}); split it by job")
+    return bad
+
+
+def test_few_root_modules_and_no_long_module():
+    assert shape_problems() == []
+
+
+def test_shape_check_catches_a_long_module_and_a_crowded_root(tmp_path):
+    (tmp_path / "tpkit").mkdir()
+    for i in range(3):
+        (tmp_path / "tpkit" / f"m{i}.py").write_text("x = 1\n" * (5 if i else 12))
+    bad = shape_problems(str(tmp_path), max_root=2, max_lines=10)
+    assert any("3 modules at tpkit's root" in b for b in bad), bad
+    assert any(b.startswith(os.path.join("tpkit", "m0.py") + ": 12 lines") for b in bad), bad
+    assert len(bad) == 2, bad

@@ -58,7 +58,7 @@ def test_te_1x_refused(fake_te, cuda, monkeypatch):
 # --- building ---------------------------------------------------------------------------------
 def test_make_builds_te_modules_with_state_kwargs(fake_te, cuda, fake_state):
     from tpkit.nn import RowParallelLinear
-    from tpkit.random import get_rng_tracker
+    from tpkit.layout.random import get_rng_tracker
     s = fake_state
     parallel = {"tp_group": s.tp_group, "tp_size": 2, "sequence_parallel": True,
                 "get_rng_state_tracker": get_rng_tracker}
@@ -321,9 +321,9 @@ def test_wire_parallel_groups_multirank(tp, cp, comm, a2a):
 
 # --- recompute hand-off -------------------------------------------------------------------------
 def test_recompute_delegates_te_modules_to_te_checkpoint(fake_te, cuda, fake_state):
-    from tpkit.random import get_rng_tracker
+    from tpkit.layout.random import get_rng_tracker
     from tpkit.recompute import checkpoint
-    from tpkit.topology import set_parallel_state
+    from tpkit.layout.topology import set_parallel_state
 
     class Wrap(torch.nn.Module):
         def __init__(self, inner):

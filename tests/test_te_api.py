@@ -15,7 +15,7 @@ S, B, H, F, HEADS = 8, 2, 16, 32, 4
 
 def _seeded(fn, states, seed):
     """Run ``fn`` from the same RNG point (default generator and the tracker's streams)."""
-    from tpkit.random import get_rng_tracker
+    from tpkit.layout.random import get_rng_tracker
     get_rng_tracker().set_states(states)
     torch.manual_seed(seed)
     return fn()
@@ -25,7 +25,7 @@ def _te_vs_megatron():
     import tpkit
     import tpkit.nn as tnn
     import tpkit.te_api as te
-    from tpkit.random import get_rng_tracker
+    from tpkit.layout.random import get_rng_tracker
     st = tpkit.init_parallel(tp=2, sequence_parallel=True, seed=3)
     g = st.tp_group
 

@@ -185,7 +185,7 @@ def test_tpkit_recipes_have_te_fields_and_defaults(fake_te, monkeypatch):
 
     import tpkit.fp8
     import tpkit.te
-    from tpkit.config import FP8_RECIPES
+    from tpkit.layout.config import FP8_RECIPES
     for var in ("NVTE_BACKWARD_OVERRIDE", "NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES",
                 "NVTE_FP8_BLOCK_SCALING_FP32_SCALES"):
         monkeypatch.delenv(var, raising=False)   # TE read them when the fake was imported

@@ -236,7 +236,7 @@ def test_graph_capture_refused_with_tpkit_tracker(fake_te, cuda, fake_state):
     """Row 3: TE's DotProductAttention registers tpkit's tracker states (ByteTensors);
     TE's make_graphed_callables then fails in register_generator_state, so
     tpkit.te.make_graphed_callables refuses it first, naming the combination."""
-    from tpkit.random import model_parallel_seed
+    from tpkit.layout.random import model_parallel_seed
     model_parallel_seed(1, fake_state)
     attn = tte.make("attention", fake_state, num_attention_heads=4, kv_channels=2,
                     attention_dropout=0.1)
@@ -257,7 +257,7 @@ def test_te_modules_recompute_in_te_checkpoint(fake_te, cuda, fake_state):
     """Row 4: a lambda, a partial and a closure over a TE module, and any function under
     TE's fp8 autocast, go to TE's checkpoint: the module records its amaxes once per step
     (tpkit's own checkpoint would run it again in backward, recording them twice)."""
-    from tpkit.random import model_parallel_seed
+    from tpkit.layout.random import model_parallel_seed
     from tpkit.recompute import checkpoint
     model_parallel_seed(1, fake_state)
     lin = tte.make("grouped_linear", fake_state, num_gemms=2, in_features=4, out_features=4,
@@ -285,7 +285,7 @@ def test_te_attention_forks_the_tracker_under_sp(fake_te, cuda, fake_state):
     (identical masks on different heads across TP ranks); tpkit builds it with SP off,
     so it forks as tpkit's torch attention does. TE's TransformerLayer passes SP to its
     attention itself: refused with attention dropout under SP and tp > 1."""
-    from tpkit.random import get_rng_tracker
+    from tpkit.layout.random import get_rng_tracker
     attn = tte.make("attention", fake_state, num_attention_heads=4, kv_channels=2,
                     attention_dropout=0.1)
     assert fake_state.sequence_parallel and attn.init_args["sequence_parallel"] is False

@@ -43,7 +43,7 @@ def _groups_worker(tp, cp, dp, pp, comm, a2a):
     import torch
     import torch.distributed as dist
     import tpkit
-    from tpkit import parallel_state as ps
+    from tpkit.layout import parallel_state as ps
 
     s = tpkit.init_parallel(tp=tp, cp=cp, pp=pp, dp=dp, cp_comm_type=comm, cp_a2a_size=a2a)
     world = dist.get_world_size()
@@ -118,7 +118,7 @@ def _reinit_worker():
     assert dist.is_initialized() and dist.group.WORLD is world  # layouts come and go
     with pytest.raises(RuntimeError, match="not initialised"):
         tpkit.get_parallel_state()
-    from tpkit import parallel_state as ps
+    from tpkit.layout import parallel_state as ps
     with pytest.raises(RuntimeError, match="not initialised"):
         ps.get_tensor_model_parallel_rank()
     assert not ps.model_parallel_is_initialized()
@@ -206,8 +206,8 @@ def test_init_rejects_bad_layout_before_building():
 
 def test_fake_pg_65536_ranks(record_property):
     """Build the state of sampled ranks in a 65,536-rank world on the fake process group."""
-    from tpkit.config import ParallelConfig
-    from tpkit.planning import build_fake_state, destroy_fake_state
+    from tpkit.layout.config import ParallelConfig
+    from tpkit.layout.planning import build_fake_state, destroy_fake_state
 
     tp, cp, dp, pp = 8, 4, 512, 4
     cfg = ParallelConfig(tp=tp, cp=cp, pp=pp, cp_comm_type="a2a+p2p", cp_a2a_size=2)

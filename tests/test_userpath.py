@@ -116,7 +116,7 @@ def test_exit_right_after_collectives():
     """A launched script whose last lines are gloo collectives, ending without destroying
     its groups (half the ranks keep the default group in a global): every rank exits 0,
     none aborts at interpreter exit (tpkit-launch's worker frees the groups first,
-    tpkit.parallel_state.release_default_group). Planted (the worker not freeing them):
+    tpkit.layout.parallel_state.release_default_group). Planted (the worker not freeing them):
     a rank aborted with "terminate called without an active exception" in 4 of 5 runs."""
     out, err = launched("--nproc-per-node", "4",
                         os.path.join(SCRIPTS, "exit_after_collectives.py"))

@@ -10,7 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tpkit.nn import ColumnParallelLinear, RowParallelLinear
-from tpkit.random import get_rng_tracker
+from tpkit.layout.random import get_rng_tracker
 
 
 class TPBlock(nn.Module):

@@ -11,7 +11,7 @@ from torch import nn
 
 from tpkit.data import shard_sequence
 from tpkit.plans import Attention, Column, Norm, Plan, Row, Style, VocabEmbedding, VocabHead
-from tpkit.random import get_rng_tracker
+from tpkit.layout.random import get_rng_tracker
 
 VOCAB, ROWS, SEQ = 64, 4, 16
 

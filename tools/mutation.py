@@ -35,9 +35,9 @@ import time
 # module -> (path, pytest arguments: the tests that exercise it); a subset of single-process
 # tests keeps a mutant's run short
 MODULES = {
-    "config": ("tpkit/config.py", ["tests/test_config.py"]),
+    "config": ("tpkit/layout/config.py", ["tests/test_config.py"]),
     # the single-process tests of every rank (the launched one checks the same seeds)
-    "random": ("tpkit/random.py", ["tests/test_random.py", "-k", "not forked_masks"]),
+    "random": ("tpkit/layout/random.py", ["tests/test_random.py", "-k", "not forked_masks"]),
     "data": ("tpkit/data/sharding.py", [
         "tests/data/test_sharding.py", "--deselect",
         "tests/data/test_sharding.py::test_unshard_roundtrip_and_grad",
@@ -50,7 +50,7 @@ MODULES = {
         "current_scale_formula or block_scaling_cast or mxfp8_cast or linear_matches_the_ref"
         " or backward_override or reference_quantiser or second_step_uses_the_delayed"
         " or fp8_linear_matches_manual or te_scales_against or quantize_helpers"]),
-    "planning": ("tpkit/planning.py", [
+    "planning": ("tpkit/layout/planning.py", [
         "tests/test_planning.py", "tests/cli/test_launch.py::test_dry_run_65536_ranks_summarises"]),
     "dcp_verify": ("tpkit/checkpoint/_dcp_verify.py", ["tests/test_dcp_verify.py"]),
     # the last wave's (issue 52): the single-process tests against references in the tests

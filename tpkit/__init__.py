@@ -1,18 +1,18 @@
 """tpkit: tensor, sequence, context and data parallelism glued correctly.
 
 Public API re-exports only (docs/design.md maps the package). Names resolve lazily:
-``import tpkit`` does not import torch, so submodules that need none (``tpkit.config``,
+``import tpkit`` does not import torch, so submodules that need none (``tpkit.layout.config``,
 the ``tpkit-launch`` CLI) stay fast.
 """
 import importlib
 
 _EXPORTS = {
-    "ParallelConfig": "config",
-    "ParallelState": "topology",
-    "init_parallel": "parallel_state",
-    "get_parallel_state": "topology",
-    "destroy_parallel": "parallel_state",
-    "is_initialized": "topology",
+    "ParallelConfig": "layout.config",
+    "ParallelState": "layout.topology",
+    "init_parallel": "layout.parallel_state",
+    "get_parallel_state": "layout.topology",
+    "destroy_parallel": "layout.parallel_state",
+    "is_initialized": "layout.topology",
     "parallelize": "plans",
     "verify": "verifier",
     "compile_blocks": "nn",

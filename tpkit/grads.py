@@ -3,7 +3,7 @@ clipping. Used by TPKitStrategy, launch/train.py and hand-written loops alike.
 
 All work on the *local* tensors: with FSDP2 a gradient is a DTensor over the dp(x cp)
 mesh and its local shard is what this rank owns. Which parameters are TP shards and
-which need a TP sum is read off their tags (tpkit.param_tags).
+which need a TP sum is read off their tags (tpkit.layout.param_tags).
 """
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .comm.collectives import all_reduce_flat, all_reduce_max, all_reduce_sum
-from .param_tags import is_expert, is_sequence_parallel, tp_spec
-from .topology import resolve_state
+from .layout.param_tags import is_expert, is_sequence_parallel, tp_spec
+from .layout.topology import resolve_state
 
 __all__ = ["sync_sequence_parallel_grads", "reduce_expert_grads", "grad_norm",
            "clip_grad_norm", "clip_grad_value", "snapshot_grads", "reduce_since"]
@@ -90,8 +90,8 @@ def grad_norm(params: Iterable[torch.nn.Parameter], state, norm_type: float = 2.
     once (not ``tp`` times); expert weights (tpkit.nn.MoE) count every (etp, ep) shard
     once. One all-reduce over TP (plus one over dp(x cp) under FSDP, and one over etp x ep
     when the model has expert weights and ep*etp > 1).
-    Under pipeline parallelism (``pp > 1``) ``params`` are this rank's stages' (tpkit.pipeline:
-    every parameter lives on exactly one pp rank) and the norm is all-reduced over
+    Under pipeline parallelism (``pp > 1``) ``params`` are this rank's stages'
+    (tpkit.distributed.pipeline: every parameter lives on exactly one pp rank) and the norm is all-reduced over
     ``pp_group`` too, so every stage sees the whole model's norm, each parameter counted once.
     Every pp rank must call it (it is collective over ``pp_group``)."""
     params = [p for p in params if p.grad is not None]

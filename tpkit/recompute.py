@@ -3,7 +3,7 @@
 ``checkpoint(function, *args, ...)`` runs ``function`` without keeping its activations
 and runs it again in backward. Dropout must draw the same masks both times, so the CPU
 generator, the current CUDA device's generator (when CUDA is available) and the states of
-the RNG tracker (``tpkit.random.get_rng_tracker()`` unless ``get_rng_state_tracker`` is
+the RNG tracker (``tpkit.layout.random.get_rng_tracker()`` unless ``get_rng_state_tracker`` is
 given) are recorded before the forward and restored around the recompute.
 
 ``distribute_saved_activations=True`` keeps only this rank's 1/tp slice of the first tensor
@@ -35,8 +35,8 @@ import torch
 
 from . import fp8, te
 from .comm.collectives import all_gather, group_rank, group_size
-from .random import get_rng_tracker
-from .topology import get_parallel_state, is_initialized
+from .layout.random import get_rng_tracker
+from .layout.topology import get_parallel_state, is_initialized
 
 
 # --- RNG and autocast capture ----------------------------------------------------------------
@@ -218,7 +218,7 @@ def checkpoint(function, *args, distribute_saved_activations: bool = False,
         get_rng_state_tracker = get_rng_tracker
     elif not callable(get_rng_state_tracker):
         raise TypeError(f"get_rng_state_tracker={get_rng_state_tracker!r} must be a callable "
-                        "returning the tracker (e.g. tpkit.random.get_rng_tracker), as in TE")
+                        "returning the tracker (e.g. tpkit.layout.random.get_rng_tracker), as in TE")
     if not use_reentrant:
         if distribute_saved_activations:
             raise ValueError("distribute_saved_activations=True needs use_reentrant=True "

@@ -33,10 +33,10 @@ from .nn._common import SharedRef
 from .nn.export import export_mode as _export_mode
 from .nn.inference import InferenceParams
 from .nn.linear import linear_fn
-from .offload import get_cpu_offload_context
-from .random import RNGStatesTracker
+from .te.offload import get_cpu_offload_context
+from .layout.random import RNGStatesTracker
 from .recompute import checkpoint
-from .topology import resolve_state
+from .layout.topology import resolve_state
 
 __all__ = ["Linear", "LayerNorm", "RMSNorm", "LayerNormLinear", "LayerNormMLP",
            "DotProductAttention", "MultiheadAttention", "TransformerLayer", "InferenceParams",

@@ -8,8 +8,8 @@ import pytest
 
 from dist import run
 from tpkit.cli import launch
-from tpkit.config import ParallelConfig
-from tpkit.planning import format_rank_table, planned_rank_table
+from tpkit.layout.config import ParallelConfig
+from tpkit.layout.planning import format_rank_table, planned_rank_table
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # tests/
 SCRIPT = os.path.join(HERE, "launch_scripts", "check_layout.py")

@@ -47,7 +47,7 @@ def _worker():
     from tpkit.checkpoint import full_state_dict, load_full_state_dict
     from tpkit.grads import grad_norm, sync_sequence_parallel_grads
     from tpkit.nn import ColumnParallelLinear, RowParallelLinear
-    from tpkit.param_tags import tags_of
+    from tpkit.layout.param_tags import tags_of
     state = tpkit.init_parallel(tp=2, sequence_parallel=True, seed=1)
     fp8.reset()
 

@@ -90,7 +90,7 @@ class TPMLP(torch.nn.Module):
 
     def forward(self, x, dropout=0.0):
         import torch.nn.functional as F
-        from tpkit.random import get_rng_tracker
+        from tpkit.layout.random import get_rng_tracker
         h = torch.tanh(self.fc1(x))
         if dropout:
             with get_rng_tracker().fork():  # TP-sharded activations: model-parallel stream
@@ -135,7 +135,7 @@ def _quiet_deepspeed():
 def _getters(layout):
     import torch.distributed as dist
     import tpkit
-    from tpkit import parallel_state as ps
+    from tpkit.layout import parallel_state as ps
     from tpkit.integrations.deepspeed import DeepSpeedMPU
     tp, cp, dp, pp = layout
     s = tpkit.init_parallel(tp=tp, cp=cp, dp=dp, pp=pp)
@@ -262,12 +262,12 @@ def _training(deepspeed, layout):
 
 
 def _rng_snapshot():
-    from tpkit.random import get_rng_tracker
+    from tpkit.layout.random import get_rng_tracker
     return torch.get_rng_state(), get_rng_tracker().get_states()
 
 
 def _rng_restore(snap):
-    from tpkit.random import get_rng_tracker
+    from tpkit.layout.random import get_rng_tracker
     torch.set_rng_state(snap[0])
     get_rng_tracker().set_states(snap[1])
 
@@ -279,7 +279,7 @@ def _checkpointing(deepspeed):
     import tpkit
     from tpkit.integrations.deepspeed import (configure_activation_checkpointing,
                                               restore_deepspeed_rng)
-    from tpkit.random import get_rng_tracker, model_parallel_seed
+    from tpkit.layout.random import get_rng_tracker, model_parallel_seed
     ckpt = deepspeed.checkpointing
     out = {}
     s = tpkit.init_parallel(tp=1, cp=2, dp=2, seed=7)

@@ -19,7 +19,7 @@ if __name__ == "__main__":
     import torch.distributed as dist
 
     import tpkit
-    from tpkit.planning import format_ranks
+    from tpkit.layout.planning import format_ranks
     from tpkit.train.trainer import resolve_layout
     job, _ = parse()
     state = tpkit.init_parallel(config=resolve_layout(job))

@@ -6,7 +6,7 @@ storages and knows nothing of the estimator), at many layouts in one launch.
 
 For each layout of LAYOUTS (or those named): init_parallel at that layout, a small GPT
 (tpkit.models.gpt) trained two steps with AdamW the way launch/train.py does it (DDP or
-FSDP2 over dp x cp, tpkit.pipeline schedules, recompute, emulated fp8, experts, packed
+FSDP2 over dp x cp, tpkit.distributed.pipeline schedules, recompute, emulated fp8, experts, packed
 documents), all inside the counting mode; the peak of live bytes during the second step
 is compared with ``tpkit.memory.estimate_memory`` for that rank; destroy_parallel.
 Rank 0 prints one line per layout: ``MEM name estimate measured ratio`` (the ratio of
@@ -24,7 +24,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 import tpkit  # noqa: E402
 from memcount import LiveBytes  # noqa: E402
-from tpkit.config import ParallelConfig  # noqa: E402
+from tpkit.layout.config import ParallelConfig  # noqa: E402
 from tpkit.memory import MemoryJob, ModelShape, estimate_memory  # noqa: E402
 
 from tpkit.models.gpt import GPT, GPTConfig  # noqa: E402   # the reference GPT
@@ -89,7 +89,7 @@ def run_layout(name: str):
         model = GPT(cfg, state)
         pipe = None
         if state.pp_size > 1:
-            from tpkit.pipeline import build_pipeline
+            from tpkit.distributed.pipeline import build_pipeline
             pipe = build_pipeline(model, microbatches=m, schedule=job.pp_schedule,
                                   data_parallel="allreduce", state=state,
                                   device=torch.device("cpu"))
@@ -98,7 +98,7 @@ def run_layout(name: str):
             from torch.distributed.fsdp import fully_shard
             fully_shard(model, mesh=state.dp_cp_mesh)
         elif state.dp_cp_size > 1:
-            from tpkit.param_tags import is_expert
+            from tpkit.layout.param_tags import is_expert
             experts = [n for n, p in model.named_parameters() if is_expert(p)]
             torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
                 model, experts)

@@ -20,11 +20,11 @@ import torch.distributed as dist
 import tpkit
 from tpkit.grads import grad_norm, reduce_expert_grads, sync_sequence_parallel_grads
 from tpkit.nn import MoE
-from tpkit.parallel_state import (get_expert_data_parallel_group,
-                                  get_expert_model_parallel_rank,
-                                  get_expert_model_parallel_world_size,
-                                  get_expert_tensor_parallel_rank,
-                                  get_expert_tensor_parallel_world_size)
+from tpkit.layout.parallel_state import (get_expert_data_parallel_group,
+                                         get_expert_model_parallel_rank,
+                                         get_expert_model_parallel_world_size,
+                                         get_expert_tensor_parallel_rank,
+                                         get_expert_tensor_parallel_world_size)
 
 S, B, H, F, E, K = 8, 2, 8, 4, 4, 2
 f64 = torch.float64

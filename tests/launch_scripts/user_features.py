@@ -39,7 +39,7 @@ from lightning.fabric import Fabric
 import tpkit
 from fabric_helpers import Block, data, full_model, local_batch, shard_into
 from tpkit.fabric import TPKitPrecision, TPKitStrategy
-from tpkit.random import get_rng_tracker
+from tpkit.layout.random import get_rng_tracker
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tpkit.train import trainer as train

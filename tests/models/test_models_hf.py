@@ -253,7 +253,7 @@ BAD = [
 def test_bad_checkpoints_are_value_errors(ckpts, tmp_path, name, edit, drop, tp, match):
     from tpkit import ParallelConfig
     from tpkit.models import hf
-    from tpkit.planning import fake_state
+    from tpkit.layout.planning import fake_state
     path = _copy(ckpts["models"][name]["dir"], tmp_path / "bad", edit, drop)
     with fake_state(ParallelConfig(tp=tp), tp) as state:
         with pytest.raises(ValueError, match=match):
@@ -263,7 +263,7 @@ def test_bad_checkpoints_are_value_errors(ckpts, tmp_path, name, edit, drop, tp,
 def test_bad_arguments_are_value_errors(ckpts, tmp_path):
     from tpkit import ParallelConfig
     from tpkit.models import Llama, LlamaConfig, hf
-    from tpkit.planning import fake_state
+    from tpkit.layout.planning import fake_state
     path = ckpts["models"]["qwen2"]["dir"]
     with fake_state(ParallelConfig(), 1) as state:
         with pytest.raises(ValueError, match=r"from_hf\(hidden_size=...\) is not a training"):

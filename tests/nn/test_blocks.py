@@ -101,7 +101,7 @@ def _dropout(sp):
     import torch.distributed as dist
     import tpkit
     from tpkit.nn import TransformerLayer
-    from tpkit.random import MODEL_PARALLEL_RNG, get_rng_tracker
+    from tpkit.layout.random import MODEL_PARALLEL_RNG, get_rng_tracker
     st = tpkit.init_parallel(tp=2, sequence_parallel=sp, seed=5)
     torch.manual_seed(0)
     layer = TransformerLayer(H, 32, 4, hidden_dropout=0.5, attention_dropout=0.5)
@@ -140,8 +140,8 @@ def test_dropout_streams(sp):
 
 def test_block_input_checks():
     from tpkit import ParallelConfig
-    from tpkit.planning import fake_state
-    from tpkit.random import get_rng_tracker
+    from tpkit.layout.planning import fake_state
+    from tpkit.layout.random import get_rng_tracker
     get_rng_tracker().reset()
     get_rng_tracker().add("model-parallel-rng", 9)
     with fake_state(ParallelConfig(tp=2), 2) as st:   # rank 0 of tp=2, no workers

@@ -130,7 +130,7 @@ def _dropout():
     import torch.distributed as dist
     import tpkit
     from tpkit.nn.dot_product_attention import DotProductAttention
-    from tpkit.random import get_rng_tracker
+    from tpkit.layout.random import get_rng_tracker
 
     out = {}
     for comm, a2a in (("all_gather", None), ("a2a", None), ("p2p", None), ("a2a+p2p", 2)):
@@ -299,7 +299,7 @@ def test_ring_dropout_masks_match_autograd_reference():
     import torch
     from tpkit.nn.attention_math import causal_mask
     from tpkit.nn.ring_attention import _stream_generator, ring_attention
-    from tpkit.random import get_rng_tracker
+    from tpkit.layout.random import get_rng_tracker
 
     tracker = get_rng_tracker()
     tracker.reset()

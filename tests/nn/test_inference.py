@@ -107,8 +107,8 @@ def test_inference_params_refuses_what_does_not_fit():
         te.InferenceParams(0, 8)
     with pytest.raises(ValueError, match="the cache is empty"):
         te.InferenceParams(2, 8).swap_key_value_dict([1, 0])
-    from tpkit.config import ParallelConfig
-    from tpkit.planning import fake_state
+    from tpkit.layout.config import ParallelConfig
+    from tpkit.layout.planning import fake_state
     with fake_state(ParallelConfig(), 1) as state:
         dpa = DotProductAttention(2, 4, state=state)
         q = torch.randn(6, 2, 2, 4)

@@ -59,9 +59,9 @@ def _decode_interleaved(dpa, params, data, masks=None):
 
 
 def test_requests_at_batch_offsets_decode_as_their_recomputation():
-    from tpkit.config import ParallelConfig
+    from tpkit.layout.config import ParallelConfig
     from tpkit.nn.inference import InferenceParams
-    from tpkit.planning import fake_state
+    from tpkit.layout.planning import fake_state
     with fake_state(ParallelConfig(), 1) as state:
         dpa = _dpa(state)
         data = {b0: _qkv(b, seed=b0) for b0, b in REQUESTS.items()}
@@ -82,9 +82,9 @@ def test_requests_at_batch_offsets_decode_as_their_recomputation():
 def test_a_request_alone_at_an_offset_equals_the_same_request_at_zero():
     """One request decoded at batch offset 5 of a cache of 7, and at offset 0 of a cache
     of its own size: the same outputs (the offset only chooses the rows)."""
-    from tpkit.config import ParallelConfig
+    from tpkit.layout.config import ParallelConfig
     from tpkit.nn.inference import InferenceParams
-    from tpkit.planning import fake_state
+    from tpkit.layout.planning import fake_state
     with fake_state(ParallelConfig(), 1) as state:
         dpa = _dpa(state)
         q, k, v = _qkv(2, seed=9)
@@ -97,10 +97,10 @@ def test_a_request_alone_at_an_offset_equals_the_same_request_at_zero():
 def test_padding_masks_per_request_at_offsets():
     """Left padding (the first keys of a row are padding): each request's mask covers its
     own rows' keys so far; positions that see at least one key match the recomputation."""
-    from tpkit.config import ParallelConfig
+    from tpkit.layout.config import ParallelConfig
     from tpkit.nn import DotProductAttention
     from tpkit.nn.inference import InferenceParams
-    from tpkit.planning import fake_state
+    from tpkit.layout.planning import fake_state
     with fake_state(ParallelConfig(), 1) as state:
         dpa = DotProductAttention(HEADS, D, num_gqa_groups=GROUPS,
                                   attn_mask_type="padding_causal", state=state)
@@ -122,9 +122,9 @@ def test_padding_masks_per_request_at_offsets():
 
 
 def test_an_offset_past_the_cache_is_refused():
-    from tpkit.config import ParallelConfig
+    from tpkit.layout.config import ParallelConfig
     from tpkit.nn.inference import InferenceParams
-    from tpkit.planning import fake_state
+    from tpkit.layout.planning import fake_state
     with fake_state(ParallelConfig(), 1) as state:
         dpa = _dpa(state)
         q, k, v = _qkv(2, seed=1)
@@ -142,9 +142,9 @@ def test_an_offset_past_the_cache_is_refused():
 def test_swap_reorders_every_cached_row_and_refuses_another_count():
     """TE's beam-search step: row i of every layer's cache becomes row batch_indices[i]
     (one index per cached row, the unused ones included)."""
-    from tpkit.config import ParallelConfig
+    from tpkit.layout.config import ParallelConfig
     from tpkit.nn.inference import InferenceParams
-    from tpkit.planning import fake_state
+    from tpkit.layout.planning import fake_state
     with fake_state(ParallelConfig(), 1) as state:
         dpa, other = _dpa(state), _dpa(state)
         params = InferenceParams(MAX_B, S)

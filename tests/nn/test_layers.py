@@ -209,7 +209,7 @@ def _stub(tp=2, sp=False):
 def test_input_checks_raise_clear_value_errors():
     from tpkit.nn import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                           vocab_parallel_cross_entropy)
-    from tpkit.random import get_rng_tracker
+    from tpkit.layout.random import get_rng_tracker
     get_rng_tracker().reset()
     init = torch.nn.init.zeros_
     with pytest.raises(ValueError, match="out_features=6 is not divisible .* 4"):

@@ -334,7 +334,7 @@ def _rank_te_build():
     import tpkit
     import tpkit.te
     from tpkit.nn import MoE
-    from tpkit.random import EXPERT_PARALLEL_RNG, model_parallel_seed
+    from tpkit.layout.random import EXPERT_PARALLEL_RNG, model_parallel_seed
     te_fake.install()
     cuda, tpkit.te._cuda_available = tpkit.te._cuda_available, lambda: True
     try:
@@ -386,7 +386,7 @@ def _rank_rng():
     per (etp, ep) shard and from every other stream (layout (ep2, etp1, tp2, dp2))."""
     import torch.distributed as dist
     import tpkit
-    from tpkit.random import EXPERT_PARALLEL_RNG, MODEL_PARALLEL_RNG, get_rng_tracker
+    from tpkit.layout.random import EXPERT_PARALLEL_RNG, MODEL_PARALLEL_RNG, get_rng_tracker
     st = tpkit.init_parallel(tp=2, dp=2, ep=2, etp=1, seed=9)
     draws = {}
     for name in (EXPERT_PARALLEL_RNG, MODEL_PARALLEL_RNG):
@@ -412,7 +412,7 @@ def test_expert_rng_streams():
 
 
 def test_bad_input_before_any_group():
-    from tpkit.config import ParallelConfig
+    from tpkit.layout.config import ParallelConfig
     from tpkit.nn.moe import check_moe_args
     for kw, world, words in [(dict(ep=0), 1, "ep=0"), (dict(etp=0), 1, "etp=0"),
                              (dict(tp=2, ep=4), 4, "etp*ep = 2*4"),

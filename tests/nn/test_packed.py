@@ -235,7 +235,7 @@ def test_te_backend_passes_thd_arguments_through(fake_te, cuda):
     from tpkit import ParallelConfig
     from tpkit.data import pack_sequences
     from tpkit.nn import DotProductAttention, ParallelSelfAttention
-    from tpkit.planning import build_fake_state, destroy_fake_state
+    from tpkit.layout.planning import build_fake_state, destroy_fake_state
     s = build_fake_state(ParallelConfig(), 1)
     try:
         pb = pack_sequences([[1, 2, 3], [4]], multiple=4)
@@ -270,7 +270,7 @@ def test_padding_masks_match_sdpa_of_the_real_tokens(fmt):
     import torch.nn.functional as F
     from tpkit import ParallelConfig
     from tpkit.nn import DotProductAttention
-    from tpkit.planning import build_fake_state, destroy_fake_state
+    from tpkit.layout.planning import build_fake_state, destroy_fake_state
     s_ = build_fake_state(ParallelConfig(), 1)
     try:
         b, s, h, g_, d = 3, 9, 4, 2, 8

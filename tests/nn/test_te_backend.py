@@ -62,7 +62,7 @@ def test_te_backend_without_te_or_cuda_errors(monkeypatch, fake_te):
 
 
 def test_te_backend_builds_te_modules(fake_te, cuda, fake_state):
-    from tpkit.random import get_rng_tracker
+    from tpkit.layout.random import get_rng_tracker
     init = torch.nn.init.zeros_
     for backend in ("te", "auto"):
         m = Column(8, 16, bias=False, init_method=init, return_bias=True, state=fake_state,
@@ -149,7 +149,7 @@ def test_tpkit_layers_torch_backend_unchanged():
     from tpkit import ParallelConfig
     from tpkit.nn import ColumnParallelLinear, LayerNorm
     from tpkit.nn.dot_product_attention import DotProductAttention
-    from tpkit.planning import build_fake_state, destroy_fake_state
+    from tpkit.layout.planning import build_fake_state, destroy_fake_state
     s = build_fake_state(ParallelConfig(), 1)
     try:
         for backend in ("torch", "auto"):  # auto: no TE, no CUDA here
@@ -234,7 +234,7 @@ def test_tpkit_blocks_torch_and_auto_on_cpu():
     from tpkit import ParallelConfig
     from tpkit.nn.mlp import ParallelMLP
     from tpkit.nn.transformer import TransformerLayer
-    from tpkit.planning import build_fake_state, destroy_fake_state
+    from tpkit.layout.planning import build_fake_state, destroy_fake_state
     s = build_fake_state(ParallelConfig(), 1)
     try:
         for backend in ("torch", "auto"):

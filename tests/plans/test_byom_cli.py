@@ -40,8 +40,8 @@ def test_sliding_window_longer_than_the_window_is_refused():
     import torch
     from transformers import MistralConfig, MistralForCausalLM
     import tpkit
-    from tpkit.planning import fake_state
-    from tpkit.config import ParallelConfig
+    from tpkit.layout.planning import fake_state
+    from tpkit.layout.config import ParallelConfig
     torch.manual_seed(0)
     m = MistralForCausalLM(MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
                                          num_hidden_layers=1, num_attention_heads=4,

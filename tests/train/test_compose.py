@@ -69,7 +69,7 @@ def test_kv_heads_below_tp_dry_runs_and_trains(reference):
     _same_curve(_losses(out), reference, PRINTED)
 
 
-# --- FSDP2 per block (tpkit.fsdp) --------------------------------------------------------
+# --- FSDP2 per block (tpkit.distributed.fsdp) ----------------------------------------------
 def _live_param_bytes(model) -> int:
     """Bytes of the distinct storages behind ``model``'s parameters right now (a DTensor's
     local shard; FSDP2 swaps in the unsharded parameters while a unit is gathered and
@@ -87,17 +87,17 @@ def _fsdp_run(argv, units="blocks"):
     """Trains ``argv`` with a forward pre/post hook on every module recording the live
     parameter bytes; returns (losses, peak during forward, the largest unit's unsharded
     bytes, the sharded bytes of everything)."""
-    import tpkit.fsdp
+    import tpkit.distributed.fsdp
     from torch.distributed.tensor import DTensor
     from tpkit.train import Trainer, parse
-    real = tpkit.fsdp.fsdp_units
+    real = tpkit.distributed.fsdp.fsdp_units
     if units != "blocks":   # planted: the whole model as one unit
-        tpkit.fsdp.fsdp_units = lambda model, u="blocks": real(model, units)
+        tpkit.distributed.fsdp.fsdp_units = lambda model, u="blocks": real(model, units)
     try:
         job, _ = parse(argv)
         trainer = Trainer(job)
     finally:
-        tpkit.fsdp.fsdp_units = real
+        tpkit.distributed.fsdp.fsdp_units = real
     model = trainer.raw_model
     peak = [0]
 

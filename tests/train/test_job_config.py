@@ -155,7 +155,7 @@ def test_the_layout_is_resolved_once_and_handed_over(tmp_path):
     the job win; a value given to tpkit-launch's own flags and to the job with two values
     is refused, naming both), its messages naming where each size came from;
     TPKitStrategy takes the resolved Layout as it is (and refuses sizes beside it)."""
-    from tpkit.config import Layout, ParallelConfig
+    from tpkit.layout.config import Layout, ParallelConfig
     from tpkit.fabric import TPKitStrategy
     (tmp_path / "job.toml").write_text("[parallelism]\ncp = 2\n")
     job, _ = parse(["--config", str(tmp_path / "job.toml"), "--tp", "2"], env={})

@@ -150,9 +150,9 @@ RUNS = {
 
 def _runs(tmp):
     """Every run of RUNS in order (resume after save) in this process; what each returned
-    and the bytes each offloaded (tpkit.offload's handlers, counted here)."""
+    and the bytes each offloaded (tpkit.te.offload's handlers, counted here)."""
     import tpkit.checkpoint as ckpt
-    import tpkit.offload as offload
+    import tpkit.te.offload as offload
     from tpkit.train import main
     handlers, background = [], []
     async_save = ckpt.async_save

@@ -68,7 +68,7 @@ def test_layout_refused_before_ray_starts():
     pytest.importorskip("ray.train.torch", reason="pip install 'tpkit[ray]'")
     import ray
 
-    from tpkit.config import ParallelConfig
+    from tpkit.layout.config import ParallelConfig
     from tpkit.train.ray import ray_trainer
     with pytest.raises(ValueError) as e:
         ray_trainer(["--tp", "3"], num_workers=4)

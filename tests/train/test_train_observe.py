@@ -123,7 +123,7 @@ def test_profile_trace_per_rank(job):
 
 
 def test_memory_estimate_line_after_step_one(job):
-    from tpkit.config import ParallelConfig
+    from tpkit.layout.config import ParallelConfig
     from tpkit.memory import estimate_memory, format_measured
     from tpkit.train import parse
     from tpkit.train.trainer import memory_job

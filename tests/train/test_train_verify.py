@@ -6,7 +6,7 @@ import os
 import pytest
 
 from tpkit.cli.preflight import LaunchInfo
-from tpkit.config import ParallelConfig
+from tpkit.layout.config import ParallelConfig
 
 SMALL = ["--hidden", "32", "--heads", "4", "--gqa-groups", "2", "--ffn", "64", "--layers", "2",
          "--seq-len", "16", "--global-batch", "4", "--steps", "2", "--verify"]

@@ -22,8 +22,8 @@ from torch.distributed.tensor import DTensor
 from ._dcp import (MissingKeyError, _param_names, fsdp_local, missing_key_error,
                    unwrap_module)
 from ..comm.collectives import all_gather, group_size
-from ..param_tags import is_expert, partition_dim, tp_spec
-from ..topology import resolve_state
+from ..layout.param_tags import is_expert, partition_dim, tp_spec
+from ..layout.topology import resolve_state
 
 __all__ = ["full_state_dict", "user_module", "load_full_state_dict", "load_full_optimizer_state_dict",
            "load_full", "full_shapes", "gather_param", "shard_tensor"]

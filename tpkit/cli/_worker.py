@@ -11,7 +11,7 @@ file by path (``python -u .../tpkit/cli/_worker.py script.py ARGS`` or
 pays nothing for the wrapper beyond what its own script imports.
 
 When the script is done (returned or raised SystemExit), the wrapper destroys and frees
-the process groups the script left (tpkit.parallel_state.release_default_group): a gloo
+the process groups the script left (tpkit.layout.parallel_state.release_default_group): a gloo
 worker thread still holding the last collective's tensors when the interpreter finalizes
 aborts the process ("terminate called without an active exception") after a successful
 run. When a group cannot be freed (the script's globals hold it), the process ends after
@@ -74,14 +74,14 @@ def _release_process_group() -> bool:
     dist = sys.modules.get("torch.distributed")
     if dist is None or not dist.is_available() or not dist.is_initialized():
         return True
-    from tpkit.parallel_state import release_default_group
+    from tpkit.layout.parallel_state import release_default_group
     return release_default_group()
 
 
 def _exit_now(code) -> None:
     """End the process as the interpreter would (atexit handlers, flushed streams, the
     exit code of ``sys.exit(code)``) but without finalizing it: a gloo group still alive
-    then could abort the process (tpkit.parallel_state.release_default_group)."""
+    then could abort the process (tpkit.layout.parallel_state.release_default_group)."""
     import atexit
     atexit._run_exitfuncs()
     if code is None:

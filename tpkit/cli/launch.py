@@ -15,8 +15,9 @@ import sys
 from typing import Mapping
 
 from .preflight import HOOK, LaunchInfo, PreflightError, find_hook, run_hook
+from .errors import PROG, LaunchError, _DropFailureLog, _raise, describe_failure, user_error
+from .counts import _env_int, _from_cluster, _nnodes, _nproc
 
-PROG = "tpkit-launch"
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_worker.py")
 DRY_RUN_ROWS = 64
 # nccl's flight recorder, on unless the user set these (tpkit.recovery's hang watchdog
@@ -24,14 +25,6 @@ DRY_RUN_ROWS = 64
 NCCL_FLIGHT_RECORDER = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
 SHARED_STORE_OFF = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # torchrun's default; tpkit adds SIGUSR1
-
-
-class LaunchError(ValueError):
-    """A bad invocation, found before any worker starts; main() exits 2 with it."""
-
-
-def _raise(message: str):
-    raise LaunchError(f"{message}; see {PROG} --help")  # argparse's own messages
 
 
 # --- command line ------------------------------------------------------------------
@@ -153,72 +146,6 @@ class Plan:
     memory_jobs: list = dataclasses.field(default_factory=list)  # the hook's MemoryJobs
 
 
-def _env_int(env: Mapping[str, str], name: str) -> int:
-    try:
-        return int(env[name])
-    except ValueError:
-        raise LaunchError(f"{name}={env[name]!r} is not an integer; unset it or pass "
-                          "--node-rank") from None
-
-
-def _from_cluster(args, cluster) -> tuple[int, int, int, str | None]:
-    """Nodes, node rank and workers per node from Kubernetes or SkyPilot: flags that agree
-    are accepted, flags that conflict are errors (as inside Slurm)."""
-    where = f"drop {{}} under {cluster.engine}"
-    if args.nnodes is not None and _nnodes(args.nnodes) != (cluster.nnodes, cluster.nnodes):
-        raise LaunchError(f"--nnodes={args.nnodes} conflicts with {cluster.nnodes_var}="
-                          f"{cluster.nnodes}; " + where.format("--nnodes"))
-    if args.node_rank is not None and args.node_rank != cluster.node_rank:
-        raise LaunchError(f"--node-rank={args.node_rank} conflicts with "
-                          f"{cluster.node_rank_var}={cluster.node_rank}; "
-                          + where.format("--node-rank"))
-    if args.nproc_per_node is not None and cluster.nproc_per_node is not None \
-            and args.nproc_per_node != cluster.nproc_per_node:
-        raise LaunchError(f"--nproc-per-node={args.nproc_per_node} conflicts with "
-                          f"{cluster.nproc_var}={cluster.nproc_per_node}; "
-                          + where.format("--nproc-per-node"))
-    if not 0 <= cluster.node_rank < cluster.nnodes:
-        raise LaunchError(f"{cluster.node_rank_var}={cluster.node_rank} is out of range for "
-                          f"{cluster.nnodes_var}={cluster.nnodes}; the {cluster.engine} job's "
-                          "node ranks are 0..nnodes-1: run tpkit-launch in the job's own pods/nodes")
-    return cluster.nnodes, cluster.nnodes, cluster.node_rank, \
-        args.nproc_per_node or cluster.nproc_per_node
-
-
-def _nproc(value: str, config, *, gpus: int, nnodes: int,
-           given_as: str = "--nproc-per-node") -> int:
-    if value == "auto":
-        if gpus:
-            return gpus
-        if config.dp is None:  # CPU: one model copy per node
-            return config.model_size
-        world = config.model_size * config.dp  # CPU with --dp: the whole layout
-        if world % nnodes:
-            raise LaunchError(f"--dp={config.dp} gives {world} ranks, which do not split "
-                              f"evenly over {nnodes} node(s); pass --nproc-per-node")
-        return world // nnodes
-    try:
-        n = int(value)
-    except ValueError:
-        if value == "gpu" and gpus:
-            return gpus
-        raise LaunchError(f"{given_as}={value!r} is not a number; pass N or auto") from None
-    if n < 1:
-        raise LaunchError(f"{given_as}={n} must be >= 1")
-    return n
-
-
-def _nnodes(value: str) -> tuple[int, int]:
-    parts = value.split(":")
-    try:
-        lo, hi = (int(parts[0]), int(parts[-1])) if len(parts) <= 2 else (0, -1)
-    except ValueError:
-        lo, hi = 0, -1
-    if not 1 <= lo <= hi:
-        raise LaunchError(f"--nnodes={value!r} is not N or MIN:MAX with 1 <= MIN <= MAX")
-    return lo, hi
-
-
 def _visible_gpus() -> int:
     import torch
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -226,7 +153,8 @@ def _visible_gpus() -> int:
 
 def resolve(args, env: Mapping[str, str]) -> Plan:
     """Check the invocation against the layout, the machine and Slurm; raise LaunchError."""
-    from tpkit.config import LAUNCH_GIVEN, ParallelConfig, env_flag, fused_attn_enabled
+    from tpkit._env import env_flag
+    from tpkit.layout.config import LAUNCH_GIVEN, ParallelConfig, fused_attn_enabled
     from tpkit.comm.shm import shm_allreduce_enabled, shm_p2p_enabled
     from .clusters import cluster_info
     from .slurm import slurm_info
@@ -357,7 +285,7 @@ def _settle(plan: Plan, layouts: list, env: Mapping[str, str], *, dry_run: bool)
     """Make ``layouts`` (one Layout per node count) the plan's final layout: its config
     (the Layout; for an elastic launch the sizes with dp left to the world), its
     TPKIT_* exports and the pre-flight's LaunchInfo per node count."""
-    from tpkit.config import ENV_VARS, ParallelConfig
+    from tpkit.layout.config import ENV_VARS, ParallelConfig
     first = layouts[0]
     if plan.min_nodes == plan.max_nodes:
         plan.config = first
@@ -480,7 +408,7 @@ def _launch(args, plan: Plan) -> int:
         e.name = script  # torchrun would name the wrapper module
         line = describe_failure(e)
         if user_error(line):  # a user's ValueError: the one line says it all
-            from tpkit.config import env_flag
+            from tpkit._env import env_flag
             if not env_flag("TPKIT_TRACEBACK", default=False):   # checked by resolve()
                 line += " [TPKIT_TRACEBACK=1 shows the traceback]"
         else:
@@ -514,69 +442,6 @@ def _signal_once() -> None:
         first(signum, frame)
 
     api._terminate_process_handler = handler
-
-
-HANG_PREFIX = "HangError: "  # tpkit.recovery.hang.HangError, as torchrun records it
-
-
-def _message(failure) -> str:
-    msg = failure.message
-    return str(msg.get("message", msg) if isinstance(msg, dict) else msg).strip()
-
-
-class _DropFailureLog(logging.Filter):
-    """Drops torch's routine failure records ("failed (exitcode: N) local_rank: ...",
-    "Sending process P closing signal SIGTERM"): the line tpkit-launch prints after them
-    names the failing rank, its exit code, its error and how many others were stopped."""
-    ROUTINE = ("failed (exitcode:", "Sending process ", "Closing process ")
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(self.ROUTINE)
-
-
-# A rank's error that only says a peer went away (the peer's own error is the cause; the
-# error files' timestamps are whole seconds, so both often carry the same one).
-_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
-              "communicator was aborted")
-
-
-def _collateral(message) -> bool:
-    text = str(message.get("message", message) if isinstance(message, dict) else message)
-    return any(p in text for p in _PEER_GONE)
-
-
-def describe_failure(e) -> str:
-    """One line naming the rank that failed first and its error (from torchrun's per-rank
-    error file); ranks the agent then stopped with a signal are only counted. After a
-    hang, the verdict of tpkit.recovery's watchdog: the stuck ranks and where."""
-    hangs = [m for m in map(_message, e.failures.values()) if m.startswith(HANG_PREFIX)]
-    if hangs:  # every rank recorded rank 0's verdict, unless it never reached them
-        return "hang: " + min(hangs, key=lambda m: "verdict did not reach" in m)[
-            len(HANG_PREFIX):]
-    own = [(_collateral(f.message), f.timestamp, r) for r, f in e.failures.items()
-           if f.exitcode > 0]
-    rank = min(own)[2] if own else e.get_first_failure()[0]
-    f = e.failures[rank]
-    msg = _message(f)
-    # One line: a message with tracebacks in it (torch's CheckpointException gathers every
-    # rank's) keeps its unindented lines but the "Traceback" headers, each once.
-    lines = [ln.strip() for ln in msg.splitlines()
-             if ln.strip() and not ln.startswith((" ", "\t", "Traceback (most recent call"))]
-    msg = "; ".join(dict.fromkeys(lines))
-    if f.exitcode > 0 and f.error_file_data.get("message") in (None, "", "<NONE>"):
-        # no error file: torch's placeholder record is {"message": "<NONE>"}
-        msg = "exited without a Python exception (sys.exit or a crash); see its output above"
-    others = len(e.failures) - 1
-    more = (f" ({others} other rank{'s' * (others > 1)} failed or "
-            f"{'were' if others > 1 else 'was'} stopped)" if others else "")
-    return (f"rank {rank} (local rank {f.local_rank}, exit code {f.exitcode}) failed: "
-            f"{msg}{more}")
-
-
-def user_error(line: str) -> bool:
-    """Whether describe_failure's ``line`` reports a plain ValueError, which the worker
-    wrapper records without printing a traceback (tpkit.cli._worker)."""
-    return ") failed: ValueError: " in line
 
 
 # tpkit-launch's own flags that a user may put after the script by mistake

@@ -1,5 +1,5 @@
 """The dry-run report of tpkit-launch: what would run, then the group summary and rank
-table of the planned layout (tpkit.planning: the same ParallelState code the workers
+table of the planned layout (tpkit.layout.planning: the same ParallelState code the workers
 run, on a fake process group in this process)."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ __all__ = ["report"]
 def report(plan, *, limit: int, memory=()) -> str:
     """The whole dry-run text for a resolved launch ``plan`` (tpkit.cli.launch.Plan);
     ``memory``: the memory estimate's lines (tpkit.cli.memory), before the rank table."""
-    from tpkit.planning import fake_state, format_rank_table, group_summary
+    from tpkit.layout.planning import fake_state, format_rank_table, group_summary
     c = plan.config
     nodes = str(plan.max_nodes) if plan.min_nodes == plan.max_nodes \
         else f"{plan.min_nodes}:{plan.max_nodes} (table for {plan.max_nodes})"

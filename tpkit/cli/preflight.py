@@ -13,7 +13,7 @@ arguments (dp resolved), the world, and the workers' environment. A ValueError, 
 argparse's ``error()``, becomes ``tpkit-launch: error: SCRIPT: ...`` and exit 2 with no
 worker started; argparse's ``--help`` prints once and exits 0. Elastic launches call it
 once per node count ``--nnodes MIN:MAX`` allows. It may return the layout its workers will
-build (a ``tpkit.config.Layout``, e.g. from the script's own ``--tp``: tpkit-launch then
+build (a ``tpkit.layout.config.Layout``, e.g. from the script's own ``--tp``: tpkit-launch then
 launches, prints and exports that one, so the dry run describes the job that runs) and a
 ``tpkit.memory.MemoryJob`` (the model and batch it will train: tpkit-launch then estimates
 every rank's memory, tpkit.cli.memory), either or both (a tuple). See docs/launch.md
@@ -141,7 +141,7 @@ def run_hook(args, source: str, infos: list[LaunchInfo], jobs: list | None = Non
     accepts the launch, or the text to print when it answered instead (``--help``);
     PreflightError when it refuses. What the hook returns for each is appended: a
     ``tpkit.memory.MemoryJob`` (the model and batch the launch trains, for the memory
-    estimate) to ``jobs``, a ``tpkit.config.Layout`` (the layout its workers build) to
+    estimate) to ``jobs``, a ``tpkit.layout.config.Layout`` (the layout its workers build) to
     ``layouts``."""
     name = args.training_script
     argv = list(args.training_script_args)
@@ -173,7 +173,7 @@ def run_hook(args, source: str, infos: list[LaunchInfo], jobs: list | None = Non
 
 def _collect(answer, info: LaunchInfo, jobs: list | None, layouts: list | None) -> None:
     """Sort what one hook call returned into ``jobs`` and ``layouts``."""
-    from tpkit.config import Layout
+    from tpkit.layout.config import Layout
     from tpkit.memory import MemoryJob
     for item in answer if isinstance(answer, tuple) else (answer,):
         if item is None:
@@ -190,6 +190,6 @@ def _collect(answer, info: LaunchInfo, jobs: list | None, layouts: list | None) 
                 layouts.append(item)
         else:
             raise PreflightError(
-                f"{HOOK} returned {type(item).__name__}; it returns None, a tpkit.config."
+                f"{HOOK} returned {type(item).__name__}; it returns None, a tpkit.layout.config."
                 "Layout (the layout its workers build), a tpkit.memory.MemoryJob (the model "
                 "for the memory estimate) or a tuple of both")

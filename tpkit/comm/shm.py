@@ -46,7 +46,7 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 
-from ..config import env_flag
+from .._env import env_flag
 
 __all__ = ["SLOT_BYTES", "ShmAllReduce", "ShmP2P", "bypassed", "get", "get_p2p", "release",
            "setup", "setup_p2p", "shm_allreduce_enabled", "shm_p2p_enabled", "sweep_stale"]

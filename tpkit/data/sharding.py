@@ -26,7 +26,7 @@ import dataclasses
 import torch
 
 from ..comm.collectives import all_gather
-from ..topology import resolve_state
+from ..layout.topology import resolve_state
 
 
 def check_sequence_length(seq_len: int, state=None) -> None:

@@ -38,10 +38,10 @@ from lightning.fabric.plugins.precision.precision import Precision
 from torch import nn
 
 from .. import fp8
-from ..config import FP8_RECIPES
+from ..layout.config import FP8_RECIPES
 from ..te import (check_recipe_support, is_te_module, require_te, te_autocast, te_available,
                   te_recipe)
-from ..topology import get_parallel_state
+from ..layout.topology import get_parallel_state
 from .replace import FP8Linear, replace_layers, replace_with_te
 
 PRECISIONS = ("bf16-mixed", "16-mixed", "32-true", "fp8")

@@ -35,8 +35,6 @@ works with the layout taken from the ``TPKIT_*`` variables (tpkit-launch).
 from __future__ import annotations
 
 import os
-import re
-import warnings
 import weakref
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from datetime import timedelta
@@ -47,18 +45,20 @@ import torch.distributed as dist
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.strategies.parallel import ParallelStrategy
 from lightning.fabric.utilities.distributed import (_get_default_process_group_backend_for_device,
-                                                    _init_dist_connection,
-                                                    _sync_ddp_if_available)
+                                                    _init_dist_connection, _sync_ddp_if_available)
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-from .. import checkpoint, grads, parallel_state, topology
-from ..config import ParallelConfig
-from ..param_tags import is_expert, tp_spec
-from ..random import MODEL_PARALLEL_RNG, get_rng_tracker, model_parallel_seed
+from .. import checkpoint, grads
+from ..layout import parallel_state, topology
+from ..layout.config import ParallelConfig
+from ..layout.param_tags import is_expert
+from ..layout.random import MODEL_PARALLEL_RNG, get_rng_tracker, model_parallel_seed
 from ..te import is_te_module, wire_parallel_groups
 from .sync import ExpertGradSum, SequenceParallelSum, TPKitBackwardSyncControl
+from .setup import (_FSDP_ORDER, _PP_ORDER, _SWAP_ORDER, _TIMED_OUT, _apply_fsdp,
+                    _call_parallelize_fn, _check_tp_sharded, _materialize, _pipeline_args,
+                    _refuse_dtensors, clear_dtensor_caches)
 
 DATA_PARALLEL = ("ddp", "fsdp")
 
@@ -69,7 +69,8 @@ class TPKitStrategy(ParallelStrategy):
     ParallelConfig resolved by the caller, used as it is (instead of the sizes).
     ``data_parallel="fsdp"``: FSDP2 in ``fsdp_units`` ("blocks": a unit per transformer
     block, the stem and the head their own; "model": one), HSDP with ``fsdp_replicate`` >
-    1 replicas, ``fsdp_mixed_precision="bf16"`` (bf16 compute, fp32 reduce); tpkit.fsdp."""
+    1 replicas, ``fsdp_mixed_precision="bf16"`` (bf16 compute, fp32 reduce);
+    tpkit.distributed.fsdp."""
 
     def __init__(self, tp: int | None = None, cp: int | None = None, pp: int | None = None, *,
                  sequence_parallel: bool | None = None, cp_comm_type: str | None = None,
@@ -116,7 +117,7 @@ class TPKitStrategy(ParallelStrategy):
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
             raise ValueError(f"seed={seed!r} must be a non-negative integer or None")
         self._data_parallel = data_parallel
-        from ..fsdp import MIXED_PRECISION, UNITS   # FSDP2's options (tpkit.fsdp)
+        from ..distributed.fsdp import MIXED_PRECISION, UNITS   # FSDP2's options
         fsdp = dict(units=fsdp_units, replicate=fsdp_replicate,
                     mixed_precision=fsdp_mixed_precision)
         for (name, v), ok, default in zip(fsdp.items(), (UNITS, None, MIXED_PRECISION),
@@ -296,8 +297,8 @@ class TPKitStrategy(ParallelStrategy):
     # --- pipeline parallelism (pp > 1; docs/pipeline.md "Fabric") ---------------------
     def _setup_pipeline(self, module: nn.Module, state) -> nn.Module:
         """Split ``module`` into this rank's stages and build the schedule
-        (tpkit.pipeline.build_pipeline); returns the stages' PipelineModule."""
-        from ..pipeline import build_pipeline
+        (tpkit.distributed.pipeline.build_pipeline); returns the stages' PipelineModule."""
+        from ..distributed.pipeline import build_pipeline
         if self._pipeline is not None:
             raise ValueError("TPKitStrategy(pp > 1) pipelines one model; set up a single "
                              "module (a second fabric.setup_module call found one already)")
@@ -309,7 +310,7 @@ class TPKitStrategy(ParallelStrategy):
         forward_context = getattr(self.precision, "forward_context", None)
         before = {id(p): weakref.ref(p) for p in module.parameters()}
         # One flattened all-reduce per dtype over dp x cp after the step: right for every
-        # schedule and micro-batch count (DDP inside the stages is not, tpkit.pipeline).
+        # schedule and micro-batch count (DDP inside the stages is not, tpkit.distributed.pipeline).
         pipe = build_pipeline(module, state=state, device=self.root_device,
                               data_parallel="allreduce", forward_context=forward_context,
                               loss_scale=None if scaler is None or not scaler.is_enabled()
@@ -324,7 +325,7 @@ class TPKitStrategy(ParallelStrategy):
 
     @property
     def pipeline(self):
-        """The tpkit.pipeline.Pipeline built by setup_module (pp > 1), else None."""
+        """The tpkit.distributed.pipeline.Pipeline built by setup_module (pp > 1), else None."""
         return self._pipeline
 
     def pipeline_step(self, *inputs, target: torch.Tensor) -> torch.Tensor:
@@ -562,153 +563,3 @@ class TPKitStrategy(ParallelStrategy):
     def register_strategies(cls, strategy_registry) -> None:
         strategy_registry.register(
             "tpkit", cls, description="tpkit TP/SP/CP/DP layout from TPKIT_* (tpkit-launch)")
-
-
-_FSDP_ORDER = ("with data_parallel='fsdp' the optimizer must be created after the module "
-               "is sharded (FSDP2 replaces the parameters): call model = "
-               "fabric.setup_module(model), then build the optimizer from model.parameters() "
-               "and call fabric.setup_optimizers(optimizer)")
-
-
-_SWAP_ORDER = ("build the optimizer after the model is parallelized (its layers' parameters "
-               "are new tensors): call model = fabric.setup_module(model), then build the "
-               "optimizer from model.parameters() and call fabric.setup_optimizers(optimizer)")
-
-# What a collective that timed out (or lost a peer) says, on gloo and NCCL.
-_TIMED_OUT = re.compile(r"timed out|timeout|connection closed|connection reset|"
-                        r"closed by peer|broken pipe", re.IGNORECASE)
-
-
-def _call_parallelize_fn(fn, module: nn.Module, state):
-    """``fn(module, state)``, or ``fn(module, state=state)`` for a function whose second
-    positional parameter is taken already, e.g. ``partial(tpkit.parallelize, plan=plan)``
-    (positionally, the state would land on ``plan`` twice)."""
-    import inspect
-    try:
-        inspect.signature(fn).bind(module, state)
-    except TypeError:
-        try:
-            inspect.signature(fn).bind(module, state=state)
-        except TypeError:
-            raise TypeError(f"parallelize_fn {fn!r} cannot be called as fn(module, state) nor "
-                            "fn(module, state=state); pass a function of the module and the "
-                            "tpkit ParallelState, e.g. partial(tpkit.parallelize, plan=plan)"
-                            ) from None
-        return fn(module, state=state)
-    except ValueError:   # no signature (a builtin): call it as documented
-        pass
-    return fn(module, state)
-
-
-def _refuse_dtensors(module: nn.Module, where: str = "") -> None:
-    """DTensor parameters (torch's parallelize_module) are refused: tpkit's clipping and
-    checkpoints read tpkit's tags and meshes, and would compute a wrong norm."""
-    names = [n for n, p in module.named_parameters() if isinstance(p, DTensor)]
-    if names:
-        raise ValueError(
-            f"{len(names)} parameter(s) of the model are DTensors"
-            f"{' after ' + where if where else ''} ({names[:3]}, ...: torch's "
-            "parallelize_module or fully_shard): TPKitStrategy's gradient clipping and "
-            "checkpoints work on tpkit's TP shards and would compute a wrong norm and fail "
-            "to save them; parallelize with tpkit.parallelize (TPKitStrategy(parallelize_fn="
-            "tpkit.parallelize)) and data_parallel='fsdp' for sharded data parallelism")
-
-
-def _check_tp_sharded(module: nn.Module, state) -> None:
-    """At tp > 1 a model with no TP-sharded parameter trains the same full model on every
-    TP rank (tp - 1 ranks' work wasted, with no word): warned about, naming the module (an
-    auxiliary replicated module set up beside the model is legitimate)."""
-    if state.tp_size == 1:
-        return
-    params = list(module.parameters())
-    if any(is_te_module(m) for m in module.modules()):
-        return   # TE's modules shard by their own tp_size (wired to the layout's groups)
-    if params and not any(tp_spec(p) is not None or is_expert(p) for p in params):
-        warnings.warn(
-            f"tp={state.tp_size} but none of the {len(params)} parameters of "
-            f"{type(module).__name__} is TP-sharded: every TP rank trains the whole model on "
-            "the same data. Parallelize it (TPKitStrategy(parallelize_fn=tpkit.parallelize), "
-            "a plan for your model: docs/byom.md), build it from tpkit.nn layers, or launch "
-            "with tp=1", stacklevel=3)
-
-
-_PP_ORDER = ("with pp > 1 the optimizer must be created after the module is split into "
-             "pipeline stages (this rank keeps only its stages' parameters): call model = "
-             "fabric.setup_module(model), then build the optimizer from model.parameters() "
-             "and call fabric.setup_optimizers(optimizer)")
-
-
-def _pipeline_args(pp: int, microbatches, schedule, virtual_stages, data_parallel) -> dict:
-    """TPKitStrategy's pipeline arguments, checked before any process starts (the number of
-    blocks is checked by setup_module, which sees the model)."""
-    from ..pipeline import plan_pipeline
-    if pp == 1:
-        given = [f"{k}={v!r}" for k, v, d in (("microbatches", microbatches, None),
-                                               ("pp_schedule", schedule, "1F1B"),
-                                               ("virtual_stages", virtual_stages, None))
-                 if v != d]
-        if given:
-            raise ValueError(f"{', '.join(given)} only apply with pp > 1 (pp=1 here); drop "
-                             "them or set pp")
-        return {}
-    if data_parallel != "ddp":
-        raise ValueError(f"data_parallel={data_parallel!r} with pp={pp}: pipeline stages "
-                         "average their gradients over dp x cp themselves (DDP, or one "
-                         "all-reduce for the zero-bubble schedules); use data_parallel='ddp'")
-    m = 2 * pp if microbatches is None else microbatches
-    vs = virtual_stages if isinstance(virtual_stages, int) and virtual_stages > 0 else 1
-    # Every check that does not need the model (its blocks: setup_module); 2 x pp x vs
-    # blocks fit every default.
-    plan = plan_pipeline(pp=pp, num_blocks=2 * pp * vs, microbatches=m, schedule=schedule,
-                         virtual_stages=virtual_stages)
-    return dict(microbatches=m, schedule=plan.schedule, virtual_stages=virtual_stages)
-
-
-def clear_dtensor_caches() -> None:
-    """Drop DTensor's sharding-propagation and redistribute-plan caches. They key on a
-    mesh's *layout*, not its groups, so after a layout is destroyed and rebuilt in the same
-    process (tests, notebooks) FSDP2 parameters would pick up specs naming dead groups."""
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor import _redistribute
-    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
-    for name in ("_gen_transform_infos",):
-        fn = getattr(_redistribute, name, None)
-        if hasattr(fn, "cache_clear"):
-            fn.cache_clear()
-    if hasattr(_redistribute, "clear_redistribute_planner_cache"):
-        _redistribute.clear_redistribute_planner_cache()
-    # the C++ dispatch fast path's own cache (torch >= 2.10): its output specs name the
-    # mesh of the layout that filled it (an FSDP2 gradient on a destroyed layout's mesh:
-    # 16-mixed's found_inf reduction then asked for a dead group by name)
-    native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
-    if native is not None:
-        native()
-
-
-def _materialize(module: nn.Module, device: torch.device) -> None:
-    """Meta tensors -> real ones, module by module: each module whose own parameters and
-    buffers are on the meta device is emptied onto ``device`` and re-initialised with its
-    reset_parameters(); modules with real tensors (tpkit's layers, anything created outside
-    empty_init) are left as they are."""
-    for name, m in module.named_modules():
-        own = [*m.parameters(recurse=False), *m.buffers(recurse=False)]
-        meta = sum(t.is_meta for t in own)
-        if not meta:
-            continue
-        what = f"module {name or type(module).__name__!r} ({type(m).__name__})"
-        if meta != len(own):
-            raise ValueError(f"{what} has tensors both on the meta device and real ones; create "
-                             "it entirely inside or entirely outside init_module(empty_init=True)")
-        if not callable(getattr(m, "reset_parameters", None)):
-            raise ValueError(f"{what} was created on the meta device but has no "
-                             "reset_parameters() to initialise it; create the model with "
-                             "empty_init=False")
-        m.to_empty(device=device, recurse=False)
-        m.reset_parameters()
-
-
-def _apply_fsdp(module: nn.Module, state, **fsdp) -> nn.Module:
-    """FSDP2 over the dp x cp ranks, a unit per block (tpkit.fsdp.shard_model); tpkit's
-    parameter tags are carried over to the DTensor parameters FSDP creates."""
-    from ..fsdp import shard_model
-    return shard_model(module, state, **fsdp)

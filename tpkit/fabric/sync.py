@@ -21,7 +21,7 @@ from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from torch import nn
 
 from .. import grads
-from ..param_tags import is_expert, is_sequence_parallel
+from ..layout.param_tags import is_expert, is_sequence_parallel
 
 
 class SequenceParallelSum:

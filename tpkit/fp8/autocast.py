@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from ..nn.compile import compiled_blocks_alive
 from ..nn.export import is_onnx_export
-from ..topology import get_parallel_state, is_initialized
+from ..layout.topology import get_parallel_state, is_initialized
 from .amax import GRAD, INPUT, WEIGHT, FP8Meta, reduce_and_update
 from .recipes import from_any
 

@@ -36,7 +36,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from ..nn.linear import ColumnParallelLinear, RowParallelLinear
-from ..offload import mark_not_offload
+from ..te.offload import mark_not_offload
 from .quantize import amax, cast, current_scale
 from .recipes import E4M3
 

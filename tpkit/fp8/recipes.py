@@ -28,7 +28,7 @@ from typing import Callable
 
 import torch
 
-from ..config import FP8_RECIPES
+from ..layout.config import FP8_RECIPES
 
 E4M3 = (torch.float8_e4m3fn, 448.0)
 E5M2 = (torch.float8_e5m2, 57344.0)

@@ -33,9 +33,9 @@ import warnings
 import torch
 
 from ..comm.collectives import all_reduce_sum
-from ..param_tags import mark_tensor_model_parallel
-from ..random import get_rng_tracker, model_parallel_seed
-from ..topology import ParallelState, get_parallel_state, is_initialized
+from ..layout.param_tags import mark_tensor_model_parallel
+from ..layout.random import get_rng_tracker, model_parallel_seed
+from ..layout.topology import ParallelState, get_parallel_state, is_initialized
 
 INSTALL_HINT = ("DeepSpeed is not installed; tpkit.integrations.deepspeed needs it: "
                 "pip install tpkit[deepspeed]  (or: pip install deepspeed)")
@@ -190,14 +190,14 @@ def configure_activation_checkpointing(state: ParallelState | None = None, *,
                                        mpu: DeepSpeedMPU | None = None, **kwargs):
     """``deepspeed.checkpointing.configure(DeepSpeedMPU(state), **kwargs)`` with one RNG
     tracker: DeepSpeed's checkpointing is pointed at tpkit's tracker, so dropout forked
-    with ``tpkit.random.get_rng_tracker().fork()`` (tpkit.nn layers) or with
+    with ``tpkit.layout.random.get_rng_tracker().fork()`` (tpkit.nn layers) or with
     ``deepspeed.checkpointing.get_cuda_rng_tracker().fork()`` (Megatron-DeepSpeed models)
     uses and replays the same stream.
 
     This monkeypatches three names of ``deepspeed.checkpointing`` (undo with
     ``restore_deepspeed_rng``): ``get_cuda_rng_tracker`` and ``_CUDA_RNG_STATE_TRACKER``
     return tpkit's tracker, and ``model_parallel_cuda_manual_seed(seed)`` runs
-    ``tpkit.random.model_parallel_seed(seed, state)`` (the default stream the same on a
+    ``tpkit.layout.random.model_parallel_seed(seed, state)`` (the default stream the same on a
     whole PP stage, the model-parallel stream distinct per (tp, pp) coordinate and the
     same across CP and DP ranks; DeepSpeed's own seeds only differ per TP rank).
 
@@ -223,13 +223,13 @@ def configure_activation_checkpointing(state: ParallelState | None = None, *,
         _ORIGINALS.update({n: getattr(ckpt, n) for n in _PATCHED})
 
     def model_parallel_cuda_manual_seed(seed: int):
-        """tpkit.random.model_parallel_seed on the configured state (patched by tpkit)."""
+        """tpkit.layout.random.model_parallel_seed on the configured state (patched by tpkit)."""
         model_parallel_seed(seed, state)
 
     tracker = get_rng_tracker()
     if tracker.device.type != state.device.type:
         warnings.warn(f"tpkit's RNG tracker is on {tracker.device} but the state's device is "
-                      f"{state.device}; seed it with tpkit.random.model_parallel_seed first")
+                      f"{state.device}; seed it with tpkit.layout.random.model_parallel_seed first")
     ckpt.get_cuda_rng_tracker = get_rng_tracker
     ckpt._CUDA_RNG_STATE_TRACKER = tracker
     ckpt.model_parallel_cuda_manual_seed = model_parallel_cuda_manual_seed

@@ -21,9 +21,9 @@ from torch import nn
 from ..data import shard_position_ids, shard_sequence
 from ..nn import (ColumnParallelLinear, RMSNorm, RotaryEmbedding, TransformerLayer,
                   VocabParallelEmbedding, vocab_parallel_cross_entropy)
-from ..offload import get_cpu_offload_context
+from ..te.offload import get_cpu_offload_context
 from ..recompute import checkpoint
-from ..topology import get_parallel_state
+from ..layout.topology import get_parallel_state
 from .generate import GenerationMixin
 from .vocab import mask_padding, padded_vocab_size
 
@@ -47,7 +47,7 @@ class GPTConfig:
     moe_every: int = 1
     moe_aux_coeff: float = 1e-2
     moe_capacity_factor: float | None = None
-    # Activation offload (tpkit.offload, TE's get_cpu_offload_context): the activations of
+    # Activation offload (tpkit.te.offload, TE's get_cpu_offload_context): the activations of
     # the first cpu_offload_layers blocks wait for the backward off the compute device.
     cpu_offload_layers: int = 0
     # Vocabulary padding (Megatron's make-vocab-size-divisible-by): the embedding and the
@@ -95,7 +95,7 @@ class GPT(GenerationMixin, nn.Module):
         self.output = ColumnParallelLinear(cfg.hidden_size, cfg.padded_vocab_size, bias=False,
                                            gather_output=False, **kw)
 
-    # --- pipeline protocol (tpkit.pipeline): stem, blocks, head and loss -------------
+    # --- pipeline protocol (tpkit.distributed.pipeline): stem, blocks, head and loss -------------
     pp_blocks = "layers"
     pp_stem_modules = ("embedding",)
     pp_head_modules = ("final_norm", "output")
@@ -130,7 +130,7 @@ class GPT(GenerationMixin, nn.Module):
     def pp_aux_loss(self, layer: nn.Module) -> torch.Tensor | None:
         """The router losses of ``layer``'s last forward (this rank's share, docs/moe.md),
         None for a dense layer: forward adds them to the loss; a pipeline stage attaches
-        their gradient to its activations (tpkit.pipeline)."""
+        their gradient to its activations (tpkit.distributed.pipeline)."""
         from ..nn import MoE
         aux = [m.aux_loss for m in layer.modules() if isinstance(m, MoE)]
         return sum(aux) if aux else None

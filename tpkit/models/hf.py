@@ -14,7 +14,7 @@ swapped into place (``_dcp_verify.replace_dir``): a process killed at any moment
 the previous export intact. Every file an index names must lie inside its directory (as
 written: the hub cache's files are links to blobs elsewhere).
 The parameter <-> tensor-name table is the model's (``Llama.hf_names``); the partition
-dim of each parameter comes from its tags (tpkit.param_tags.tp_spec), so TE's modules
+dim of each parameter comes from its tags (tpkit.layout.param_tags.tp_spec), so TE's modules
 are read and written the same way.
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ import torch.distributed as dist
 from ..checkpoint._dcp_verify import agree, inside, link_problem, replace_dir, staging_path
 from ..checkpoint import gather_param
 from ..comm.collectives import any_rank
-from ..param_tags import tp_spec
+from ..layout.param_tags import tp_spec
 from .llama import ARCHITECTURES, ROPE_TYPES, LlamaConfig
 
 __all__ = ["config_from_hf", "config_to_hf", "read_config", "load_llama", "save_llama",
@@ -258,7 +258,7 @@ def _layout(param, names, shapes) -> tuple[int | None, list[int]]:
 
 
 def load_llama(cls, path: str, state, *, dtype: torch.dtype, overrides: dict):
-    from ..topology import resolve_state
+    from ..layout.topology import resolve_state
     bad = sorted(set(overrides) - set(_TRAINING_FIELDS))
     if bad:
         raise ValueError(f"from_hf({bad[0]}=...) is not a training option; the model's "
@@ -314,7 +314,7 @@ def _full_tensor(p, dim, lengths, state) -> torch.Tensor:
     dp x cp first for an FSDP2 shard)."""
     t = p
     if hasattr(p, "to_local"):   # an FSDP2 DTensor: this rank's TP shard first
-        from ..checkpoint._dcp import _gather_fsdp
+        from ..checkpoint._dcp_views import _gather_fsdp
         t = _gather_fsdp(p, state.dp_cp_group)
     t = t.detach()
     if dim is None:
@@ -474,7 +474,7 @@ def save_hf(model, path: str, *, dtype: torch.dtype | None = None,
 def _save_pretrained(model, path: str, *, dtype, max_shard_size: int) -> None:
     """save_hf of a tpkit.parallelize'd transformers model. Collective."""
     from ..checkpoint import full_state_dict
-    from ..topology import resolve_state
+    from ..layout.topology import resolve_state
     sd = full_state_dict(model)
     if dtype is not None:
         sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}

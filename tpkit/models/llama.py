@@ -25,7 +25,7 @@ from ..nn import (ColumnParallelLinear, RMSNorm, RotaryEmbedding, TransformerLay
                   VocabParallelEmbedding, vocab_parallel_cross_entropy)
 from ..recompute import checkpoint
 from ..te import is_te_module
-from ..topology import resolve_state
+from ..layout.topology import resolve_state
 from .generate import GenerationMixin
 from .vocab import mask_padding, padded_vocab_size
 
@@ -246,7 +246,7 @@ class Llama(GenerationMixin, nn.Module):
         if cfg.tie_word_embeddings:   # same [V/tp, h] rows on both sides: share the shard
             self.output.weight = self.embedding.weight
 
-    # --- pipeline protocol (tpkit.pipeline): stem, blocks, head and loss -------------
+    # --- pipeline protocol (tpkit.distributed.pipeline): stem, blocks, head and loss -------------
     pp_blocks = "layers"
     pp_stem_modules = ("embedding",)
     pp_head_modules = ("final_norm", "output")

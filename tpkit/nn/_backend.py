@@ -11,7 +11,7 @@ from __future__ import annotations
 import inspect
 
 from .. import te
-from ..topology import resolve_state
+from ..layout.topology import resolve_state
 
 BACKENDS = ("auto", "torch", "te")
 

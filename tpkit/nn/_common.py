@@ -1,6 +1,6 @@
 """Small helpers shared by the torch-backend layers: the state a layer is bound to,
 divisibility and shape checks with clear messages, and deterministic shard
-initialisation. Parameter tags are tpkit.param_tags'."""
+initialisation. Parameter tags are tpkit.layout.param_tags'."""
 from __future__ import annotations
 
 import copy
@@ -10,9 +10,9 @@ import math
 import torch
 from torch import nn
 
-from ..param_tags import set_tags, set_tp_attrs, tags_of  # noqa: F401  (set_tp_attrs: layers)
-from ..random import MODEL_PARALLEL_RNG, get_rng_tracker
-from ..topology import resolve_state
+from ..layout.param_tags import set_tags, set_tp_attrs, tags_of  # noqa: F401  (set_tp_attrs: layers)
+from ..layout.random import MODEL_PARALLEL_RNG, get_rng_tracker
+from ..layout.topology import resolve_state
 
 
 class SharedRef:
@@ -144,7 +144,7 @@ def init_shard(weight: torch.Tensor, init_method, fan_in: int, tp_size: int) -> 
     else:
         raise ValueError("the RNG tracker has no model-parallel stream on this device, so TP "
                          "shards would be initialised identically; seed it with "
-                         "tpkit.init_parallel(seed=...) / tpkit.random.model_parallel_seed, "
+                         "tpkit.init_parallel(seed=...) / tpkit.layout.random.model_parallel_seed, "
                          "or load weights with tpkit.checkpoint.load_full_state_dict")
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..random import get_rng_tracker
+from ..layout.random import get_rng_tracker
 from ._common import autocast_off
 
 
@@ -111,7 +111,7 @@ def local_attention(q, k, v, scale: float, mask: torch.Tensor | None, dropout_p:
     """Differentiable attention of grouped tensors (autograd keeps the probabilities).
     ``mask`` is True where hidden; dropout on the probabilities runs inside the RNG
     tracker's model-parallel stream (distinct per TP and PP coordinate, the same on every
-    CP rank of a TP coordinate: tpkit.random), each CP rank drawing for its own queries."""
+    CP rank of a TP coordinate: tpkit.layout.random), each CP rank drawing for its own queries."""
     dtype, cdt = q.dtype, compute_dtype(q.dtype)
     s = torch.matmul(q.to(cdt), k.to(cdt).transpose(-1, -2)) * scale
     if mask is not None:

@@ -34,8 +34,8 @@ import dataclasses
 
 import torch
 
-from ..config import fused_attn_enabled
-from ..random import get_rng_tracker
+from ..layout.config import fused_attn_enabled
+from ..layout.random import get_rng_tracker
 
 aten = torch.ops.aten
 

@@ -29,7 +29,7 @@ import weakref
 
 from torch import nn
 
-from ..config import fused_attn_enabled
+from ..layout.config import fused_attn_enabled
 from .dot_product_attention import DotProductAttention
 from .transformer import TransformerLayer
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from ..comm.collectives import group_rank, group_size
-from ..config import CP_COMM_TYPES
+from ..layout.config import CP_COMM_TYPES
 from ..data import cp_positions
 from .attention_math import (causal_mask, from_grouped, local_attention, position_mask,
                              to_grouped)

@@ -28,10 +28,10 @@ import torch
 import torch.nn.functional as F
 
 from ..comm.collectives import group_rank, group_size
-from ..config import CP_COMM_TYPES
+from ..layout.config import CP_COMM_TYPES
 from ..data import last_sharded_length
-from ..random import get_rng_tracker
-from ..topology import resolve_state
+from ..layout.random import get_rng_tracker
+from ..layout.topology import resolve_state
 from ._backend import TEBackendMixin
 from ._common import divide, local_kv_heads
 from .attention_ops import select

@@ -17,7 +17,7 @@ import contextlib
 
 import torch
 
-from ..topology import get_parallel_state, is_initialized
+from ..layout.topology import get_parallel_state, is_initialized
 
 __all__ = ["export_mode", "is_onnx_export", "check_exportable"]
 

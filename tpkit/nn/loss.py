@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ..comm.collectives import all_reduce_max, all_reduce_sum, group_rank, group_size
-from ..topology import get_parallel_state
+from ..layout.topology import get_parallel_state
 from .export import check_exportable, is_onnx_export
 
 __all__ = ["vocab_parallel_cross_entropy"]

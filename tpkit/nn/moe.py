@@ -34,7 +34,7 @@ use their losses: each rank's value is a share whose mean over the CP ranks is t
 loss of the whole sequence (the same on every TP rank), so adding it to the per-rank
 mean loss gives the right gradients when gradients are averaged over dp x cp.
 
-Gradients: expert parameters (tagged ``expert_parallel``, tpkit.param_tags) are summed
+Gradients: expert parameters (tagged ``expert_parallel``, tpkit.layout.param_tags) are summed
 over ``edp_group`` (tpkit.grads.reduce_expert_grads), never over dp x cp; the router
 weight is tagged ``sequence_parallel`` under SP (a TP sum, as norm weights).
 """
@@ -49,8 +49,8 @@ from torch import nn
 
 from .. import te
 from ..comm.collectives import all_gather, group_rank
-from ..param_tags import set_expert_attrs
-from ..random import EXPERT_PARALLEL_RNG, get_rng_tracker
+from ..layout.param_tags import set_expert_attrs
+from ..layout.random import EXPERT_PARALLEL_RNG, get_rng_tracker
 from ._backend import build_te, resolve_backend
 from ._common import ParallelModule, check_sbh, divide, no_autocast, resolve_sp
 from .export import is_onnx_export
@@ -236,7 +236,7 @@ class MoE(ParallelModule):
     def _init(self, init_method, output_init_method):
         """Router: the default stream (replicated on the stage); experts: the tracker's
         expert-parallel stream, distinct per (etp, ep, pp) shard, shared by edp replicas
-        (tpkit.random). Tests and train.py load full weights instead."""
+        (tpkit.layout.random). Tests and train.py load full weights instead."""
         h = self.hidden_size
 
         def uniform(fan_in):
@@ -249,7 +249,7 @@ class MoE(ParallelModule):
                 raise ValueError("the RNG tracker has no expert-parallel stream, so expert "
                                  "shards would be initialised identically; seed it with "
                                  "tpkit.init_parallel(seed=...) or "
-                                 "tpkit.random.model_parallel_seed")
+                                 "tpkit.layout.random.model_parallel_seed")
             ctx = torch.no_grad()
         else:
             ctx = tracker.fork(EXPERT_PARALLEL_RNG)

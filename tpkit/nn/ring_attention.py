@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm.collectives import exchange as _exchange
-from ..random import get_device_rng_state, get_rng_tracker, set_device_rng_state
+from ..layout.random import get_device_rng_state, get_rng_tracker, set_device_rng_state
 from .attention_math import block_backward, block_forward, compute_dtype, merge_into
 from ._common import autocast_off
 

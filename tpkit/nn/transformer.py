@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..random import get_rng_tracker
+from ..layout.random import get_rng_tracker
 from ._backend import TEBackendMixin
 from ._common import ParallelModule, check_input_format, check_sbh, resolve_sp
 from .attention import ParallelSelfAttention

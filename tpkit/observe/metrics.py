@@ -79,7 +79,7 @@ def moe_scalars(model: torch.nn.Module, state=None) -> dict[str, float]:
     replica's view. Collective over ``pp_group`` when pipelined (every stage calls it);
     {} for a model without MoE layers."""
     from ..nn import MoE
-    from ..topology import resolve_state
+    from ..layout.topology import resolve_state
     layers = [m for m in model.modules() if isinstance(m, MoE) and m.last_routing is not None]
     s = resolve_state(state)
     experts = max((m.num_experts for m in layers), default=0)

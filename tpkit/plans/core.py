@@ -44,7 +44,7 @@ from torch import nn
 
 from .. import nn as tnn
 from ..nn._common import divide, local_kv_heads
-from ..topology import ParallelState, resolve_state
+from ..layout.topology import ParallelState, resolve_state
 from .layers import (LayoutPositionEmbedding, PlannedAttention, column, fill, keep,
                      replicated_kv)
 

@@ -25,7 +25,7 @@ from ..nn._common import local_kv_heads
 from ..nn.attention import ReplicatedKV
 from ..nn.dot_product_attention import DotProductAttention
 from ..nn.linear import ColumnParallelLinear, linear_fn
-from ..param_tags import set_tp_attrs
+from ..layout.param_tags import set_tp_attrs
 
 __all__ = ["PlannedAttention", "LayoutPositionEmbedding", "rotate_half", "column",
            "replicated_kv", "fill"]

@@ -32,7 +32,7 @@ import types
 import torch
 import torch.distributed as dist
 
-from ..planning import format_ranks
+from ..layout.planning import format_ranks
 
 EXIT_HANG = 124
 REPORTED_ENV = "TPKIT_HANG_REPORTED"   # set once the watchdog fired: tpkit-launch's worker

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm.collectives import all_gather, group_rank
-from ..planning import format_ranks
+from ..layout.planning import format_ranks
 from .signals import flag_device
 
 

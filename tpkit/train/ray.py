@@ -9,7 +9,7 @@ default process group; tpkit adopts them (docs/clusters.md).
 - **Layout**: the job's (its flags, ``--config`` TOML), checked against the world Ray
   gives before any worker starts (``ray_trainer``: ``num_workers``) and again in every
   worker (``ray.train.get_context().get_world_size()`` against the process group), with
-  the messages of ``tpkit-launch`` (``tpkit.config.ParallelConfig.validate``).
+  the messages of ``tpkit-launch`` (``tpkit.layout.config.ParallelConfig.validate``).
 - **Ranks**: Ray's, through ``tpkit.fabric.environment.RayEnvironment`` (``TPKitStrategy``
   picks it inside a Ray Train worker); ``tpkit.init_parallel`` builds the layout over
   the group Ray made and never destroys it.

@@ -152,7 +152,7 @@ def hint_grad(f, step, ref, ranks, ctx):
                           "to the reference's: each holds the gradient of its own tokens "
                           "(sequence parallel) and they were not summed; tag it "
                           "sequence_parallel (Replicate() and Norm() do; "
-                          "tpkit.param_tags.set_tp_attrs(p, None, sequence_parallel=True))")
+                          "tpkit.layout.param_tags.set_tp_attrs(p, None, sequence_parallel=True))")
                 return
             if summed:
                 f.hint = f"'{name}' is tagged sequence_parallel but was not summed over TP"
@@ -198,7 +198,7 @@ def dropout_findings(ranks: list, order) -> list:
                 return [Finding(-1, "dropout mask", name, members, detail=(
                     "the same mask on every TP rank while its input is split over TP"),
                     hint="draw it from the model-parallel stream: "
-                         "`with tpkit.random.get_rng_tracker().fork(): x = dropout(x)`")]
+                         "`with tpkit.layout.random.get_rng_tracker().fork(): x = dropout(x)`")]
             if same_input and not same_mask:
                 return [Finding(-1, "dropout mask", name, members, detail=(
                     "different masks on the TP ranks of a replicated input (the replicas "

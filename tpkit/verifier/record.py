@@ -25,9 +25,9 @@ from ..comm.collectives import all_reduce_sum
 from ..grads import sync_sequence_parallel_grads
 from ..nn._common import ParallelModule
 from ..nn.dot_product_attention import DotProductAttention
-from ..param_tags import is_sequence_parallel, tp_spec
+from ..layout.param_tags import is_sequence_parallel, tp_spec
 from ..plans import parallelize
-from ..random import model_parallel_seed
+from ..layout.random import model_parallel_seed
 
 __all__ = ["run_rank", "split_batch", "loss_of", "is_tpkit_model", "batch_shape"]
 

@@ -18,7 +18,7 @@ import time
 import traceback
 from datetime import timedelta
 
-from ..config import ParallelConfig
+from ..layout.config import ParallelConfig
 
 __all__ = ["Layout", "parse_layouts", "verify", "Report", "LayoutResult", "DEFAULT_LAYOUTS",
            "PRECISIONS", "verify_all"]
@@ -115,7 +115,7 @@ def _forget_parent_groups() -> None:
     copies are never used nor destroyed: the rank ends with os._exit)."""
     import torch.distributed.distributed_c10d as c10d
 
-    from ..topology import set_parallel_state
+    from ..layout.topology import set_parallel_state
     if c10d.is_initialized():
         c10d._world = c10d._World()
     set_parallel_state(None)
@@ -138,7 +138,7 @@ def _entry(rank, layout, port, jobs, full_sds, send, fork, go=None):
         import torch
         import torch.distributed as dist
 
-        from ..parallel_state import destroy_parallel, init_parallel
+        from ..layout.parallel_state import destroy_parallel, init_parallel
         from .record import run_rank
         if fork:
             _forget_parent_groups()

@@ -11,6 +11,8 @@ import os
 import re
 from typing import Mapping
 
+from .._env import env_flag
+
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
 # fp8 recipes by name -> the class name they share in tpkit.fp8 and Transformer Engine
 # (transformer_engine.common.recipe); no torch here, so launch/train.py's --help and
@@ -29,9 +31,6 @@ ENV_VARS = {
     "ep": "TPKIT_EP",
     "etp": "TPKIT_ETP",
 }
-
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off", "")
 
 
 def _check_size(name: str, value, *, allow_none: bool = False) -> None:
@@ -323,22 +322,6 @@ def note_layout_built() -> None:
     after destroy_parallel() another one is the script's own choice (README's re-init)."""
     global _LAYOUT_BUILT
     _LAYOUT_BUILT = True
-
-
-def env_flag(name: str, env: Mapping[str, str] | None = None, *, default: bool,
-             fix: str = "use 1 or 0") -> bool:
-    """The boolean environment variable ``name`` (1/true/yes/on, 0/false/no/off or empty;
-    ``default`` when unset), or ValueError naming the value and ``fix``. Every TPKIT_*
-    switch is parsed here."""
-    env = os.environ if env is None else env
-    raw = env.get(name)
-    if raw is None:
-        return default
-    if raw.strip().lower() in _TRUE:
-        return True
-    if raw.strip().lower() in _FALSE:
-        return False
-    raise ValueError(f"{name}={raw!r} is not a boolean; {fix}")
 
 
 def fused_attn_enabled(env: Mapping[str, str] | None = None) -> bool:

@@ -32,9 +32,9 @@ from collections.abc import Mapping
 
 import torch
 
-from .config import FP8_RECIPES
-from .random import EXPERT_PARALLEL_RNG, get_rng_tracker
-from .topology import add_destroy_hook, is_initialized, resolve_state
+from ..layout.config import FP8_RECIPES
+from ..layout.random import EXPERT_PARALLEL_RNG, get_rng_tracker
+from ..layout.topology import add_destroy_hook, is_initialized, resolve_state
 
 CHECKED_TE_VERSION = "2.20.2"
 INSTALL_HINT = "pip install 'tpkit[te]'"
@@ -285,7 +285,7 @@ def fp8_alignment() -> int:
 
 def forget_groups(groups) -> None:
     """Drop TE's fp8 global state that refers to ``groups`` (being destroyed by
-    tpkit.topology): the autocast arguments keyed by ``id(group)`` and their amax
+    tpkit.layout.topology): the autocast arguments keyed by ``id(group)`` and their amax
     buffers, which TE's next reduction would otherwise all-reduce over a destroyed group.
     Modules registered there re-register under the new layout's key once
     ``wire_parallel_groups`` has rewired them (it clears their registration)."""

@@ -13,8 +13,8 @@ tp/cp/... group instead of creating duplicates; NCCL creates communicators lazil
 size-1 group that is never used costs nothing there.
 
 Starting and ending layouts (init_parallel, destroy_parallel, the default process
-group's lifetime) is tpkit.parallel_state's; planning a layout without workers (the fake
-process group, the rank table as text) is tpkit.planning's.
+group's lifetime) is tpkit.layout.parallel_state's; planning a layout without workers (the fake
+process group, the rank table as text) is tpkit.layout.planning's.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from .comm import shm
+from ..comm import shm
 from .config import ParallelConfig
 
 MESH_DIMS = ("pp", "dp", "cp", "tp")

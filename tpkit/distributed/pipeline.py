@@ -43,10 +43,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .comm.collectives import all_reduce_flat, all_reduce_sum
-from .grads import reduce_expert_grads, reduce_since, snapshot_grads
-from .param_tags import is_expert
-from .topology import resolve_state
+from ..comm.collectives import all_reduce_flat, all_reduce_sum
+from ..grads import reduce_expert_grads, reduce_since, snapshot_grads
+from ..layout.param_tags import is_expert
+from ..layout.topology import resolve_state
 
 __all__ = ["SCHEDULES", "PipelinePlan", "plan_pipeline", "Pipeline", "PipelineStageModule",
            "PipelineModule", "build_pipeline"]

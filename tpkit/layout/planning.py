@@ -1,7 +1,7 @@
 """A layout planned without workers, and the rank table as text.
 
 ``build_fake_state`` builds the ParallelState rank ``rank`` of a ``world_size`` world
-would build, with the same tpkit.topology code, on PyTorch's fake process group in this
+would build, with the same tpkit.layout.topology code, on PyTorch's fake process group in this
 process (no workers, no GPUs; about 2 s for 65,536 ranks). ``tpkit-launch --dry-run``
 prints its rank table and group summary (tpkit.cli.plan), and tests check layouts of
 any size with it. ``format_rank_table`` also formats a live state's

@@ -1,6 +1,6 @@
 """Starting and ending layouts, and the Megatron-Core-style getters over the current one.
 
-``init_parallel`` builds a layout's groups (tpkit.topology.build_state) over the default
+``init_parallel`` builds a layout's groups (tpkit.layout.topology.build_state) over the default
 process group and makes it the current state; ``destroy_parallel`` frees them.
 
 Lifetimes: a layout's groups live from init_parallel() to destroy_parallel(); the default
@@ -26,9 +26,9 @@ import torch.distributed as dist
 from . import topology
 from .config import ParallelConfig, fused_attn_enabled, note_layout_built
 from .random import get_rng_tracker, model_parallel_seed
-from .comm.shm import shm_allreduce_enabled, shm_p2p_enabled
-from .topology import (ParallelState, build_state, get_parallel_state,  # noqa: F401
-                       is_initialized, resolve_state, set_parallel_state)
+from ..comm.shm import shm_allreduce_enabled, shm_p2p_enabled
+from .topology import (ParallelState, build_state, get_parallel_state, is_initialized,  # noqa: F401
+                       resolve_state, set_parallel_state)
 
 # The default process group init_parallel created in this process (a weak reference: a
 # strong one would keep it alive past its destruction, see release_default_group; None: it
@@ -148,7 +148,7 @@ def init_parallel(tp: int | None = None, cp: int | None = None, pp: int | None =
     Arguments left ``None`` come from ``TPKIT_*`` variables (what tpkit-launch exports),
     then from ParallelConfig's defaults. ``ep``/``etp`` re-cut each stage's tp*cp*dp
     ranks for the expert layers (docs/moe.md). ``seed`` seeds the RNG tracker
-    (tpkit.random.model_parallel_seed); None skips it."""
+    (tpkit.layout.random.model_parallel_seed); None skips it."""
     if is_initialized():
         raise RuntimeError("a parallel state is already initialised; call "
                            "tpkit.destroy_parallel() before init_parallel() with a new layout")

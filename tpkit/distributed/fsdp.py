@@ -44,7 +44,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .param_tags import set_tags, tags_of
+from ..layout.param_tags import set_tags, tags_of
 
 __all__ = ["UNITS", "MIXED_PRECISION", "RESHARD", "fsdp_units", "fsdp_mesh", "shard_model"]
 
@@ -59,7 +59,7 @@ def _blocks(model: nn.Module) -> list[nn.Module]:
     rule), else its longest ``nn.ModuleList`` of modules of one class (Hugging Face's
     ``model.layers``, nanoGPT's ``transformer.h``: a ``tpkit.parallelize``d model's
     decoder layers), else none."""
-    from .nn.compile import _blocks as blocks   # one definition of "the blocks"
+    from ..nn.compile import _blocks as blocks   # one definition of "the blocks"
     found = [b for b in blocks(model) if b is not model]
     if found:
         return found

@@ -122,7 +122,7 @@ class RNGStatesTracker:
         the named stream advances by what the block drew."""
         if name not in self.states_:
             raise KeyError(f"RNG state {name!r} is not in the tracker; seed it with "
-                           "tpkit.random.model_parallel_seed(seed, state) or tracker.add()")
+                           "tpkit.layout.random.model_parallel_seed(seed, state) or tracker.add()")
         orig = self._get()
         self._set(self.states_[name])
         try:
