@@ -190,7 +190,7 @@ def _runs(tmp):
         gpt.checkpoint = checkpoint
     # the blocks' implementation reaches the model's config (TE's blocks need a GPU)
     from tpkit.train import parse
-    from tpkit.train.trainer import gpt_config
+    from tpkit.train.build import gpt_config
     out["impl"] = tuple(gpt_config(parse(BASE + ["--model.impl", i], env={})[0]).backend
                         for i in ("te", "torch"))
     return out
