@@ -114,7 +114,7 @@ def _vocab(args, job) -> tuple[int, str]:
     if args.hf:
         from tpkit.models.hf import read_config
         return read_config(args.hf)[0].vocab_size, f"{args.hf}/config.json"
-    from tpkit.train.trainer import vocab_size
+    from tpkit.train.arch import vocab_size
     return vocab_size(job), f"the job {args.config}"
 
 

@@ -1,6 +1,6 @@
 """The trainer's Llama from scratch: ``[model] arch = "llama"`` (sizes from the ``[model]``
 fields) or ``[model] hf_config = FILE`` (a Hugging Face config.json, no weights), trained
-from a layout-independent random init (tpkit.train.trainer.full_init), with the vocabulary
+from a layout-independent random init (tpkit.train.build.full_init), with the vocabulary
 of data.tokenizer (or the corpus' 256 byte ids) unless the config.json names a larger one.
 
 ``llama_config(job)`` is the one place a JobConfig becomes a tpkit.models.LlamaConfig;
