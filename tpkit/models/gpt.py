@@ -18,14 +18,15 @@ import dataclasses
 import torch
 from torch import nn
 
-from ..data import shard_position_ids, shard_sequence
+from ..data import shard_sequence
 from ..nn import (ColumnParallelLinear, RMSNorm, RotaryEmbedding, TransformerLayer,
                   VocabParallelEmbedding, vocab_parallel_cross_entropy)
 from ..te.offload import get_cpu_offload_context
 from ..recompute import checkpoint
 from ..layout.topology import get_parallel_state
+from .decoder import DecoderPipelineMixin
 from .generate import GenerationMixin
-from .vocab import mask_padding, padded_vocab_size
+from .vocab import padded_vocab_size
 
 
 @dataclasses.dataclass
@@ -60,7 +61,7 @@ class GPTConfig:
         return padded_vocab_size(self.vocab_size, self.vocab_multiple)
 
 
-class GPT(GenerationMixin, nn.Module):
+class GPT(DecoderPipelineMixin, GenerationMixin, nn.Module):
     def __init__(self, cfg: GPTConfig, state=None):
         super().__init__()
         self.cfg = cfg
@@ -95,33 +96,12 @@ class GPT(GenerationMixin, nn.Module):
         self.output = ColumnParallelLinear(cfg.hidden_size, cfg.padded_vocab_size, bias=False,
                                            gather_output=False, **kw)
 
-    # --- pipeline protocol (tpkit.distributed.pipeline): stem, blocks, head and loss -------------
-    pp_blocks = "layers"
-    pp_stem_modules = ("embedding",)
-    pp_head_modules = ("final_norm", "output")
-
-    @property
-    def pp_recompute(self) -> bool:
-        return self.cfg.recompute
-
+    # --- pipeline protocol (tpkit.distributed.pipeline): stem and loss; blocks and head
+    # from DecoderPipelineMixin ---------------------------------------------------------
     def pp_stem(self, tokens: torch.Tensor) -> torch.Tensor:
         """``[b, s]`` tokens of the full sequence -> ``[s_cp(/tp under SP), b, h]``."""
         tokens = shard_sequence(tokens, 1, self.state).t().contiguous()   # [s_cp, b]
         return self.embedding(tokens)
-
-    def pp_block(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        s = self.state
-        seq = x.shape[0] * s.cp_size * (s.tp_size if s.sequence_parallel else 1)
-        freqs = self.rope(seq if self._te_blocks else
-                          shard_position_ids(seq, s, device=x.device))
-        if self.cfg.recompute and self.training:
-            # Non-reentrant: pipeline schedules take gradients with torch.autograd.grad.
-            return checkpoint(layer, x, rotary_pos_emb=freqs, use_reentrant=False)
-        return layer(x, rotary_pos_emb=freqs)
-
-    def pp_head(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.output(self.final_norm(x))                     # [s_cp, b, V/tp]
-        return mask_padding(logits, self.cfg.vocab_size, self.state.tp_rank)
 
     def pp_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         targets = shard_sequence(targets, 1, self.state).t().contiguous()

@@ -26,8 +26,9 @@ from ..nn import (ColumnParallelLinear, RMSNorm, RotaryEmbedding, TransformerLay
 from ..recompute import checkpoint
 from ..te import is_te_module
 from ..layout.topology import resolve_state
+from .decoder import DecoderPipelineMixin
 from .generate import GenerationMixin
-from .vocab import mask_padding, padded_vocab_size
+from .vocab import padded_vocab_size
 
 __all__ = ["LlamaConfig", "Llama", "ARCHITECTURES", "ROPE_TYPES", "rope_inv_freq"]
 
@@ -206,7 +207,7 @@ _TE_BLOCK = {
 }
 
 
-class Llama(GenerationMixin, nn.Module):
+class Llama(DecoderPipelineMixin, GenerationMixin, nn.Module):
     """The decoder on this rank's shard of ``state``'s layout (None: the current one).
     ``init_method`` (default: normal with ``cfg.initializer_range``) initialises every
     weight shard on the RNG tracker's model-parallel stream."""
@@ -246,15 +247,8 @@ class Llama(GenerationMixin, nn.Module):
         if cfg.tie_word_embeddings:   # same [V/tp, h] rows on both sides: share the shard
             self.output.weight = self.embedding.weight
 
-    # --- pipeline protocol (tpkit.distributed.pipeline): stem, blocks, head and loss -------------
-    pp_blocks = "layers"
-    pp_stem_modules = ("embedding",)
-    pp_head_modules = ("final_norm", "output")
-
-    @property
-    def pp_recompute(self) -> bool:
-        return self.cfg.recompute
-
+    # --- pipeline protocol (tpkit.distributed.pipeline): stem and loss; blocks and head
+    # from DecoderPipelineMixin ---------------------------------------------------------
     def pp_stem(self, tokens: torch.Tensor) -> torch.Tensor:
         """``[b, s]`` tokens of the full sequence -> ``[s_cp(/tp under SP), b, h]``."""
         if self.cfg.tie_word_embeddings and self.state.pp_size > 1:
@@ -263,20 +257,6 @@ class Llama(GenerationMixin, nn.Module):
                              "the head share one weight; untie them or use pp=1")
         ids = shard_sequence(tokens, 1, self.state).t().contiguous()   # [s_cp, b]
         return self.embedding(ids)
-
-    def pp_block(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        s = self.state
-        seq = x.shape[0] * s.cp_size * (s.tp_size if s.sequence_parallel else 1)
-        freqs = self.rope(seq if self._te_blocks else
-                          shard_position_ids(seq, s, device=x.device))
-        if self.cfg.recompute and self.training:
-            # non-reentrant: pipeline schedules take gradients with torch.autograd.grad
-            return checkpoint(layer, x, rotary_pos_emb=freqs, use_reentrant=False)
-        return layer(x, rotary_pos_emb=freqs)
-
-    def pp_head(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.output(self.final_norm(x))                   # [s_cp, b, V/tp]
-        return mask_padding(logits, self.cfg.vocab_size, self.state.tp_rank)
 
     def pp_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         targets = shard_sequence(targets, 1, self.state).t().contiguous()
