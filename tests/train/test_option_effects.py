@@ -161,13 +161,17 @@ def _runs(tmp):
         background.append(a[0])
         return async_save(*a, **k)
     ckpt.async_save = counting_async
+    import tpkit.models.decoder as decoder
     import tpkit.models.gpt as gpt
     recomputed, checkpoint = [], gpt.checkpoint
+    # every module that calls tpkit.recompute.checkpoint on the model's blocks
+    users = (gpt, decoder)
 
     def counting_checkpoint(*a, **k):
         recomputed.append(1)
         return checkpoint(*a, **k)
-    gpt.checkpoint = counting_checkpoint
+    for m in users:
+        m.checkpoint = counting_checkpoint
     init = offload.OffloadHandler.__init__
 
     def counting(self, *a, **k):
@@ -187,7 +191,8 @@ def _runs(tmp):
     finally:
         offload.OffloadHandler.__init__ = init
         ckpt.async_save = async_save
-        gpt.checkpoint = checkpoint
+        for m in users:
+            m.checkpoint = checkpoint
     # the blocks' implementation reaches the model's config (TE's blocks need a GPU)
     from tpkit.train import parse
     from tpkit.train.build import gpt_config
