@@ -708,7 +708,7 @@ API = [
             2, 8, qkv_format="thd", attn_mask_type="padding", attention_dropout=0.1, state=s))),
     Row("pack-document-length", "document 1 has padded length 6",
         "pad every document with tpkit.data.pack_sequences",
-        call=lambda tmp: __import__("tpkit.data").data.packed_cp_indices([0, 4, 10], 0, 2)),
+        call=lambda tmp: __import__("tpkit.cp").cp.packed_cp_indices([0, 4, 10], 0, 2)),
     Row("pack-empty-document", "document 1 has shape (0,)", "non-empty 1-D integer sequence",
         call=lambda tmp: __import__("tpkit.data").data.pack_sequences([[1], []], multiple=2)),
     Row("sequence-vs-cp", "sequence length 12", "pad the sequence to a multiple of 8",

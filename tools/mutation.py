@@ -38,7 +38,7 @@ MODULES = {
     "config": ("tpkit/layout/config.py", ["tests/test_config.py"]),
     # the single-process tests of every rank (the launched one checks the same seeds)
     "random": ("tpkit/layout/random.py", ["tests/test_random.py", "-k", "not forked_masks"]),
-    "data": ("tpkit/data/sharding.py", [
+    "cp": ("tpkit/cp/sharding.py", [
         "tests/data/test_sharding.py", "--deselect",
         "tests/data/test_sharding.py::test_unshard_roundtrip_and_grad",
         *(f"tests/nn/test_packed.py::test_{t}" for t in (

@@ -7,7 +7,7 @@ not after the query's. So documents never see each other, a padding token sees o
 itself (its output is then zeroed, as TE zeroes THD padding), and every query row sees at
 least one key: the row-wise softmax never divides by zero.
 
-Under CP the row is laid out per document (``tpkit.data.packed_cp_indices``), and every
+Under CP the row is laid out per document (``tpkit.cp.packed_cp_indices``), and every
 rank can compute the segments and positions of any rank's shard from the global
 ``cu_seqlens``, so masks need no communication. The comm types move K/V as their
 ``tpkit.nn.context_parallel`` counterparts do (TE 2.x supports THD on all four):
@@ -29,8 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm.collectives import exchange, group_rank, group_size
-from ..data import packed_cp_indices
-from ..data.sharding import _bounds
+from ..cp.sharding import _bounds, packed_cp_indices
 from .attention_math import compute_dtype, from_grouped, local_attention, to_grouped
 from .mappings import all_to_all, gather_from_sp_region
 from ._common import autocast_off
