@@ -759,7 +759,7 @@ API = [
             _touch(tmp / "x.pt") / "ck", {"model": torch.nn.Linear(2, 2)})),
     Row("load-empty-dir", "{tmp}/.metadata is missing", "load another checkpoint",
         call=_load(lambda tmp: tmp)),
-    # checkpoints at fsspec URLs (tests/test_checkpoint_fsspec.py: the marker, the checks)
+    # checkpoints at fsspec URLs (tests/checkpoint/test_checkpoint_fsspec.py: the marker, the checks)
     Row("load-url-missing", "no checkpoint at memory://tpkit-bad/nope", "pass the directory "
         "tpkit.checkpoint.save", call=_load(lambda tmp: "memory://tpkit-bad/nope")),
     Row("load-url-unknown-scheme", "checkpoint path nosuchfs://b/ck", "install the file "
