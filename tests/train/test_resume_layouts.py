@@ -100,10 +100,12 @@ def _same(got, ref, rel, what):
 @pytest.mark.slow
 @pytest.mark.timeout(600)   # 11 trainer starts at 4 ranks and 2 at one, on a loaded machine
 def test_resume_chain_across_layouts_stays_on_the_curve(tmp_path):
-    """Planted: the replicated [K; V] stored under its own name again (linear_kv) -> the
-    tp4-kv2 run's MissingKeyError; HSDP's gradient norm summed over every replica again
-    -> the runs after hsdp-2x2 off the curve (Adam saw the clipped gradients scaled by
-    1/sqrt(2)); the memory plan's HSDP shard as all of dp -> planned/measured 0.5."""
+    """Planted (each seen failing, then restored): the replicated [K; V] stored under its
+    own name again (linear_kv) -> the tp4-kv2 run's MissingKeyError ('14 keys are
+    missing ... linear_kv.weight.seg0'); HSDP's gradient norm summed over every replica
+    again -> hsdp-2x2's second step 4.5e-4 off the curve, the DDP run after it 1.0e-3
+    (Adam saw the clipped gradients scaled by 1/sqrt(2)); the memory plan's HSDP shard as
+    all of dp -> planned/measured 90432/180864 = 0.5."""
     root = str(tmp_path)
     results = run(_chain, 4, root)
     (ref, bf16_resumed_one), = run(_references, 1, root)
