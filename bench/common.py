@@ -167,3 +167,33 @@ def median_step(step, warmup: int, iters: int) -> float:
         dist.barrier()
         times.append(time.perf_counter() - t0)
     return sorted(times[warmup:])[iters // 2]
+
+
+def interleaved_rounds(steps: dict, warmup: int, rounds: int) -> dict[str, list[float]]:
+    """Wall times of every step in ``steps`` (name -> callable), run in turn once per
+    round for ``warmup + rounds`` rounds, so all of them see the same load at the same
+    moment; every rank starts and ends each call together (barriers outside the timed
+    region). Returns name -> the times of every round, the warmup rounds first (a
+    compile's first step is among them); ``round_medians`` reads them."""
+    import torch.distributed as dist
+    times = {name: [] for name in steps}
+    for _ in range(warmup + rounds):
+        for name, step in steps.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            step()
+            dist.barrier()
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def round_medians(times: dict[str, list[float]], warmup: int, peer: str | None = None):
+    """(name -> median time after ``warmup`` rounds, name -> median of the per-round
+    ratios to ``peer``'s time in the same round). A ratio taken round by round, like for
+    like, is steadier under a shared machine's load than the ratio of two medians."""
+    med = {k: statistics.median(v[warmup:]) for k, v in times.items()}
+    ratios = {}
+    if peer is not None:
+        for k, v in times.items():
+            ratios[k] = statistics.median(a / b for a, b in zip(v[warmup:], times[peer][warmup:]))
+    return med, ratios

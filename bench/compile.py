@@ -16,11 +16,11 @@ from __future__ import annotations
 import copy
 import os
 import tempfile
-import time
 
 import torch
 
-from bench.common import fmt, gloo_rank, spawn, table, token_batch, write_section
+from bench.common import (fmt, gloo_rank, interleaved_rounds, round_medians, spawn, table,
+                          token_batch, write_section)
 from bench.train import SIZES
 
 ROUNDS, WARMUP = 7, 2
@@ -39,34 +39,20 @@ def _worker(rank, world, port, size, cache, out):
     eager = GPT(GPTConfig(vocab_size=256, **cfg), state)
     compiled = tpkit.compile_blocks(copy.deepcopy(eager))
     x, y = token_batch(state, batch, seq)
-    steps = {}
+    steps, losses = {}, {}
     for name, model in (("eager", eager), ("compiled", compiled)):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
-        def step(model=model, opt=opt):
+        def step(model=model, opt=opt, name=name):
             loss = model(x, y)
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            return float(loss.detach())
+            losses.setdefault(name, float(loss.detach()))   # the first step's
         steps[name] = step
-    times = {"eager": [], "compiled": []}
-    losses = {}
-    first = None
-    for r in range(WARMUP + ROUNDS):
-        for name in ("eager", "compiled"):
-            dist.barrier()
-            t0 = time.perf_counter()
-            loss = steps[name]()
-            dist.barrier()
-            dt = time.perf_counter() - t0
-            if r == 0:
-                losses[name] = loss
-                if name == "compiled":
-                    first = dt
-            if r >= WARMUP:
-                times[name].append(dt)
-    med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+    times = interleaved_rounds(steps, WARMUP, ROUNDS)
+    first = times["compiled"][0]
+    med, _ = round_medians(times, WARMUP)
     if rank == 0:
         out.put((med, first, losses))
     tpkit.destroy_parallel()

@@ -14,16 +14,16 @@ live during a forward (hooks on every module, one untimed forward).
 from __future__ import annotations
 
 import os
-import time
 
 import torch
 
-from bench.common import fmt, gloo_rank, spawn, table, token_batch, write_section
+from bench.common import (fmt, gloo_rank, interleaved_rounds, machine, round_medians, spawn,
+                          table, token_batch, write_section)
 
 CFG = dict(vocab_size=256, hidden_size=256, num_layers=8, num_heads=8, num_gqa_groups=4,
            ffn_hidden_size=1024)
 SEQ, BATCH = 128, 8
-ROUNDS, WARMUP = 7, 2
+ROUNDS, WARMUP = 15, 3
 
 
 def _storages(tensors) -> int:
@@ -53,7 +53,7 @@ def _worker(rank, world, port, out):
               "fsdp one unit": shard_model(copy.deepcopy(base), state, units="model"),
               "fsdp per block": shard_model(copy.deepcopy(base), state, units="blocks")}
     x, y = token_batch(state, BATCH, SEQ)
-    peaks, steps = {}, {}
+    peaks, steps, losses = {}, {}, {}
     for name, model in models.items():
         raw = model.module if name == "ddp" else model
         peak = peaks.setdefault(name, [0])
@@ -68,42 +68,28 @@ def _worker(rank, world, port, out):
             h.remove()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
-        def step(model=model, opt=opt):
+        def step(model=model, opt=opt, name=name):
             loss = model(x, y)
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=False)
-            return float(loss.detach())
+            losses.setdefault(name, float(loss.detach()))   # the first step's
         steps[name] = (step, raw, opt)
-    times = {k: [] for k in models}
-    losses = {}
-    for r in range(WARMUP + ROUNDS):
-        for name, (step, _, _) in steps.items():
-            dist.barrier()
-            t0 = time.perf_counter()
-            loss = step()
-            dist.barrier()
-            if r == 0:
-                losses[name] = loss
-            if r >= WARMUP:
-                times[name].append(time.perf_counter() - t0)
-    med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+    times = interleaved_rounds({k: v[0] for k, v in steps.items()}, WARMUP, ROUNDS)
+    med, ratio = round_medians(times, WARMUP, peer="ddp")
     if rank == 0:
-        out.put((med, {k: v[0] for k, v in peaks.items()}, losses))
+        out.put((med, ratio, {k: v[0] for k, v in peaks.items()}, losses))
     tpkit.destroy_parallel()
     dist.destroy_process_group()
 
 
 def main() -> None:
-    med, peaks, losses = spawn(_worker, 4)
+    med, ratio, peaks, losses = spawn(_worker, 4)
     rows = []
     for name in ("fsdp per block", "fsdp one unit"):
         rows.append(dict(what=f"{name}: step time", figure=fmt(med[name], "ms"),
                          peer_name="DDP", peer=fmt(med["ddp"], "ms"),
-                         ratio=med[name] / med["ddp"]))
-    rows.append(dict(what="fsdp per block: step time", figure=fmt(med["fsdp per block"], "ms"),
-                     peer_name="fsdp one unit", peer=fmt(med["fsdp one unit"], "ms"),
-                     ratio=med["fsdp per block"] / med["fsdp one unit"]))
+                         ratio=ratio[name]))
     for name in ("fsdp per block", "fsdp one unit"):
         rows.append(dict(what=f"{name}: peak parameter bytes live in forward, per rank",
                          figure=fmt(peaks[name], "MiB"), peer_name="DDP",
@@ -113,16 +99,16 @@ def main() -> None:
     load = os.getloadavg()[0]
     body = (f"tpkit/models/gpt.py's GPT (h={CFG['hidden_size']}, L={CFG['num_layers']}, "
             f"ffn={CFG['ffn_hidden_size']}, s={SEQ}, global batch {BATCH}), float32, dp=4 on 4 "
-            "gloo processes with 1 thread each; step = forward + backward + AdamW step; the "
-            f"three copies timed interleaved, medians of {ROUNDS} rounds after {WARMUP} "
-            "(`python -m bench.fsdp`). Memory from the storages of each rank's tensors (no "
-            "allocator statistics on CPU). First-step losses: "
+            f"gloo processes with 1 thread each on {machine()}; step = forward + backward + "
+            f"AdamW step; the three copies timed interleaved (bench.common.interleaved_rounds, "
+            f"shared with bench.compile), {ROUNDS} rounds after {WARMUP} warmup rounds; a "
+            "step-time ratio is the median over rounds of the copy's time / DDP's time in the "
+            "same round (`python -m bench.fsdp`). Memory from the storages of each rank's "
+            "tensors (no allocator statistics on CPU). First-step losses: "
             + ", ".join(f"{k} {v:.6f}" for k, v in losses.items())
             + f". 1-minute load average {load:.1f} at the end (2 cores, shared with other "
-            "jobs: on CPU the all-gathers do not overlap compute, so the step-time ratios "
-            "are FSDP's communication cost, not its GPU speed; under this load they vary "
-            "between runs: an earlier run of the same code gave per block / DDP 0.76, "
-            "another with the memory hooks inside the timed steps 1.70).\n\n" + table(rows))
+            "jobs). On CPU the all-gathers do not overlap compute: the step-time ratios are "
+            "FSDP's communication cost on gloo, not its GPU speed.\n\n" + table(rows))
     write_section("fsdp", "FSDP2 per block vs one unit vs DDP (CPU, 4 ranks)", body)
     print(body, flush=True)
 

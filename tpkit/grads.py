@@ -124,6 +124,12 @@ def grad_norm(params: Iterable[torch.nn.Parameter], state, norm_type: float = 2.
             acc = acc + norms.pow(norm_type).sum() * weight
     reduce = all_reduce_max if inf else all_reduce_sum
     if fsdp and state.dp_cp_size > 1:
+        # HSDP: each shard is held by every replica (a Replicate mesh dim): counted once
+        g = next(p.grad for p in params if isinstance(p.grad, DTensor))
+        replicas = math.prod(g.device_mesh.size(i) for i, pl in enumerate(g.placements)
+                             if pl.is_replicate())
+        if not inf and replicas > 1:
+            acc = acc / replicas
         acc = reduce(acc, state.dp_cp_group)
     if tp > 1:
         acc = reduce(acc, state.tp_group)

@@ -6,7 +6,7 @@ storages and knows nothing of the estimator), at many layouts in one launch.
 
 For each layout of LAYOUTS (or those named): init_parallel at that layout, a small GPT
 (tpkit.models.gpt) trained two steps with AdamW the way launch/train.py does it (DDP or
-FSDP2 over dp x cp, tpkit.distributed.pipeline schedules, recompute, emulated fp8, experts, packed
+FSDP2 over dp x cp by tpkit.distributed.fsdp.shard_model as the trainer shards: per block, one unit, HSDP; tpkit.distributed.pipeline schedules, recompute, emulated fp8, experts, packed
 documents), all inside the counting mode; the peak of live bytes during the second step
 is compared with ``tpkit.memory.estimate_memory`` for that rank; destroy_parallel.
 Rank 0 prints one line per layout: ``MEM name estimate measured ratio`` (the ratio of
@@ -45,6 +45,10 @@ LAYOUTS = {
     "pp2-zb-dp2": (dict(pp=2), dict(pp_schedule="InterleavedZeroBubble", microbatches=4)),
     "pp2-gpipe-dp2": (dict(pp=2), dict(pp_schedule="GPipe", microbatches=4)),
     "dp4-fsdp": (dict(), dict(data_parallel="fsdp")),
+    "dp4-fsdp-one-unit": (dict(), dict(data_parallel="fsdp", fsdp_units="model")),
+    "dp4-hsdp-2x2": (dict(), dict(data_parallel="fsdp", dp_replicate=2)),
+    "pp2-1F1B-bf16": (dict(pp=2), dict(pp_schedule="1F1B", microbatches=4,
+                                       precision="bf16-mixed")),
     "cp2-dp2-fsdp": (dict(cp=2), dict(data_parallel="fsdp")),
     "tp2-dp2-recompute": (dict(tp=2), dict(recompute=True)),
     "dp4-recompute": (dict(), dict(recompute=True)),
@@ -95,8 +99,8 @@ def run_layout(name: str):
                                   device=torch.device("cpu"))
             model = pipe.module
         elif job.data_parallel == "fsdp":
-            from torch.distributed.fsdp import fully_shard
-            fully_shard(model, mesh=state.dp_cp_mesh)
+            from tpkit.distributed.fsdp import shard_model   # what the trainer shards by
+            shard_model(model, state, units=job.fsdp_units, replicate=job.dp_replicate)
         elif state.dp_cp_size > 1:
             from tpkit.layout.param_tags import is_expert
             experts = [n for n, p in model.named_parameters() if is_expert(p)]

@@ -2,7 +2,7 @@
 tpkit-launch's dry run / refusal with it.
 
 References: the live tensor bytes of launched training steps counted by
-tests/memcount.py (storages only, no knowledge of the estimator) at 18 layouts; the
+tests/memcount.py (storages only, no knowledge of the estimator) at 21 layouts; the
 parameter count of the model built on the meta device; torch.cuda.max_memory_allocated
 on a GPU.
 """
@@ -31,12 +31,14 @@ LLAMA_70B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
 
 
 @pytest.mark.slow
-def test_estimate_within_10_percent_of_measured_live_bytes_at_18_launched_layouts():
+def test_estimate_within_10_percent_of_measured_live_bytes_at_21_launched_layouts():
     """One tpkit-launch of 4 gloo ranks loops over the layouts of memory_layouts.py (tp,
     sp, cp with each comm type, pp 1F1B, Interleaved1F1B, InterleavedZeroBubble and GPipe,
-    dp with DDP and FSDP2, recompute, fp8, bf16 autocast, experts, packed documents);
-    every rank's estimate is within 10 % of the peak of live tensor bytes it measured
-    during a training step."""
+    dp with DDP and FSDP2 (per block as the trainer shards, one unit, HSDP 2x2), recompute,
+    fp8, bf16 autocast (pp2 too), experts, packed documents); every rank's estimate is
+    within 10 % of the peak of live tensor bytes it measured during a training step.
+    Planted (issue 54): the estimate's FSDP gather as the whole model again -> dp4-fsdp
+    1.23, dp4-hsdp-2x2 1.12 (HSDP's shard group: test_resume_layouts' parameter bytes)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TPKIT_", "PET_"))}
     env["PYTHONPATH"] = paths.PYTHONPATH
     proc = subprocess.run([sys.executable, "-m", "tpkit.cli.launch", "--nproc-per-node", "4",
@@ -44,7 +46,7 @@ def test_estimate_within_10_percent_of_measured_live_bytes_at_18_launched_layout
                           capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = re.findall(r"^MEM (\S+) (\d+) (\d+) ([\d.]+)", proc.stdout, re.M)
-    assert "DONE" in proc.stdout and len(rows) == 18, proc.stdout
+    assert "DONE" in proc.stdout and len(rows) == 21, proc.stdout
     bad = [r for r in rows if not 0.9 <= int(r[1]) / int(r[2]) <= 1.1]
     assert not bad, f"estimate/measured outside 10 %: {bad}"
 

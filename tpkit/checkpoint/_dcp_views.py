@@ -208,11 +208,15 @@ def _gather_fsdp(t: DTensor, group) -> torch.Tensor:
     one all-gather. Not ``t.full_tensor()``: torch caches DTensor specs/plans by mesh
     *layout*, so after a layout is destroyed and rebuilt in one process (tests) a DTensor's
     mesh can name dead groups; the current state's group is always the live one."""
-    if t.device_mesh.ndim != 1 or tuple(t.placements) != (Shard(0),):
+    hsdp = t.device_mesh.ndim == 2 and tuple(t.placements) == (Replicate(), Shard(0))
+    if not hsdp and (t.device_mesh.ndim != 1 or tuple(t.placements) != (Shard(0),)):
         raise ValueError(f"FSDP parameter placements {t.placements} on a {t.device_mesh.ndim}-D "
                          "mesh are not supported; use TPKitStrategy(data_parallel='fsdp')")
+    if hsdp:   # HSDP (replicate, shard): every replica holds the whole; gather one's shards
+        group = t.device_mesh.get_group(1)
     n = group_size(group)
-    assert n == t.device_mesh.size(), "FSDP mesh is not the state's dp x cp mesh"
+    assert n == t.device_mesh.size(t.device_mesh.ndim - 1), \
+        "FSDP mesh is not the state's dp x cp mesh"
     rows = -(-t.shape[0] // n)  # torch.chunk's chunk size
     with torch.no_grad():
         local = t.to_local().detach()
@@ -223,8 +227,73 @@ def _gather_fsdp(t: DTensor, group) -> torch.Tensor:
         return torch.cat([out[i * rows: i * rows + c] for i, c in enumerate(sizes)], 0)
 
 
+# --- fewer kv heads than tp: one process's names ----------------------------------------
+def _replicated_kv(modules) -> dict[int, int]:
+    """``{id(parameter): rows of one segment}`` for the ``linear_kv`` weight and bias of every
+    attention with fewer kv heads than tp (tpkit.nn.ReplicatedKV: ``linear_qkv`` holds the
+    queries, ``linear_kv`` the whole [K; V]). The checkpoint stores them under one
+    process's names, the fused ``linear_qkv``'s segments (seg0 Q, seg1 K, seg2 V), so a
+    checkpoint resumes at any tp."""
+    out = {}
+    for m in modules:
+        for mod in unwrap_module(m).modules():
+            if getattr(mod, "replicated_kv", False) and hasattr(mod, "linear_kv"):
+                kv = mod.linear_kv
+                for p in (kv.weight, kv.bias):
+                    if p is not None:
+                        out[id(p)] = kv.kv_heads * kv.head_dim
+    return out
+
+
+def _kv_layout(rows: int) -> _Layout:
+    """A replicated [K; V] as two whole segments (the fused tensor's seg1 and seg2)."""
+    return _Layout(None, None, 0, (rows, rows), 1)
+
+
+def _fused_name(kv_name: str) -> str:
+    head, _, kind = kv_name.rpartition(".linear_kv.")
+    return f"{head}.linear_qkv.{kind}"
+
+
+def _fuse_kv(views: dict, kv_names, follow=None) -> None:
+    """Move each ``linear_kv`` entry of ``views`` into its ``linear_qkv`` entry as seg1/seg2
+    (dicts of segments, nested one level for optimizer state). Other values of the kv entry
+    (the optimizer's ``step``) are the queries' too: ``follow(kv value, q value)``."""
+    for name in kv_names:
+        q = _fused_name(name)
+        if name not in views or q not in views:
+            continue
+        kv, into = views.pop(name), views[q]
+        # new dicts: the queries' segment dict is their _Slot's view (written back alone)
+        if "seg0" in kv:
+            views[q] = {**into, "seg1": kv["seg0"], "seg2": kv["seg1"]}
+            continue
+        for k, v in kv.items():
+            if isinstance(v, dict) and isinstance(into.get(k), dict):
+                into[k] = {**into[k], "seg1": v["seg0"], "seg2": v["seg1"]}
+        if follow is not None:
+            for k, v in kv.items():
+                if not isinstance(v, dict) and k in into:
+                    follow(v, into[k])
+
+
+class _Follow:
+    """After a load, the kv parameter's ``step`` takes the queries' (the checkpoint holds
+    one, as one process's fused parameter)."""
+
+    def __init__(self, mine, theirs):
+        self.mine, self.theirs = mine, theirs
+
+    def write_back(self) -> None:
+        if isinstance(self.mine, torch.Tensor) and isinstance(self.theirs, torch.Tensor):
+            with torch.no_grad():
+                self.mine.copy_(self.theirs)
+
+
 def _module_views(module, state, slots, *, for_load, keep=None):
     out = {}
+    kv = _replicated_kv([module])
+    kv_names = []
     for key, value in unwrap_module(module).state_dict(keep_vars=True).items():
         if key.endswith(EXTRA_STATE_SUFFIX):
             continue  # TE fp8 meta: see the module docstring
@@ -232,11 +301,15 @@ def _module_views(module, state, slots, *, for_load, keep=None):
                                          else value):
             continue
         if isinstance(value, torch.Tensor):
-            slot = _Slot(value, _layout(value, state), state, for_load=for_load)
+            layout = _kv_layout(kv[id(value)]) if id(value) in kv else _layout(value, state)
+            if id(value) in kv:
+                kv_names.append(key)
+            slot = _Slot(value, layout, state, for_load=for_load)
             slots.append(slot)
             out[key] = slot.view
         else:
             out[key] = value
+    _fuse_kv(out, kv_names)
     return out
 
 
@@ -277,10 +350,11 @@ def _init_optimizer_state(opt: torch.optim.Optimizer) -> None:
             p.grad = None
 
 
-def _optimizer_views(opt, names, state, slots, *, for_load, init=True):
+def _optimizer_views(opt, names, state, slots, *, for_load, init=True, kv_rows=None):
     if for_load and init:
         _init_optimizer_state(opt)
     groups, per_param = [], {}
+    kv_rows, kv_names = kv_rows or {}, set()
     for gi, g in enumerate(opt.param_groups):
         fqns = []
         for p in g["params"]:
@@ -294,6 +368,9 @@ def _optimizer_views(opt, names, state, slots, *, for_load, init=True):
             for k, v in opt.state.get(p, {}).items():
                 if isinstance(v, torch.Tensor):
                     layout = _layout(p, state) if v.shape == p.shape and v.dim() > 0 else None
+                    if kv_rows.get(id(p)) and layout is None and v.dim() > 0:
+                        layout = _kv_layout(kv_rows[id(p)])
+                        kv_names.add(fqn)
                     slot = _Slot(v, layout, state, for_load=for_load)
                     slots.append(slot)
                     entry[k] = slot.view
@@ -301,6 +378,9 @@ def _optimizer_views(opt, names, state, slots, *, for_load, init=True):
                     entry[k] = v
             per_param[fqn] = entry
         groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": fqns})
+    _fuse_kv(per_param, sorted(kv_names),
+             follow=(lambda mine, theirs: slots.append(_Follow(mine, theirs))) if for_load
+             else None)
     return {"state": per_param, "param_groups": groups}
 
 
@@ -324,7 +404,7 @@ def _build(state_dict: dict, *, for_load: bool, filter: dict | None = None,
             view = _module_views(obj, state, slots, for_load=for_load, keep=keep)
         elif isinstance(obj, torch.optim.Optimizer):
             view = _optimizer_views(obj, names, state, slots, for_load=for_load,
-                                    init=init_optimizers)
+                                    init=init_optimizers, kv_rows=_replicated_kv(modules))
         else:
             assert not for_load, "plain entries are read whole (read)"
             view = obj.state_dict() if _stateful(obj) else obj

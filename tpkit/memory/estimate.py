@@ -270,13 +270,23 @@ def _estimate(job: MemoryJob, c: ParallelConfig, r: int, *, ranks: str,
             dense += emb
     n_params = dense + expert
     params = n_params * p_bytes
-    fsdp = job.data_parallel == "fsdp" and c.dp * c.cp > 1 and pp == 1
-    shard = c.dp * c.cp if fsdp else 1
+    fsdp = job.data_parallel == "fsdp" and c.dp * c.cp > 1
+    # HSDP: the data ranks are dp_replicate replicas of a shard group; FSDP2 shards over it
+    shard = c.dp * c.cp // job.dp_replicate if fsdp else 1
     terms: dict[str, int] = {}
     notes: list[str] = []
     terms["parameters"] = params // shard
-    if fsdp:   # FSDP2's unsharded parameters and its all-gather buffer (one unit: the root)
-        terms["fsdp gathered parameters"] = 2 * params
+    gathered = 0
+    if fsdp:   # FSDP2's unsharded parameters and its all-gather buffer
+        if job.fsdp_units == "blocks":   # the running unit and the next, prefetched
+            blocks_ = [R.block_params(i) for _, b in mine for i in b]
+            units_ = [dn + ex for dn, ex in blocks_]
+            stem_head = dense - sum(dn for dn, _ in blocks_)   # embedding, norm, output
+            units_.append(stem_head)
+            gathered = 2 * max(units_) * p_bytes
+        else:                            # one unit: the whole model (the root)
+            gathered = 2 * params
+        terms["fsdp gathered parameters"] = gathered
     grads = n_params * p_bytes
     terms["gradients"] = grads // shard
     buckets = 0
@@ -356,7 +366,6 @@ def _estimate(job: MemoryJob, c: ParallelConfig, r: int, *, ranks: str,
         notes.append("the async-save copy is in host memory, not on the device")
     # --- the peak: what is alive together ---------------------------------------------
     static = terms["parameters"] + buckets + opt + fp8 + p2p
-    gathered = 2 * params if fsdp else 0
     act_total = acts + head_kept
     recompute_tmp = layer_full if job.recompute else 0
     grads_alive = grads if (job.microbatches > 1 or pp > 1) else 0   # accumulation
@@ -365,7 +374,9 @@ def _estimate(job: MemoryJob, c: ParallelConfig, r: int, *, ranks: str,
     bwd = static + gathered + act_total - head_kept + recompute_tmp + grads_alive // shard \
         + wcopies \
         + R.t * R.f * R.a * 2
-    if fsdp:
+    if fsdp and job.fsdp_units == "blocks":   # a unit's unsharded grads, then sharded
+        end = static + gathered + grads // shard
+    elif fsdp:
         end = static + gathered + grads + grads // shard     # unsharded grads + RS output
     else:
         end = static + grads + (grads if pp > 1 else 0)          # pp: the flat all-reduce copy

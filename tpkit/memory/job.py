@@ -31,6 +31,8 @@ class MemoryJob:
     recompute: bool = False          # whole blocks recomputed in backward
     optimizer: str = "adamw"
     data_parallel: str = "ddp"       # or "fsdp" (FSDP2 over dp x cp)
+    fsdp_units: str = "blocks"       # FSDP2 units: a block each ("blocks") or the whole "model"
+    dp_replicate: int = 1            # HSDP: replicas of the FSDP shard group (dp x cp / it)
     pp_schedule: str = "1F1B"
     virtual_stages: int | None = None
     packed: bool = False             # one packed row of documents (THD attention)
@@ -58,7 +60,10 @@ class MemoryJob:
         if self.data_parallel not in ("ddp", "fsdp"):
             raise ValueError(f"MemoryJob.data_parallel={self.data_parallel!r} must be 'ddp' "
                              "or 'fsdp'")
-        for name in ("micro_batch", "seq_len", "microbatches"):
+        if self.fsdp_units not in ("blocks", "model"):
+            raise ValueError(f"MemoryJob.fsdp_units={self.fsdp_units!r} must be 'blocks' or "
+                             "'model'")
+        for name in ("micro_batch", "seq_len", "microbatches", "dp_replicate"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"MemoryJob.{name}={v!r} must be an integer >= 1")
@@ -80,6 +85,7 @@ class MemoryJob:
                    seq_len=t.seq_len, microbatches=mb, precision=job.precision.mode,
                    recompute=bool(t.recompute), optimizer="adamw",
                    data_parallel=job.parallelism.data_parallel,
+                   dp_replicate=job.parallelism.dp_replicate,
                    pp_schedule=job.pipeline.schedule,
                    virtual_stages=job.pipeline.virtual_stages, packed=bool(job.data.pack),
                    dropout=m.dropout, attention_dropout=m.dropout,
