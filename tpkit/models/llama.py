@@ -293,7 +293,7 @@ class Llama(DecoderPipelineMixin, GenerationMixin, nn.Module):
         table = {"embedding.weight": ("model.embed_tokens.weight",),
                  "final_norm.weight": ("model.norm.weight",),
                  "output.weight": ("lm_head.weight",)}
-        for i in range(len(self.layers)):
+        for i, _ in self.layers.named_children():   # a pipeline stage's: its global indices
             table.update({f"layers.{i}.{k}": tuple(f"model.layers.{i}.{n}" for n in v)
                           for k, v in block.items()})
         names = [n for n, _ in self.named_parameters()]

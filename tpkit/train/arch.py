@@ -28,10 +28,15 @@ def hf_config_path(path: str) -> str:
 
 
 def num_layers(job) -> int:
-    """The job's transformer blocks: model.hf_config's num_hidden_layers, else
-    model.layers (read without torch: the pipeline plan checks it before any worker)."""
-    if job.model.hf_config is not None:
-        with open(hf_config_path(job.model.hf_config)) as f:
+    """The job's transformer blocks: model.hf_config's or model.init_from_hf's
+    num_hidden_layers (the latter's config.json once it is there: a dry run may plan a
+    download), else model.layers (read without torch: the pipeline plan checks it before
+    any worker)."""
+    path = None if job.model.hf_config is None else hf_config_path(job.model.hf_config)
+    if job.model.init_from_hf:
+        path = os.path.join(job.model.init_from_hf, "config.json")
+    if path is not None and os.path.isfile(path):
+        with open(path) as f:
             return int(json.load(f)["num_hidden_layers"])
     return job.model.layers
 
