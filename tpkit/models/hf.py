@@ -44,7 +44,7 @@ _DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
            torch.float64: "F64"}
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)   # buffers some old checkpoints carry
 _TRAINING_FIELDS = ("backend", "recompute", "hidden_dropout", "attention_dropout",
-                    "initializer_range", "vocab_multiple")
+                    "initializer_range", "vocab_multiple", "cpu_offload_layers")
 
 
 # --- config.json ---------------------------------------------------------------------------

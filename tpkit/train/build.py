@@ -310,6 +310,7 @@ def build_model(job: JobConfig, state) -> torch.nn.Module:
         return hf.from_hf(m.init_from_hf, state, backend=m.impl,
                           recompute=job.training.recompute, hidden_dropout=m.dropout,
                           attention_dropout=m.dropout, vocab_multiple=m.vocab_multiple,
+                          cpu_offload_layers=job.training.cpu_offload_layers,
                           pipeline=pipeline_plan(job, state))
     from tpkit.models import GPT, Llama
     from .arch import is_llama, llama_config

@@ -109,9 +109,7 @@ class JobConfig:
                      "and the head (last stage) share one weight"),
                     ("parallelism.data_parallel", self.parallelism.data_parallel == "fsdp",
                      "FSDP2 units inside pipeline stages are not wired yet (the stages' "
-                     "gradients are averaged by one all-reduce per step)"),
-                    ("training.cpu_offload_layers", t.cpu_offload_layers > 0, "activation "
-                     "offload inside pipeline stages is not wired yet")):
+                     "gradients are averaged by one all-reduce per step)")):
                 if bad:
                     raise ValueError(f"{self.show(path)} with --pp {pp}: {why}; drop it or "
                                      "use --pp 1")
