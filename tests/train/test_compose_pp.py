@@ -136,8 +136,9 @@ def test_pipeline_pairs_at_4_ranks(hf_dir, gpt_reference, tmp_path):
       model.layers.<i-1> into block i): the curve moved off one process's at step 0
       (5.6630 vs 5.6567); restored.
     - --init-from-hf --cpu-offload-layers 3 in one process (offload + init-from-hf;
-      with the one-process reference, one call of the 1-rank pool): bytes offloaded, the
-      curve unchanged (within 1e-6); and at pp=2 x dp=2 (pp + offload): both stages offload
+      with the one-process reference, one call of the 1-rank pool; a Llama from scratch,
+      --arch llama, with --cpu-offload-layers 1 too): bytes offloaded, the curve unchanged
+      (within 1e-6); and at pp=2 x dp=2 (pp + offload): both stages offload
       (blocks 0-1, block 2), the curve one process's.
       Planted (the stage forward without the offload context): 0 bytes offloaded.
     - the GPT at pp=2 x dp=2 --cpu-offload-layers 1 --compile (aot_eager): only stage 0
@@ -146,11 +147,16 @@ def test_pipeline_pairs_at_4_ranks(hf_dir, gpt_reference, tmp_path):
     """
     one, piped = str(tmp_path / "one"), str(tmp_path / "pp")
     base = HF + ["--init-from-hf", hf_dir]
+    llama = SMALL + ["--arch", "llama"]
     (alone,) = run(_cases, 1, {"hf": base + ["--export-hf", one],
-                               "hf-offload": base + ["--cpu-offload-layers", "3"]})
+                               "hf-offload": base + ["--cpu-offload-layers", "3"],
+                               "llama": llama,
+                               "llama-offload": llama + ["--cpu-offload-layers", "1"]})
     ref = alone["hf"][0]
-    _same_curve(alone["hf-offload"][0], ref, 0.0, "hf + offload 3, one process")
-    assert alone["hf-offload"][2] > 0 and alone["hf"][2] == 0, alone
+    for name in ("hf", "llama"):
+        _same_curve(alone[f"{name}-offload"][0], alone[name][0], 0.0,
+                    f"{name} + offload, one process")
+        assert alone[f"{name}-offload"][2] > 0 and alone[name][2] == 0, (name, alone)
     got = run(_cases, 4, {
         "hf-pp2-tp2": base + ["--pp", "2", "--tp", "2", "--export-hf", piped],
         "hf-pp2-offload": base + PP2 + ["--cpu-offload-layers", "3"],

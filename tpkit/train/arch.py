@@ -58,7 +58,8 @@ def llama_config(job, impl: str | None = None):
     from tpkit.models.hf import config_from_hf
     m, t = job.model, job.training
     train = dict(backend=impl or m.impl, recompute=t.recompute, hidden_dropout=m.dropout,
-                 attention_dropout=m.dropout, vocab_multiple=m.vocab_multiple)
+                 attention_dropout=m.dropout, vocab_multiple=m.vocab_multiple,
+                 cpu_offload_layers=t.cpu_offload_layers)
     vocab = vocab_size(job)
     if m.hf_config is not None:
         with open(hf_config_path(m.hf_config)) as f:
@@ -108,9 +109,7 @@ def check(job) -> None:
                          "drop one")
     for path, bad, why in (
             ("experts.num", job.experts.num > 0, "MoE blocks are the reference GPT's"),
-            ("data.pack", job.data.pack, "packed documents run the reference GPT"),
-            ("training.cpu_offload_layers", job.training.cpu_offload_layers > 0,
-             "activation offload runs the reference GPT")):
+            ("data.pack", job.data.pack, "packed documents run the reference GPT")):
         if bad:
             raise ValueError(f"{job.show(path)} with a Llama ({job.show('model.arch')}): "
                              f"{why} so far; drop it or use --arch gpt")
