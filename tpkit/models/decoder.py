@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..data import shard_position_ids
+from ..cp import shard_position_ids
 from ..recompute import checkpoint
 from ..te.offload import get_cpu_offload_context
 from .vocab import mask_padding
