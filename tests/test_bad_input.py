@@ -271,8 +271,6 @@ LAUNCH = [
         "or drop --compile", T("--compile", "--dropout", "0.1")),
     Row("train-compile-fp8", "--compile (training.compile) with --precision='fp8'",
         "or drop --compile", T("--compile", "--precision", "fp8")),
-    Row("train-compile-offload", "--compile (training.compile) with --cpu-offload-layers=1",
-        "or drop --compile", T("--compile", "--cpu-offload-layers", "1", "--layers", "2")),
     # issue 54: HSDP's replicas, checked before launch like every other axis
     Row("train-dp-replicate", "--dp-replicate=3 (parallelism.dp_replicate) does not divide "
         "the data ranks dp x cp = 2 x 1 = 2", "use a divisor of 2",

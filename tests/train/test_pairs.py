@@ -35,6 +35,8 @@ def test_each_pair_is_refused_or_accepted_as_listed():
     # lifted by issue 54: none of these pairs is refused
     for a, b in [("pp", "bf16-mixed"), ("pp", "16-mixed"), ("pp", "fp8"),
                  ("compile", "init-from-hf"), ("grad-accum", "init-from-hf"),
-                 ("hsdp", "tp"), ("fsdp", "cp"), ("fsdp-bf16", "sp")]:
+                 ("hsdp", "tp"), ("fsdp", "cp"), ("fsdp-bf16", "sp"),
+                 ("pp", "init-from-hf"), ("pp", "offload"), ("offload", "init-from-hf"),
+                 ("compile", "offload")]:
         assert (a, b) not in refused and (b, a) not in refused, (a, b)
         assert refusal(OPTIONS[a] + OPTIONS[b]) is None

@@ -13,6 +13,11 @@ small protocol (docs/pipeline.md):
   ``pp_head(hidden) -> output`` and ``pp_loss(output, target) -> scalar mean loss``;
 - optionally ``pp_recompute``: True when ``pp_block`` recomputes activations (the
   zero-bubble schedules refuse it);
+- optionally ``pp_offload(first, count, training) -> (context, synchronizer)``: TE's
+  activation-offload pair (tpkit.te.offload) for one forward through the stage's blocks
+  ``first .. first + count - 1``; each block runs inside the context and its output
+  passes the synchronizer. Every forward (micro-batch) gets its own pair, so the
+  micro-batches a schedule keeps in flight offload and reload independently;
 - optionally ``pp_aux_loss(block) -> scalar or None``: an auxiliary loss the block's last
   forward produced (an MoE layer's router losses, tpkit.nn.MoE) that the model adds to
   its loss at pp=1. The stage attaches its gradient to the block's output activations
@@ -227,8 +232,14 @@ class PipelineStageModule(nn.Module):
         aux_of = getattr(m, "pp_aux_loss", None)
         h = m.pp_stem(*args) if self.is_first else args[0]
         total = None
-        for block in getattr(self, self._blocks_name).values():
-            h = m.pp_block(block, h)
+        blocks = getattr(self, self._blocks_name)
+        offload, sync = (contextlib.nullcontext(), lambda x: x)
+        if callable(getattr(m, "pp_offload", None)):   # its own pair per micro-batch
+            offload, sync = m.pp_offload(int(next(iter(blocks))), len(blocks), self.training)
+        for block in blocks.values():
+            with offload:
+                h = m.pp_block(block, h)
+            h = sync(h)
             aux = aux_of(block) if aux_of is not None and torch.is_grad_enabled() else None
             if aux is not None:
                 h = _AttachAuxLoss.apply(h, aux, self.aux_scale)

@@ -8,6 +8,7 @@ from torch import nn
 
 from ..cp import shard_position_ids
 from ..recompute import checkpoint
+from ..te.offload import get_cpu_offload_context
 from .vocab import mask_padding
 
 
@@ -31,6 +32,19 @@ class DecoderPipelineMixin:
             # Non-reentrant: pipeline schedules take gradients with torch.autograd.grad.
             return checkpoint(layer, x, rotary_pos_emb=freqs, use_reentrant=False)
         return layer(x, rotary_pos_emb=freqs)
+
+    def pp_offload(self, first: int, count: int, training: bool):
+        """TE's (context, synchronizer) pair (tpkit.te.offload.get_cpu_offload_context) for
+        one forward through blocks ``first .. first + count - 1`` (a pipeline stage's, or
+        all of them at pp=1): the activations of those among the model's first
+        ``cfg.cpu_offload_layers`` blocks wait for their backward off the compute device.
+        ``model_layers`` counts the blocks from ``first`` to the model's last, so the
+        model's last block is never offloaded (TE's rule), a stage's last one may be (its
+        backward waits for the later stages'). Disabled (0 blocks, or not training): a null
+        context and an identity."""
+        n = max(0, min(getattr(self.cfg, "cpu_offload_layers", 0) - first, count))
+        return get_cpu_offload_context(bool(n) and training, n,
+                                       self.cfg.num_layers - first, offload_weights=False)
 
     def pp_head(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.output(self.final_norm(x))                     # [s_cp, b, V/tp]

@@ -21,7 +21,6 @@ from torch import nn
 from ..cp import shard_sequence
 from ..nn import (ColumnParallelLinear, RMSNorm, RotaryEmbedding, TransformerLayer,
                   VocabParallelEmbedding, vocab_parallel_cross_entropy)
-from ..te.offload import get_cpu_offload_context
 from ..recompute import checkpoint
 from ..layout.topology import get_parallel_state
 from .decoder import DecoderPipelineMixin
@@ -144,9 +143,7 @@ class GPT(DecoderPipelineMixin, GenerationMixin, nn.Module):
     def _offload(self):
         """This forward's offload context and synchronizer (TE's pair; disabled: a null
         context and an identity)."""
-        n = self.cfg.cpu_offload_layers
-        return get_cpu_offload_context(bool(n) and self.training, n, len(self.layers),
-                                       offload_weights=False)
+        return self.pp_offload(0, len(self.layers), self.training)
 
     def _packed_loss(self, tokens, labels, position_ids, packed) -> torch.Tensor:
         if self._te_blocks:

@@ -44,7 +44,7 @@ _DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
            torch.float64: "F64"}
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)   # buffers some old checkpoints carry
 _TRAINING_FIELDS = ("backend", "recompute", "hidden_dropout", "attention_dropout",
-                    "initializer_range", "vocab_multiple")
+                    "initializer_range", "vocab_multiple", "cpu_offload_layers")
 
 
 # --- config.json ---------------------------------------------------------------------------
@@ -257,7 +257,23 @@ def _layout(param, names, shapes) -> tuple[int | None, list[int]]:
     return dim, lengths
 
 
-def load_llama(cls, path: str, state, *, dtype: torch.dtype, overrides: dict):
+def stage_params(names, plan, pp_rank: int, blocks: str = "layers",
+                 stem=("embedding",), head=("final_norm", "output")) -> set[str]:
+    """The parameter names of ``names`` that pipeline rank ``pp_rank`` holds under ``plan``
+    (tpkit.distributed.pipeline.PipelinePlan: its stages' blocks under their global indices,
+    the stem on the first stage, the head on the last)."""
+    stages = plan.stages_of(pp_rank)
+    mine = {str(i) for st in stages for i in plan.blocks_of(st)}
+    parts = (stem if 0 in stages else ()) + (head if plan.num_stages - 1 in stages else ())
+    out = set()
+    for n in names:
+        first, rest = n.split(".", 1)[0], n.split(".", 2)
+        if (first == blocks and rest[1] in mine) or first in parts:
+            out.add(n)
+    return out
+
+
+def load_llama(cls, path: str, state, *, dtype: torch.dtype, overrides: dict, pipeline=None):
     from ..layout.topology import resolve_state
     bad = sorted(set(overrides) - set(_TRAINING_FIELDS))
     if bad:
@@ -266,6 +282,13 @@ def load_llama(cls, path: str, state, *, dtype: torch.dtype, overrides: dict):
     cfg, raw = read_config(path)
     state = resolve_state(state)
     cfg = dataclasses.replace(cfg, **overrides).validate().check_tp(state.tp_size)
+    if pipeline is not None and pipeline.pp != state.pp_size:
+        raise ValueError(f"from_hf(pipeline=a plan of pp={pipeline.pp}) on a layout of pp="
+                         f"{state.pp_size}; plan the pipeline at this layout")
+    if pipeline is not None and pipeline.pp > 1 and cfg.tie_word_embeddings:
+        raise ValueError(f"{path}/config.json has tie_word_embeddings=true: the embedding "
+                         f"(first stage) and lm_head (last stage) share one weight, which "
+                         f"pipeline stages (pp={pipeline.pp}) cannot split; use pp=1")
     expected = expected_shapes(cfg)
     index = CheckpointIndex(path)
     index.check(expected, path)
@@ -274,9 +297,14 @@ def load_llama(cls, path: str, state, *, dtype: torch.dtype, overrides: dict):
     model.hf_config = raw
     n, rank = state.tp_size, state.tp_rank
     params = dict(model.named_parameters())
+    table = model.hf_names()
+    keep = set(table) if pipeline is None else stage_params(table, pipeline, state.pp_rank)
     with torch.no_grad():
-        for pname, names in model.hf_names().items():
+        for pname, names in table.items():
             p = params[pname]
+            if pname not in keep:   # another stage's: never read; NaN until
+                p.fill_(float("nan"))   # build_pipeline drops it (a misuse shows at once)
+                continue
             dim, lengths = _layout(p, names, expected)
             at = 0
             for name, length in zip(names, lengths):
@@ -322,6 +350,57 @@ def _full_tensor(p, dim, lengths, state) -> torch.Tensor:
     return gather_param(t, dim, lengths if len(lengths) > 1 else None, state.tp_group)
 
 
+def _whole_model_names(model) -> tuple[dict, dict]:
+    """(every parameter of the whole model -> its Hugging Face names, in one process's
+    order; parameter -> the pipeline rank holding it). At pp > 1 each rank holds its
+    stages' parameters only: their tables are gathered over the pipeline group (names
+    only, no tensors)."""
+    state, mine = model.state, model.hf_names()
+    if state.pp_size == 1:
+        return mine, dict.fromkeys(mine, 0)
+    every = [None] * state.pp_size
+    dist.all_gather_object(every, list(mine.items()), group=state.pp_group)
+    owner, table, at = {}, {}, {}
+    for r, items in enumerate(every):
+        for k, (pname, hfs) in enumerate(items):
+            owner[pname], table[pname], at[pname] = r, tuple(hfs), k
+    section = {"embedding": 0, "layers": 1, "final_norm": 2, "output": 3}
+
+    def order(pname):
+        parts = pname.split(".")
+        layer = int(parts[1]) if parts[0] == "layers" else 0
+        return section.get(parts[0], 4), layer, at[pname]
+    return {n: table[n] for n in sorted(table, key=order)}, owner
+
+
+def _whole_layout(hfs, shapes) -> tuple[int | None, list[int]]:
+    """_layout of another stage's parameter, from its names alone: q/k/v and gate/up are
+    segments of dim 0, as every fused tpkit parameter; one name's dim does not matter."""
+    return (0 if len(hfs) > 1 else None), [shapes[n][0] for n in hfs]
+
+
+def _to_rank0(full, owner: int, hfs, dim, shapes, out_dtype, state):
+    """The full tensor on global rank 0: ``full`` itself there when its stage holds it;
+    else sent by the rank of rank 0's pipeline group that holds it (pipeline rank
+    ``owner``). Every other rank: ``full`` (unused)."""
+    if state.pp_size == 1 or owner == 0:
+        return full
+    group = state.pp_group
+    if dist.get_global_rank(group, 0) != 0:   # not rank 0's pipeline group: nothing to do
+        return full
+    if state.pp_rank == owner:
+        dist.send(full.to(out_dtype).contiguous(), 0)
+        return full
+    if state.rank != 0:
+        return full
+    d = 0 if dim is None else dim
+    shape = list(shapes[hfs[0]])
+    shape[d] = sum(shapes[n][d] for n in hfs)
+    buf = torch.empty(shape, dtype=out_dtype, device=state.device)
+    dist.recv(buf, dist.get_global_rank(group, owner))
+    return buf
+
+
 def save_llama(model, path: str, *, dtype, max_shard_size: int) -> None:
     state = model.state
     if max_shard_size <= 0:
@@ -347,7 +426,7 @@ def save_llama(model, path: str, *, dtype, max_shard_size: int) -> None:
         raise ValueError(f"save_hf({path!r}): rank 0 cannot write there "
                          f"({error if state.rank == 0 else 'see rank 0'})")
     shapes = expected_shapes(model.cfg)
-    names = model.hf_names()
+    names, owner = _whole_model_names(model)
     params = dict(model.named_parameters())
     out_dtype = dtype or next(iter(params.values())).dtype
     if out_dtype not in _DTYPES:
@@ -374,11 +453,16 @@ def save_llama(model, path: str, *, dtype, max_shard_size: int) -> None:
                 fh.write(_header([(hf, _DTYPES[out_dtype], shapes[hf], sizes[hf])
                                   for hf in shard]))
         for pname, hfs in names.items():
-            p = params[pname]
-            dim, lengths = _layout(p, hfs, shapes)
-            full = _full_tensor(p, dim, lengths, state)
-            if dim is not None and full.shape[dim] > sum(lengths):   # padded vocabulary
-                full = full.narrow(dim, 0, sum(lengths))
+            full = None
+            if owner[pname] == state.pp_rank:   # this stage's: gathered over its ranks
+                p = params[pname]
+                dim, lengths = _layout(p, hfs, shapes)
+                full = _full_tensor(p, dim, lengths, state)
+                if dim is not None and full.shape[dim] > sum(lengths):   # padded vocabulary
+                    full = full.narrow(dim, 0, sum(lengths))
+            else:
+                dim, lengths = _whole_layout(hfs, shapes)
+            full = _to_rank0(full, owner[pname], hfs, dim, shapes, out_dtype, state)
             if state.rank == 0:
                 for hf, t in zip(hfs, full.split(lengths, 0 if dim is None else dim)):
                     t = t.to(device="cpu", dtype=out_dtype).contiguous()   # .numpy(): host
@@ -438,13 +522,21 @@ def _keep_extras(path: str, tmp: str) -> None:
 
 
 # --- the adapter's entry points (the models never import this module) ---------------------
-def from_hf(path: str, state=None, *, dtype: torch.dtype = torch.float32, **overrides):
+def from_hf(path: str, state=None, *, dtype: torch.dtype = torch.float32, pipeline=None,
+            **overrides):
     """The ``tpkit.models.Llama`` of the Hugging Face checkpoint directory ``path``
     (config.json and ``*.safetensors``, sharded or not) on ``state``'s layout, in ``dtype``.
     Each rank reads only the slices it keeps; no collective. ``overrides`` set LlamaConfig's
-    training fields (``backend``, ``recompute``, ``hidden_dropout``, ...)."""
+    training fields (``backend``, ``recompute``, ``hidden_dropout``, ...).
+
+    ``pipeline``: the ``PipelinePlan`` (tpkit.distributed.pipeline.plan_pipeline) the model
+    will be split by at ``state.pp_size > 1``: each rank reads only its stages' tensors
+    (Hugging Face's ``model.layers.<i>`` into block ``i`` of the stage holding it: stage
+    modules keep the global indices; the embedding on the first stage, the final norm and
+    lm_head on the last), the other stages' parameters are NaN until ``build_pipeline``
+    drops them. Tied embeddings cannot be split (Llama.pp_stem refuses them)."""
     from .llama import Llama
-    return load_llama(Llama, path, state, dtype=dtype, overrides=overrides)
+    return load_llama(Llama, path, state, dtype=dtype, overrides=overrides, pipeline=pipeline)
 
 
 def save_hf(model, path: str, *, dtype: torch.dtype | None = None,

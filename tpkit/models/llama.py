@@ -64,6 +64,8 @@ class LlamaConfig:
     hidden_dropout: float = 0.0
     recompute: bool = False
     backend: str = "torch"               # the blocks': "torch", "te" or "auto" (tpkit.nn)
+    # activation offload of the first N blocks (tpkit.te.offload; DecoderPipelineMixin)
+    cpu_offload_layers: int = 0
     # embedding/output rows padded to a multiple of this (tpkit.models.vocab: the padded
     # logits are masked out; config.json and an export keep the real vocab_size)
     vocab_multiple: int = 1
@@ -91,6 +93,11 @@ class LlamaConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"LlamaConfig.{name}={v!r} must be a positive integer")
+        n = self.cpu_offload_layers
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n < self.num_layers:
+            raise ValueError(f"LlamaConfig.cpu_offload_layers={n!r} must be an int from 0 to "
+                             f"num_layers - 1 = {self.num_layers - 1} (the last block's "
+                             "activations are needed first in backward)")
         if self.hidden_size % self.num_heads or self.head_dim % 2:
             raise ValueError(f"hidden_size={self.hidden_size} must be num_heads="
                              f"{self.num_heads} times an even head size")
@@ -273,11 +280,14 @@ class Llama(DecoderPipelineMixin, GenerationMixin, nn.Module):
         freqs = self.rope(seq if self._te_blocks else
                           shard_position_ids(seq, s, device=ids.device))
         x = self.embedding(ids)                                    # [s_cp(/tp under SP), b, h]
+        offload, sync = self.pp_offload(0, len(self.layers), self.training)
         for layer in self.layers:
-            if self.cfg.recompute and self.training:
-                x = checkpoint(layer, x, rotary_pos_emb=freqs)
-            else:
-                x = layer(x, rotary_pos_emb=freqs)
+            with offload:
+                if self.cfg.recompute and self.training:
+                    x = checkpoint(layer, x, rotary_pos_emb=freqs)
+                else:
+                    x = layer(x, rotary_pos_emb=freqs)
+            x = sync(x)
         logits = self.pp_head(x)
         if targets is None:
             return logits
@@ -293,7 +303,7 @@ class Llama(DecoderPipelineMixin, GenerationMixin, nn.Module):
         table = {"embedding.weight": ("model.embed_tokens.weight",),
                  "final_norm.weight": ("model.norm.weight",),
                  "output.weight": ("lm_head.weight",)}
-        for i in range(len(self.layers)):
+        for i, _ in self.layers.named_children():   # a pipeline stage's: its global indices
             table.update({f"layers.{i}.{k}": tuple(f"model.layers.{i}.{n}" for n in v)
                           for k, v in block.items()})
         names = [n for n, _ in self.named_parameters()]

@@ -28,10 +28,15 @@ def hf_config_path(path: str) -> str:
 
 
 def num_layers(job) -> int:
-    """The job's transformer blocks: model.hf_config's num_hidden_layers, else
-    model.layers (read without torch: the pipeline plan checks it before any worker)."""
-    if job.model.hf_config is not None:
-        with open(hf_config_path(job.model.hf_config)) as f:
+    """The job's transformer blocks: model.hf_config's or model.init_from_hf's
+    num_hidden_layers (the latter's config.json once it is there: a dry run may plan a
+    download), else model.layers (read without torch: the pipeline plan checks it before
+    any worker)."""
+    path = None if job.model.hf_config is None else hf_config_path(job.model.hf_config)
+    if job.model.init_from_hf:
+        path = os.path.join(job.model.init_from_hf, "config.json")
+    if path is not None and os.path.isfile(path):
+        with open(path) as f:
             return int(json.load(f)["num_hidden_layers"])
     return job.model.layers
 
@@ -53,7 +58,8 @@ def llama_config(job, impl: str | None = None):
     from tpkit.models.hf import config_from_hf
     m, t = job.model, job.training
     train = dict(backend=impl or m.impl, recompute=t.recompute, hidden_dropout=m.dropout,
-                 attention_dropout=m.dropout, vocab_multiple=m.vocab_multiple)
+                 attention_dropout=m.dropout, vocab_multiple=m.vocab_multiple,
+                 cpu_offload_layers=t.cpu_offload_layers)
     vocab = vocab_size(job)
     if m.hf_config is not None:
         with open(hf_config_path(m.hf_config)) as f:
@@ -103,9 +109,7 @@ def check(job) -> None:
                          "drop one")
     for path, bad, why in (
             ("experts.num", job.experts.num > 0, "MoE blocks are the reference GPT's"),
-            ("data.pack", job.data.pack, "packed documents run the reference GPT"),
-            ("training.cpu_offload_layers", job.training.cpu_offload_layers > 0,
-             "activation offload runs the reference GPT")):
+            ("data.pack", job.data.pack, "packed documents run the reference GPT")):
         if bad:
             raise ValueError(f"{job.show(path)} with a Llama ({job.show('model.arch')}): "
                              f"{why} so far; drop it or use --arch gpt")

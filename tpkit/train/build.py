@@ -309,12 +309,26 @@ def build_model(job: JobConfig, state) -> torch.nn.Module:
         from tpkit.models import hf
         return hf.from_hf(m.init_from_hf, state, backend=m.impl,
                           recompute=job.training.recompute, hidden_dropout=m.dropout,
-                          attention_dropout=m.dropout, vocab_multiple=m.vocab_multiple)
+                          attention_dropout=m.dropout, vocab_multiple=m.vocab_multiple,
+                          cpu_offload_layers=job.training.cpu_offload_layers,
+                          pipeline=pipeline_plan(job, state))
     from tpkit.models import GPT, Llama
     from .arch import is_llama, llama_config
     model = Llama(llama_config(job), state) if is_llama(job) else GPT(gpt_config(job), state)
     full_init(model, job.training.seed)
     return model
+
+
+def pipeline_plan(job: JobConfig, state):
+    """The PipelinePlan the Fabric strategy splits this job's model by at ``state`` (None at
+    pp=1): from_hf reads only this rank's stages."""
+    if state is None or state.pp_size == 1:
+        return None
+    from tpkit.distributed.pipeline import plan_pipeline
+    p = job.pipeline
+    return plan_pipeline(pp=state.pp_size, num_blocks=arch.num_layers(job),
+                         microbatches=job.microbatches(state.pp_size), schedule=p.schedule,
+                         virtual_stages=p.virtual_stages, recompute=job.training.recompute)
 
 
 def resolve_resume(job: JobConfig) -> str:

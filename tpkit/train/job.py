@@ -104,14 +104,12 @@ class JobConfig:
                                  "here); add --pp N (N > 1) or drop them")
         else:
             for path, bad, why in (
-                    ("model.init_from_hf", self.model.init_from_hf, "Hugging Face "
-                     "weights are not loaded into pipeline stages yet (a Llama from scratch, "
-                     "--arch llama, trains at --pp N)"),
+                    ("model.init_from_hf", _tied_hf(self.model.init_from_hf), "its "
+                     "config.json has tie_word_embeddings=true: the embedding (first stage) "
+                     "and the head (last stage) share one weight"),
                     ("parallelism.data_parallel", self.parallelism.data_parallel == "fsdp",
                      "FSDP2 units inside pipeline stages are not wired yet (the stages' "
-                     "gradients are averaged by one all-reduce per step)"),
-                    ("training.cpu_offload_layers", t.cpu_offload_layers > 0, "activation "
-                     "offload inside pipeline stages is not wired yet")):
+                     "gradients are averaged by one all-reduce per step)")):
                 if bad:
                     raise ValueError(f"{self.show(path)} with --pp {pp}: {why}; drop it or "
                                      "use --pp 1")
@@ -187,6 +185,17 @@ class JobConfig:
                 lines.append(f"# {f.name} =   # unset" if v is None
                              else f"{f.name} = {_toml_value(v)}")
         return "\n".join(lines) + "\n"
+
+
+def _tied_hf(path: str | None) -> bool:
+    """model.init_from_hf's config.json ties the embedding and the head (False while it is
+    not there: a dry run may plan a download)."""
+    import os
+    file = path and os.path.join(path, "config.json")
+    if not file or not os.path.isfile(file):
+        return False
+    with open(file) as f:
+        return bool(json.load(f).get("tie_word_embeddings", False))
 
 
 def _toml_value(v) -> str:

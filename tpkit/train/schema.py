@@ -213,14 +213,11 @@ class Training:
         if self.seed < 0:
             raise job.bad("training.seed", "must be >= 0")
         n = self.cpu_offload_layers
-        if n and not 0 < n < job.model.layers:
+        from .arch import num_layers   # --init-from-hf's: its config.json's
+        if n and not 0 < n < num_layers(job):
             raise job.bad("training.cpu_offload_layers",
-                          f"must be from 0 to model.layers - 1 = {job.model.layers - 1} (the "
+                          f"must be from 0 to model.layers - 1 = {num_layers(job) - 1} (the "
                           "last block's activations are needed first in backward)")
-        if n and job.model.init_from_hf:
-            raise job.bad("training.cpu_offload_layers",
-                          f"with {job.show('model.init_from_hf')} is not supported yet (the "
-                          "reference GPT only); drop one")
         if self.compile:
             self._check_compile(job)
 
@@ -237,9 +234,7 @@ class Training:
                  (job.data.pack, "data.pack", "cannot be set (packed attention under "
                   "torch.compile is not supported yet)"),
                  (job.parallelism.data_parallel == "fsdp", "parallelism.data_parallel",
-                  "must be ddp (FSDP2's hooks on compiled blocks are not supported yet)"),
-                 (job.training.cpu_offload_layers > 0, "training.cpu_offload_layers", "must be "
-                  "0 (activation offload's hooks under torch.compile are not supported yet)")]
+                  "must be ddp (FSDP2's hooks on compiled blocks are not supported yet)")]
         for bad, path, problem in clash:
             if bad:
                 raise ValueError(f"{job.show('training.compile')} with {job.show(path)}: "
