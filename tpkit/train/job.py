@@ -107,9 +107,6 @@ class JobConfig:
                     ("model.init_from_hf", self.model.init_from_hf, "Hugging Face "
                      "weights are not loaded into pipeline stages yet (a Llama from scratch, "
                      "--arch llama, trains at --pp N)"),
-                    ("parallelism.data_parallel", self.parallelism.data_parallel == "fsdp",
-                     "FSDP2 units inside pipeline stages are not wired yet (the stages' "
-                     "gradients are averaged by one all-reduce per step)"),
                     ("training.cpu_offload_layers", t.cpu_offload_layers > 0, "activation "
                      "offload inside pipeline stages is not wired yet")):
                 if bad:

@@ -236,8 +236,6 @@ class Training:
                   "fp8 under torch.compile is not supported yet)"),
                  (job.data.pack, "data.pack", "cannot be set (packed attention under "
                   "torch.compile is not supported yet)"),
-                 (job.parallelism.data_parallel == "fsdp", "parallelism.data_parallel",
-                  "must be ddp (FSDP2's hooks on compiled blocks are not supported yet)"),
                  (job.training.cpu_offload_layers > 0, "training.cpu_offload_layers", "must be "
                   "0 (activation offload's hooks under torch.compile are not supported yet)")]
         for bad, path, problem in clash:
@@ -405,11 +403,6 @@ class Experts:
             check_moe_args(self.num, self.topk, self.capacity_factor)
         except ValueError as e:
             raise ValueError(f"{job.show('experts.num')}: {e}") from None
-        if job.parallelism.data_parallel == "fsdp":   # TPKitStrategy.setup_module's refusal
-            raise ValueError(f"{job.show('experts.num')} with "
-                             f"{job.show('parallelism.data_parallel')}: FSDP2 does not shard "
-                             "expert weights yet (they are summed over the expert-data-parallel"
-                             " ranks, docs/moe.md); use --data-parallel ddp")
         ep = job.parallelism.ep   # tpkit-launch's --ep: check_layout, at the final layout
         if ep is not None and self.num % ep:
             raise ValueError(f"{job.show('experts.num')} is not divisible by ep={ep}; use a "
