@@ -255,8 +255,9 @@ COMPILE = ["--compile", "--compile-backend", "aot_eager"]
 
 def _curves(cases):
     """Each case (argv) trained in turn in this launch, as a user's script does
-    (tpkit.train.Trainer): its losses and the gradient norm of every step (the trainer's
-    clipping reports it); the layout torn down between cases."""
+    (tpkit.train.Trainer): its losses, the gradient norm of every step (the trainer's
+    clipping reports it) and whether compiled blocks ran (torch.compile's in-place
+    ``_compiled_call_impl``); the layout torn down between cases."""
     import tpkit
     from tpkit.fabric.setup import clear_dtensor_caches
     from tpkit.train import Trainer, parse
@@ -269,7 +270,9 @@ def _curves(cases):
             norms.append(float(clip(*a, **k)))
             return norms[-1]
         trainer.fabric.clip_gradients = recorded
-        out.append((trainer.fit(), norms))
+        compiled = any(getattr(m, "_compiled_call_impl", None) is not None
+                       for m in trainer.raw_model.modules())
+        out.append((trainer.fit(), norms, compiled))
         del trainer
         tpkit.destroy_parallel()
         clear_dtensor_caches()   # DTensor's caches name the destroyed layout's groups
@@ -277,7 +280,7 @@ def _curves(cases):
 
 
 def _same_curves(got, ref, rel):
-    (losses, norms), (ref_losses, ref_norms) = got, ref
+    (losses, norms, _), (ref_losses, ref_norms, _) = got, ref
     _same_curve(losses, ref_losses, rel)
     _same_curve(norms, ref_norms, rel)
 
@@ -298,10 +301,11 @@ def test_fsdp_with_pipeline_experts_compile():
     2 x 2 with experts (sharded over edp=4): each trains on the one-process curve, loss
     and gradient norm, at the layout tests' tolerance. Planted: the expert unit's divide
     factor left at FSDP2's default (an average over edp instead of the sum / dp x cp of
-    docs/moe.md): the gradient norms left the curve; the expert weights sharded over dp x
-    cp instead of edp: the losses did."""
+    docs/moe.md): the curve moved at step 2; the expert weights sharded over dp x cp
+    instead of edp: at step 0; the trainer skipping compile_blocks under FSDP: the
+    compiled-blocks check failed."""
     refs = run(_curves, 1, [ref for _, ref, _ in FSDP4])[0]
-    for r, (ref_losses, _) in zip(refs, refs):
+    for ref_losses, _, _ in refs:
         assert ref_losses[-1] < ref_losses[0], ref_losses   # it learns
     _check_cases(FSDP4, run(_curves, 4, [case for case, _, _ in FSDP4]), refs)
 
@@ -314,6 +318,7 @@ def _check_cases(table, results, refs):
         for (case, _, rel), g, ref in zip(table, got, refs):
             try:
                 _same_curves(g, ref, rel)
+                assert g[2] == ("--compile" in case), f"compiled blocks: {g[2]}"
             except AssertionError as e:
                 bad.append(f"{' '.join(case[len(TINY):])}: {e}")
     assert not bad, "\n".join(dict.fromkeys(bad))
