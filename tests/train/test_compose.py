@@ -92,7 +92,8 @@ def _fsdp_run(argv, units="blocks"):
     from tpkit.train import Trainer, parse
     real = tpkit.distributed.fsdp.fsdp_units
     if units != "blocks":   # planted: the whole model as one unit
-        tpkit.distributed.fsdp.fsdp_units = lambda model, u="blocks": real(model, units)
+        tpkit.distributed.fsdp.fsdp_units = lambda model, u="blocks", pp=False: real(
+            model, units, pp)
     try:
         job, _ = parse(argv)
         trainer = Trainer(job)
