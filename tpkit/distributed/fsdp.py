@@ -58,6 +58,8 @@ them as before.
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -168,6 +170,10 @@ def shard_model(model: nn.Module, state, *, units: str = "blocks", replicate: in
                     ignored_params=experts or None)
     # each expert owner its own unit over edp, inside the dense unit that holds its other
     # weights (the router): outer first, so that the dense unit manages those
+    if owners:   # tpkit.nn.MoE returns a reshaped (view) output, which tpkit's blocks add
+        # out of place; FSDP2 warns about views at every forward of the expert unit
+        warnings.filterwarnings("ignore", category=UserWarning, message=r"FSDP2-wrapped "
+                                r"module \(FSDPMoE\) returned a view tensor")
     block_of: dict = {}   # the innermost unit's reshard_after_forward (the root is last)
     for _, mods, r in plan:
         for m in (m for b in mods for m in b.modules()):
