@@ -1,4 +1,4 @@
-"""Run by tests/test_memory_rss.py in a fresh process: two training steps of tpkit's GPT
+"""Run by tests/memory/test_memory_rss.py in a fresh process: two training steps of tpkit's GPT
 (fp32, AdamW, one rank) and the resident set's growth over the process before the model
 (peak RSS from getrusage minus RSS before), printed as JSON next to tpkit.memory's
 estimate for the same job. Arguments: hidden layers heads groups ffn vocab seq batch."""

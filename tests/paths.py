@@ -7,6 +7,7 @@ import os
 TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)
 SCRIPTS = os.path.join(TESTS, "launch_scripts")
-SUBDIRS = ("cli", "data", "fabric", "fp8", "integrations", "models", "nn", "observe",
-           "plans", "recovery", "train", "verifier")
+SUBDIRS = ("checkpoint", "cli", "comm", "cp", "data", "distributed", "fabric", "fp8",
+           "integrations", "layout", "memory", "models", "nn", "observe", "plans", "recovery",
+           "te", "train", "verifier")
 PYTHONPATH = os.pathsep.join([ROOT, TESTS] + [os.path.join(TESTS, d) for d in SUBDIRS])

@@ -708,7 +708,7 @@ API = [
             2, 8, qkv_format="thd", attn_mask_type="padding", attention_dropout=0.1, state=s))),
     Row("pack-document-length", "document 1 has padded length 6",
         "pad every document with tpkit.data.pack_sequences",
-        call=lambda tmp: __import__("tpkit.data").data.packed_cp_indices([0, 4, 10], 0, 2)),
+        call=lambda tmp: __import__("tpkit.cp").cp.packed_cp_indices([0, 4, 10], 0, 2)),
     Row("pack-empty-document", "document 1 has shape (0,)", "non-empty 1-D integer sequence",
         call=lambda tmp: __import__("tpkit.data").data.pack_sequences([[1], []], multiple=2)),
     Row("sequence-vs-cp", "sequence length 12", "pad the sequence to a multiple of 8",
@@ -757,7 +757,7 @@ API = [
             _touch(tmp / "x.pt") / "ck", {"model": torch.nn.Linear(2, 2)})),
     Row("load-empty-dir", "{tmp}/.metadata is missing", "load another checkpoint",
         call=_load(lambda tmp: tmp)),
-    # checkpoints at fsspec URLs (tests/test_checkpoint_fsspec.py: the marker, the checks)
+    # checkpoints at fsspec URLs (tests/checkpoint/test_checkpoint_fsspec.py: the marker, the checks)
     Row("load-url-missing", "no checkpoint at memory://tpkit-bad/nope", "pass the directory "
         "tpkit.checkpoint.save", call=_load(lambda tmp: "memory://tpkit-bad/nope")),
     Row("load-url-unknown-scheme", "checkpoint path nosuchfs://b/ck", "install the file "

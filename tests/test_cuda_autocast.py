@@ -141,7 +141,7 @@ def _attention_worker():
             tpkit.destroy_parallel()
     finally:
         del os.environ["TPKIT_FUSED_ATTN"]
-    # packed sequences (THD): cp=1 (masked local maths) and cp=2 p2p (PackedRing)
+    # packed sequences (THD): cp=1 (masked local maths) and cp=2 p2p (packed_ring)
     from tpkit.nn.packed_attention import packed_attention
     for cp in (1, 2):
         st = tpkit.init_parallel(cp=cp)

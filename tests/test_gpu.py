@@ -611,7 +611,7 @@ def test_moe_te_backend_matches_torch(state, dtype):
 
 # --- 3. issue 40: the multi-GPU TE paths ---------------------------------------------------------
 # One GPU shows rows 1, 3, 4, 6, 7 and 9; rows 2, 5, 8 and 10 need two GPUs (one launch of
-# tests/launch_scripts/gpu_te_issue40.py). The CPU counterparts: tests/test_te_multigpu.py.
+# tests/launch_scripts/gpu_te_issue40.py). The CPU counterparts: tests/te/test_te_multigpu.py.
 def _syncs(fn) -> int:
     """Device->host syncs ``fn()`` makes, counted by torch's sync debug mode ("warn")."""
     import warnings

@@ -327,6 +327,7 @@ def test_cycle_check_catches_a_lazy_circle(tmp_path):
 SUBSYSTEMS = {   # package -> the modules that live in it, never at tpkit's root
     "checkpoint": ("_dcp", "_dcp_verify"),
     "comm": ("collectives", "shm"),
+    "cp": ("sharding", "ring"),
     "layout": ("config", "param_tags", "topology", "random", "planning", "parallel_state"),
     "memory": ("job", "estimate", "fit", "text"),
     "distributed": ("pipeline", "fsdp"),

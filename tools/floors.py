@@ -23,7 +23,7 @@ For each set, one at a time, the script
 then prints a table: the set, the versions pip installed, pytest's summary line, the time
 and PASS/FAIL. The exit status is 1 when any set failed.
 
-``--te VERSION ...`` runs tests/test_te_contract.py once per Transformer Engine release with
+``--te VERSION ...`` runs tests/te/test_te_contract.py once per Transformer Engine release with
 ``TE_CONTRACT_VERSION`` set (in this interpreter, no venv: TE's wheel is only parsed, since
 TE does not run on CPU): what tpkit passes to TE is checked against that release's sources.
 
@@ -116,7 +116,7 @@ def try_te(version: str) -> dict:
     env = dict(os.environ, TE_CONTRACT_VERSION=version)
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           "tests/test_te_contract.py"], cwd=ROOT, env=env,
+                           "tests/te/test_te_contract.py"], cwd=ROOT, env=env,
                           capture_output=True, text=True)
     failures = [line[2:].strip() for line in proc.stdout.splitlines() if line.startswith("E   ")]
     lines = proc.stdout.strip().splitlines()
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("sets", nargs="*", help='candidate sets, e.g. "torch==2.10.0 lightning==2.4.0"')
     p.add_argument("--te", nargs="+", default=[], metavar="VERSION",
-                   help="Transformer Engine releases to check tests/test_te_contract.py against")
+                   help="Transformer Engine releases to check tests/te/test_te_contract.py against")
     p.add_argument("--keep", action="store_true", help="keep each venv and its install log")
     p.add_argument("--python", default=sys.executable, help="interpreter the venvs are made from")
     args = p.parse_args(argv)

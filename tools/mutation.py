@@ -35,12 +35,12 @@ import time
 # module -> (path, pytest arguments: the tests that exercise it); a subset of single-process
 # tests keeps a mutant's run short
 MODULES = {
-    "config": ("tpkit/layout/config.py", ["tests/test_config.py"]),
+    "config": ("tpkit/layout/config.py", ["tests/layout/test_config.py"]),
     # the single-process tests of every rank (the launched one checks the same seeds)
-    "random": ("tpkit/layout/random.py", ["tests/test_random.py", "-k", "not forked_masks"]),
-    "data": ("tpkit/data/sharding.py", [
-        "tests/data/test_sharding.py", "--deselect",
-        "tests/data/test_sharding.py::test_unshard_roundtrip_and_grad",
+    "random": ("tpkit/layout/random.py", ["tests/layout/test_random.py", "-k", "not forked_masks"]),
+    "cp": ("tpkit/cp/sharding.py", [
+        "tests/cp/test_sharding.py", "--deselect",
+        "tests/cp/test_sharding.py::test_unshard_roundtrip_and_grad",
         *(f"tests/nn/test_packed.py::test_{t}" for t in (
             "pack_sequences_rows_labels_positions", "per_document_layout", "packing_errors"))]),
     # the exact single-process checks against quantisers written in the tests
@@ -51,8 +51,8 @@ MODULES = {
         " or backward_override or reference_quantiser or second_step_uses_the_delayed"
         " or fp8_linear_matches_manual or te_scales_against or quantize_helpers"]),
     "planning": ("tpkit/layout/planning.py", [
-        "tests/test_planning.py", "tests/cli/test_launch.py::test_dry_run_65536_ranks_summarises"]),
-    "dcp_verify": ("tpkit/checkpoint/_dcp_verify.py", ["tests/test_dcp_verify.py"]),
+        "tests/layout/test_planning.py", "tests/cli/test_launch.py::test_dry_run_65536_ranks_summarises"]),
+    "dcp_verify": ("tpkit/checkpoint/_dcp_verify.py", ["tests/checkpoint/test_dcp_verify.py"]),
     # the last wave's (issue 52): the single-process tests against references in the tests
     "order": ("tpkit/data/order.py", ["tests/data/test_order_epochs.py"]),
     "inference": ("tpkit/nn/inference.py", [

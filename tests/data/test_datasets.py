@@ -367,7 +367,8 @@ def _sft_reference(tok_dir):
 def _sft_rank(tok_dir, path):
     import torch.nn.functional as F
     import tpkit
-    from tpkit.data import PackedSamples, packed_batch, packed_cp_indices, sft_documents
+    from tpkit.cp import packed_cp_indices
+    from tpkit.data import PackedSamples, packed_batch, sft_documents
     st = tpkit.init_parallel(cp=2)
     docs = sft_documents(path, tok_dir)
     ps = PackedSamples(docs, 256, seed=0)

@@ -1,4 +1,4 @@
-"""Worker script for tests/test_memory.py: tpkit.memory's estimate against the live
+"""Worker script for tests/memory/test_memory.py: tpkit.memory's estimate against the live
 tensor bytes measured on every rank (tests/memcount.py's LiveBytes, which counts
 storages and knows nothing of the estimator), at many layouts in one launch.
 

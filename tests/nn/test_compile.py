@@ -42,10 +42,9 @@ def _block(st, **kw):
 
 def _rank_match(tp, cp, comm, **extra):
     import tpkit
-    from tpkit.data import note_sharded_length
     from torch._dynamo.utils import counters
     st = tpkit.init_parallel(tp=tp, cp=cp, cp_comm_type=comm, **extra)
-    note_sharded_length(S, st)   # the inputs below are this rank's CP shard
+    st.last_sharded_len = S   # the inputs below are this rank's CP shard
     torch._dynamo.reset()
     counters.clear()
     eager = _block(st)

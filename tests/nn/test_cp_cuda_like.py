@@ -103,7 +103,6 @@ def _compiled_worker():
     import torch
     import tpkit
     from cuda_like_op import CudaLikeOp, use
-    from tpkit.data import note_sharded_length
     from tpkit.nn import TransformerLayer
     S, B, H = 32, 2, 32
     op = CudaLikeOp()
@@ -111,7 +110,7 @@ def _compiled_worker():
     for cp, comm, a2a in LAYOUTS:
         for causal in (True, False):
             st = tpkit.init_parallel(cp=cp, cp_comm_type=comm, cp_a2a_size=a2a)
-            note_sharded_length(S, st)
+            st.last_sharded_len = S
             torch._dynamo.reset()
             torch.manual_seed(0)
             eager = TransformerLayer(H, 2 * H, 4, num_gqa_groups=2, normalization="RMSNorm",

@@ -39,7 +39,7 @@ def test_pack_sequences_rows_labels_positions():
 
 def test_per_document_layout():
     """Rank r keeps chunks r and 2cp-1-r of *each* document (TE's THD DUAL_CHUNK_SWAP)."""
-    from tpkit.data import packed_cp_indices, shard_packed
+    from tpkit.cp import packed_cp_indices, shard_packed
     cup = [0, 8, 12, 28]                                  # cp=2: chunks of 2, 1, 4 tokens
     want = {0: [0, 1, 6, 7, 8, 11, 12, 13, 14, 15, 24, 25, 26, 27],
             1: [2, 3, 4, 5, 9, 10, 16, 17, 18, 19, 20, 21, 22, 23]}
@@ -52,7 +52,8 @@ def test_per_document_layout():
 
 
 def test_packing_errors():
-    from tpkit.data import pack_sequences, packed_cp_indices, shard_packed
+    from tpkit.cp import packed_cp_indices, shard_packed
+    from tpkit.data import pack_sequences
     with pytest.raises(ValueError, match=r"document 1 has padded length 6, not a multiple "
                                          r"of 2\*cp = 4"):
         packed_cp_indices([0, 4, 10], 0, 2)

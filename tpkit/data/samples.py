@@ -229,10 +229,10 @@ def token_batch(samples, ignore_index: int = -100) -> tuple[torch.Tensor, torch.
 def packed_batch(samples, *, state=None, multiple: int | None = None, pad_id: int = 0,
                  ignore_index: int = -100):
     """One THD row (``PackedBatch``) of every segment of ``samples``, in order, through
-    :func:`~tpkit.data.sharding.pack_sequences` (padding per document to the layout's
+    :func:`~tpkit.data.packing.pack_sequences` (padding per document to the layout's
     multiple; loss masks of SFT samples applied to the labels). Call ``.shard(state)`` for
     this CP rank's part."""
-    from .sharding import pack_sequences
+    from .packing import pack_sequences
     segs = [s for sample in samples for s in sample]
     docs = [torch.from_numpy(np.asarray(t, np.int64)) for t, _ in segs]
     masks = None if all(m is None for _, m in segs) else \

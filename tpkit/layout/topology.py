@@ -68,9 +68,10 @@ class ParallelState:
     # expert weights' shards in sharded checkpoints (tpkit/checkpoint/_dcp.py)
     expert_mesh: DeviceMesh | None = None
     build_seconds: float = 0.0
-    # The full length of the last sequence sharded over CP in this layout
-    # (tpkit.data.note_sharded_length; None: none yet): CP attention refuses it as its
-    # local length (a full sequence would attend to all of it on every rank).
+    # The full length of the last sequence sharded over CP in this layout (written by
+    # tpkit.cp.sharding's shard_sequence / shard_position_ids; None: none yet): CP attention
+    # (nn.DotProductAttention) refuses it as its local length (a full sequence would
+    # attend to all of it on every rank).
     last_sharded_len: int | None = None
 
     # --- groups ----------------------------------------------------------------

@@ -15,7 +15,7 @@ op by op: the norms keep their input, the normalised input and rstd; QKV keeps i
 for V's view; RoPE'd q and k; the attention core q/k/v/out and its log-sum-exp; the MLP
 keeps fc1's output and the activation's; the loss keeps the fp32 softmax). They are
 checked against live-tensor bytes measured on CPU at launched layouts
-(tests/test_memory.py); the Transformer Engine backend keeps about the same tensors.
+(tests/memory/test_memory.py); the Transformer Engine backend keeps about the same tensors.
 
 :class:`MemoryJob` is the input: the model's shape (:class:`ModelShape`, from launch/
 train.py's arguments, a tpkit LlamaConfig or a Hugging Face config.json) and how it is

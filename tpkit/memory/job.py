@@ -39,7 +39,7 @@ class MemoryJob:
     async_save: bool = False         # a host staging copy of the rank's checkpoint shard
     fp8_recipe: str = "delayed"
     amax_history: int = 1024         # delayed scaling's history length
-    # whose kernels run: "cpu" (the decompositions tests/test_memory.py measures) or
+    # whose kernels run: "cpu" (the decompositions tests/memory/test_memory.py measures) or
     # "cuda": the fused RMSNorm saves its input and rstd only, fp32 attention with GQA
     # falls back to SDPA's math kernel (it keeps the probabilities and the repeated K/V),
     # and torch's default foreach AdamW allocates one float32 temporary of every

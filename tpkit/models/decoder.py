@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..data import shard_position_ids
+from ..cp import shard_position_ids
 from ..recompute import checkpoint
 from .vocab import mask_padding
 

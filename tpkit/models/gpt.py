@@ -18,7 +18,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from ..data import shard_sequence
+from ..cp import shard_sequence
 from ..nn import (ColumnParallelLinear, RMSNorm, RotaryEmbedding, TransformerLayer,
                   VocabParallelEmbedding, vocab_parallel_cross_entropy)
 from ..te.offload import get_cpu_offload_context

@@ -20,7 +20,7 @@ import math
 import torch
 from torch import nn
 
-from ..data import shard_position_ids, shard_sequence
+from ..cp import shard_position_ids, shard_sequence
 from ..nn import (ColumnParallelLinear, RMSNorm, RotaryEmbedding, TransformerLayer,
                   VocabParallelEmbedding, vocab_parallel_cross_entropy)
 from ..recompute import checkpoint

@@ -9,7 +9,7 @@ Tensors use a grouped layout so grouped-query attention never materialises repea
 ``[b, g, 1, s, d]``; broadcasting in the matmuls pairs every query head with its group.
 ``block_forward`` / ``block_backward`` are FlashAttention's per-block forward (output plus
 log-sum-exp) and backward (from the *final* output's LSE), so blocks can be computed one
-at a time and merged, which is what ring attention needs.
+at a time and merged (``tpkit.cp.ring.merge_into``), which is what ring attention needs.
 """
 from __future__ import annotations
 
@@ -93,17 +93,6 @@ def block_backward(q, k, v, dout, lse, delta, scale: float, causal: bool,
     dq = torch.matmul(ds, k).mul_(scale)
     dk = torch.matmul(ds.transpose(-1, -2), q).sum(2, keepdim=True).mul_(scale)
     return dq, dk, dv
-
-
-def merge_into(out: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, l: torch.Tensor) -> None:
-    """Fold a block result ``(o, l)`` into the running ``(out, lse)`` in place (views ok).
-    ``o`` is the caller's temporary: when it has ``out``'s dtype it is scaled in place
-    (no temporary of its size)."""
-    new = torch.logaddexp(lse, l)
-    w = torch.exp(l - new).unsqueeze(-1)
-    scaled = o.mul_(w) if o.dtype == out.dtype else o * w
-    out.mul_(torch.exp(lse - new).unsqueeze(-1)).add_(scaled)
-    lse.copy_(new)
 
 
 @autocast_off

@@ -1,7 +1,7 @@
 """Context-parallel attention kernels in plain torch (run on CPU/gloo as well as GPUs).
 
 Inputs are this rank's shard in the load-balanced layout of ``tpkit.data.shard_sequence``
-(CP rank r holds chunks r and 2n-1-r of 2n: tpkit.data.cp_chunk_ids), as ``[b, h, s, d]``
+(CP rank r holds chunks r and 2n-1-r of 2n: tpkit.cp.cp_chunk_ids), as ``[b, h, s, d]``
 tensors. These are the reference kernels: ``tpkit.nn.fused_cp`` runs the same comm types
 on fused per-device block ops (``tpkit.nn.attention_ops``), and DotProductAttention
 chooses between them (docs/design.md).
@@ -22,7 +22,7 @@ import torch
 
 from ..comm.collectives import group_rank, group_size
 from ..layout.config import CP_COMM_TYPES
-from ..data import cp_positions
+from ..cp import cp_positions
 from .attention_math import (causal_mask, from_grouped, local_attention, position_mask,
                              to_grouped)
 from .mappings import all_to_all, gather_from_sp_region

@@ -29,7 +29,6 @@ import torch.nn.functional as F
 
 from ..comm.collectives import group_rank, group_size
 from ..layout.config import CP_COMM_TYPES
-from ..data import last_sharded_length
 from ..layout.random import get_rng_tracker
 from ..layout.topology import resolve_state
 from ._backend import TEBackendMixin
@@ -205,7 +204,7 @@ class DotProductAttention(TEBackendMixin, torch.nn.Module):
         """A full-length input reaching CP attention runs (each rank attends to the whole
         sequence in the wrong layout) and trains silently wrong: refuse the full length
         last sharded in this layout; warn once when nothing was sharded through tpkit."""
-        full = last_sharded_length(self.state)
+        full = self.state.last_sharded_len
         if full is not None and s == full:
             raise ValueError(
                 f"{type(self).__name__} under cp={self.cp_size} got the full sequence ({s} "

@@ -37,10 +37,10 @@ import itertools
 import weakref
 
 import torch
-import torch.distributed as dist
 
 from ..comm.collectives import group_rank, group_size, start_p2p
-from .attention_math import from_grouped, merge_into, to_grouped
+from ..cp.ring import RingGroup, States, merge_into, wait
+from .attention_math import from_grouped, to_grouped
 from .attention_ops import BY_NAME, CAUSAL, FULL
 from .context_parallel import a2a_attention
 from .mappings import gather_from_sp_region
@@ -138,35 +138,20 @@ def _dtypes(op, dtype):
     return cdt, torch.promote_types(cdt, torch.float32)
 
 
-class _Ring:
-    """The group (None: no CP), its size, this rank and the global ranks by group rank."""
-
-    def __init__(self, group):
-        self.group = group
-        self.n = 1 if group is None else group_size(group)
-        self.rank = 0 if group is None else group_rank(group)
-        self.glob = [0] if group is None else [dist.get_global_rank(group, i)
-                                               for i in range(self.n)]
-
-    def post_kv(self, unit: Unit, kw, vw):
-        """Start sending our K/V piece and receiving src's; returns (works, buffers)."""
-        sends, recvs, bufs = [], [], None
-        if unit.send is not None:
-            dst, (a, b) = unit.send
-            sends = [(kw[a:b], self.glob[dst]), (vw[a:b], self.glob[dst])]
-        if unit.recv is not None:
-            src, (a, b) = unit.recv
-            bufs = kw.new_empty((2, b - a) + kw.shape[1:])
-            recvs = [(bufs[0], self.glob[src]), (bufs[1], self.glob[src])]
-        return start_p2p(sends, recvs, self.group, _KV_TAG), bufs
+def _post_kv(ring: RingGroup, unit: Unit, kw, vw):
+    """Start sending our K/V piece and receiving src's; returns (works, buffers)."""
+    sends, recvs, bufs = [], [], None
+    if unit.send is not None:
+        dst, (a, b) = unit.send
+        sends = [(kw[a:b], ring.glob[dst]), (vw[a:b], ring.glob[dst])]
+    if unit.recv is not None:
+        src, (a, b) = unit.recv
+        bufs = kw.new_empty((2, b - a) + kw.shape[1:])
+        recvs = [(bufs[0], ring.glob[src]), (bufs[1], ring.glob[src])]
+    return start_p2p(sends, recvs, ring.group, _KV_TAG), bufs
 
 
-def _wait(works) -> None:
-    for w in works:
-        w.wait()
-
-
-def _ring_forward(q, k, v, ring: _Ring, causal: bool, scale: float, op, dropout_p: float):
+def _ring_forward(q, k, v, ring: RingGroup, causal: bool, scale: float, op, dropout_p: float):
     """The p2p forward: (output in the compute dtype, LSE, pieces per chunk, op states)."""
     cdt, mdt = _dtypes(op, q.dtype)
     s = q.shape[-2]
@@ -184,14 +169,14 @@ def _ring_forward(q, k, v, ring: _Ring, causal: bool, scale: float, op, dropout_
     units = _schedule(ring, causal, s, op, mf, paired)
     qc, kc, vc = (t.to(cdt) for t in (q, k, v))
     kw, vw = (_wire(t) for t in (k, v)) if units else (None, None)
-    pending = ring.post_kv(units[0], kw, vw) if units else None
+    pending = _post_kv(ring, units[0], kw, vw) if units else None
     states = []
     o, lse, st = op.forward(qc, kc, vc, CAUSAL if causal else FULL, scale, dropout_p)
     out, lse = o.to(mdt), lse.to(mdt)
     states.append(st)
     for i, unit in enumerate(units):
-        nxt = ring.post_kv(units[i + 1], kw, vw) if i + 1 < len(units) else None
-        _wait(pending[0])
+        nxt = _post_kv(ring, units[i + 1], kw, vw) if i + 1 < len(units) else None
+        wait(pending[0])
         if pending[1] is not None:
             kp, vp = (_grouped(t).to(cdt) for t in pending[1])
             # unpaired, one call for all query rows; backward tiles them
@@ -206,7 +191,7 @@ def _ring_forward(q, k, v, ring: _Ring, causal: bool, scale: float, op, dropout_
     return out.to(cdt), lse, m, states
 
 
-def _ring_backward(dout, q, k, v, out, lse, ring: _Ring, causal: bool, scale: float, op,
+def _ring_backward(dout, q, k, v, out, lse, ring: RingGroup, causal: bool, scale: float, op,
                    dropout_p: float, m: int, states):
     """The p2p backward from the final output and LSE: (dq, dk, dv) in the inputs' dtypes."""
     cdt, mdt = _dtypes(op, q.dtype)
@@ -214,15 +199,15 @@ def _ring_backward(dout, q, k, v, out, lse, ring: _Ring, causal: bool, scale: fl
     units = _schedule(ring, causal, s, op, m, True)
     qc, kc, vc, dout = (t.to(cdt) for t in (q, k, v, dout))
     kw, vw = (_wire(t) for t in (k, v)) if units else (None, None)
-    pending = ring.post_kv(units[0], kw, vw) if units else None
-    states = _States(states, op, dropout_p)
+    pending = _post_kv(ring, units[0], kw, vw) if units else None
+    states = States(states, op.name, op.needs_state or dropout_p > 0.0)
     grads = op.backward(dout, qc, kc, vc, out, lse, CAUSAL if causal else FULL, scale,
                         dropout_p, states())
     dq, dk, dv = (g.to(mdt) for g in grads)
     partial = None   # (works, buffer received, our rows) of the last dK/dV exchange
     for i, unit in enumerate(units):
-        nxt = ring.post_kv(units[i + 1], kw, vw) if i + 1 < len(units) else None
-        _wait(pending[0])
+        nxt = _post_kv(ring, units[i + 1], kw, vw) if i + 1 < len(units) else None
+        wait(pending[0])
         partial = _settle(partial, dk, dv)
         part = None
         if pending[1] is not None:
@@ -245,42 +230,13 @@ def _ring_backward(dout, q, k, v, out, lse, ring: _Ring, causal: bool, scale: fl
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-_END = object()
-
-
-class _States:
-    """The forward's per-call states in call order, for the backward's calls. Where the
-    backward needs them (op.needs_state, dropout), running out or leaving some over is an
-    error naming the op: forward and backward ran different schedules. Otherwise None."""
-
-    def __init__(self, states, op, dropout_p: float):
-        self.need, self.op, self.n = op.needs_state or dropout_p > 0.0, op, len(states)
-        self.it = iter(states)
-
-    def __call__(self):
-        if not self.need:
-            return None
-        st = next(self.it, _END)
-        if st is _END:
-            raise RuntimeError(f"{self.op.name}: the ring's backward needs the state of each "
-                               f"forward call and the forward saved only {self.n}: forward "
-                               "and backward ran different schedules")
-        return st
-
-    def check_done(self):
-        if self.need and next(self.it, _END) is not _END:
-            raise RuntimeError(f"{self.op.name}: the ring's backward made fewer calls than "
-                               f"the {self.n} its forward saved states for (the schedules "
-                               "differ)")
-
-
 class FusedRingAttention(torch.autograd.Function):
     """Grouped q ``[b, g, r, s, d]``, k/v ``[b, g, 1, s, d]`` (this rank's shard) -> output
     like q, by the p2p schedule above with block op ``op``."""
 
     @staticmethod
     def forward(ctx, q, k, v, group, causal: bool, scale: float, op, dropout_p: float):
-        ring = _Ring(group)
+        ring = RingGroup(group)
         out, lse, m, states = _ring_forward(q, k, v, ring, causal, scale, op, dropout_p)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (ring, causal, scale, op, dropout_p, m, states)
@@ -316,7 +272,7 @@ def _ring_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: 
                  causal: bool, scale: float, op_name: str
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     op = BY_NAME[op_name]
-    ring = _Ring(_resolve_group(group_name))
+    ring = RingGroup(_resolve_group(group_name))
     out, lse, _, states = _ring_forward(q, k, v, ring, causal, scale, op, 0.0)
     key = torch.zeros(1, dtype=torch.int64)
     if op.needs_state:
@@ -339,7 +295,7 @@ def _ring_bwd_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
                  causal: bool, scale: float, op_name: str
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     op = BY_NAME[op_name]
-    ring = _Ring(_resolve_group(group_name))
+    ring = RingGroup(_resolve_group(group_name))
     m = pieces_per_chunk(q.shape[-2] // 2, op.min_piece_rows)
     states = _SAVED.get(int(key), ()) if op.needs_state else ()
     grads = _ring_backward(dout, q, k, v, out, lse, ring, causal, scale, op, 0.0, m, states)
@@ -374,7 +330,7 @@ def ring_attention_op(q, k, v, group, causal: bool, scale: float, op, dropout_p:
     return out.to(q.dtype)
 
 
-def _post_partial(ring: _Ring, unit: Unit, part, kw, dtype):
+def _post_partial(ring: RingGroup, unit: Unit, part, kw, dtype):
     """Send the dK/dV partial of the piece we received back to its owner, and receive the
     partial of the piece we sent (computed by dst) into a fresh buffer."""
     sends, recvs, buf, rows = [], [], None, None
@@ -392,7 +348,7 @@ def _settle(partial, dk, dv) -> None:
     if partial is None:
         return None
     works, buf, rows, _ = partial
-    _wait(works)
+    wait(works)
     if buf is not None:
         a, b = rows
         dk[..., a:b, :] += _grouped(buf[0])

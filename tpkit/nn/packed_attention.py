@@ -7,13 +7,13 @@ not after the query's. So documents never see each other, a padding token sees o
 itself (its output is then zeroed, as TE zeroes THD padding), and every query row sees at
 least one key: the row-wise softmax never divides by zero.
 
-Under CP the row is laid out per document (``tpkit.data.packed_cp_indices``), and every
+Under CP the row is laid out per document (``tpkit.cp.packed_cp_indices``), and every
 rank can compute the segments and positions of any rank's shard from the global
 ``cu_seqlens``, so masks need no communication. The comm types move K/V as their
 ``tpkit.nn.context_parallel`` counterparts do (TE 2.x supports THD on all four):
 
 =============  ==========================================================================
-p2p            K/V around the ring (``PackedRing``), block results merged by LSE
+p2p            K/V around ``tpkit.cp.ring``'s ring (``PackedBlocks``: each step's mask)
 all_gather     K/V all-gathered (dK/dV reduce-scattered), one masked block per rank
 a2a            heads scattered, sequence gathered, one masked block over the whole row
 a2a+p2p        a2a inside the inner level, then the ring over the outer level
@@ -26,17 +26,13 @@ The math is dense per block (``[sq, sk]`` scores) in the compute dtype of
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from ..comm.collectives import exchange, group_rank, group_size
-from ..data import packed_cp_indices
-from ..data.sharding import _bounds
+from ..comm.collectives import group_size
+from ..cp.ring import Ring, RingBlocks, RingGroup
+from ..cp.sharding import _bounds, packed_cp_indices
 from .attention_math import compute_dtype, from_grouped, local_attention, to_grouped
 from .mappings import all_to_all, gather_from_sp_region
 from ._common import autocast_off
-
-_KV_TAG, _DKV_TAG = 4, 5
-
 
 # --- segments and masks ----------------------------------------------------------------------
 def row_segments(cu_seqlens, cu_seqlens_padded, device=None):
@@ -95,13 +91,6 @@ def _block_forward(q, k, v, hide, scale):
     return out, (m + denom.log()).squeeze(-1)
 
 
-def _merge(out, lse, o, l):
-    new = torch.logaddexp(lse, l)
-    ref = torch.where(torch.isfinite(new), new, torch.zeros_like(new))
-    out.mul_(torch.exp(lse - ref).unsqueeze(-1)).add_(o * torch.exp(l - ref).unsqueeze(-1))
-    lse.copy_(new)
-
-
 def _block_backward(q, k, v, dout, lse, delta, hide, scale):
     p = torch.matmul(q, k.transpose(-1, -2)).mul_(scale).masked_fill_(hide, float("-inf"))
     p = p.sub_(lse.unsqueeze(-1)).exp_()
@@ -112,76 +101,38 @@ def _block_backward(q, k, v, dout, lse, delta, hide, scale):
     return dq, dk, dv
 
 
-def _wait(works):
-    for w in works or ():
-        w.wait()
+_ALL = slice(None)
 
 
-def _ring(kv, group, n, nxt, prv):
-    """Yield ``(step, K/V held at that step)`` while the next step's K/V is in flight."""
-    for step in range(n):
-        works, nxt_kv = None, None
-        if step < n - 1:
-            nxt_kv = torch.empty_like(kv)
-            works = exchange(kv, nxt_kv, group, nxt, prv, _KV_TAG)
-        yield step, kv
-        _wait(works)
-        kv = nxt_kv
+class PackedBlocks(RingBlocks):
+    """The packed kernel's block of every ring step: this rank's queries against ``src``'s
+    K/V, masked with both ranks' (segment, position) from ``metas``; nothing where every
+    pair is hidden."""
+    name = "packed_attention"
+
+    def __init__(self, rank: int, metas, causal: bool, scale: float):
+        self.rank, self.metas, self.causal, self.scale = rank, metas, causal, scale
+
+    def _hide(self, src):
+        hide = hidden_mask(self.metas[self.rank], self.metas[src], self.causal)
+        return None if bool(hide.all()) else hide
+
+    def forward(self, src, q, k, v):
+        hide = self._hide(src)
+        return None if hide is None else (_ALL, *_block_forward(q, k, v, hide, self.scale),
+                                          None)
+
+    def backward(self, src, q, k, v, dout, lse, delta, states):
+        hide = self._hide(src)
+        return None if hide is None else (_ALL, _ALL, *_block_backward(
+            q, k, v, dout, lse, delta, hide, self.scale))
 
 
-class PackedRing(torch.autograd.Function):
-    """Grouped q ``[b, g, r, s, d]``, k/v ``[b, g, 1, s, d]`` of this ring rank; ``metas``
-    the (segment, position) of every ring rank's tokens. At step ``i`` this rank holds
-    the K/V of ``(rank - i) mod n`` and masks it with that rank's segments; backward sends
-    each block's dK/dV accumulator along with its K/V, as ``ring_attention`` does."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, group, metas, causal: bool, scale: float):
-        n = 1 if group is None else group_size(group)
-        rank = 0 if group is None else group_rank(group)
-        nxt = prv = None
-        if n > 1:
-            nxt = dist.get_global_rank(group, (rank + 1) % n)
-            prv = dist.get_global_rank(group, (rank - 1) % n)
-        cdt = compute_dtype(q.dtype)
-        qf = q.to(cdt)
-        out = torch.zeros_like(qf)
-        lse = torch.full(q.shape[:-1], float("-inf"), dtype=cdt, device=q.device)
-        kv = torch.stack([k, v]).to(cdt).contiguous()
-        for step, kv in _ring(kv, group, n, nxt, prv):
-            hide = hidden_mask(metas[rank], metas[(rank - step) % n], causal)
-            if not bool(hide.all()):
-                _merge(out, lse, *_block_forward(qf, kv[0], kv[1], hide, scale))
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (group, metas, causal, scale, rank, n, nxt, prv)
-        return out.to(q.dtype)
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        group, metas, causal, scale, rank, n, nxt, prv = ctx.args
-        cdt = out.dtype
-        qf, dout = q.to(cdt), dout.to(cdt)
-        delta = (dout * out).sum(-1)
-        dq = torch.zeros_like(qf)
-        kv = torch.stack([k, v]).to(cdt).contiguous()
-        dkv = torch.zeros_like(kv)
-        dkv_works = None
-        for step, kv in _ring(kv, group, n, nxt, prv):
-            hide = hidden_mask(metas[rank], metas[(rank - step) % n], causal)
-            grads = None if bool(hide.all()) else _block_backward(
-                qf, kv[0], kv[1], dout, lse, delta, hide, scale)
-            _wait(dkv_works)  # the accumulator of the K/V held now arrived
-            if grads is not None:
-                dq += grads[0]
-                dkv[0] += grads[1]
-                dkv[1] += grads[2]
-            if n > 1:
-                recv = torch.empty_like(dkv)
-                dkv_works = exchange(dkv, recv, group, nxt, prv, _DKV_TAG)
-                dkv = recv
-        _wait(dkv_works)
-        return (dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)) + (None,) * 4
+def packed_ring(q, k, v, group, metas, causal: bool, scale: float):
+    """The p2p ring of grouped q ``[b, g, r, s, d]``, k/v ``[b, g, 1, s, d]`` of this ring
+    rank; ``metas`` the (segment, position) of every ring rank's tokens."""
+    ring = RingGroup(group)
+    return Ring.apply(q, k, v, ring, PackedBlocks(ring.rank, metas, causal, scale))
 
 
 # --- the comm types --------------------------------------------------------------------------
@@ -218,7 +169,7 @@ def packed_attention(q, k, v, *, cu_seqlens, cu_seqlens_padded, comm_type: str, 
     if cp_size == 1:
         out = _masked(qg, kg, vg, mine, mine, causal, scale)
     elif comm_type == "p2p":
-        out = PackedRing.apply(qg, kg, vg, group, metas, causal, scale)
+        out = packed_ring(qg, kg, vg, group, metas, causal, scale)
     elif comm_type == "all_gather":
         kf, vf = (gather_from_sp_region(t, group, dim=3) for t in (kg, vg))
         out = _masked(qg, kf, vf, mine, _cat(metas), causal, scale)
@@ -230,8 +181,7 @@ def packed_attention(q, k, v, *, cu_seqlens, cu_seqlens_padded, comm_type: str, 
         a = group_size(group[0])
         outer = [_cat(metas[j * a:(j + 1) * a]) for j in range(cp_size // a)]
         out = _a2a(qg, kg, vg, group[0], metas,
-                   lambda q_, k_, v_: PackedRing.apply(q_, k_, v_, group[1], outer, causal,
-                                                       scale))
+                   lambda q_, k_, v_: packed_ring(q_, k_, v_, group[1], outer, causal, scale))
     return from_grouped(out) * mine[2].to(q.dtype).view(1, 1, -1, 1)
 
 

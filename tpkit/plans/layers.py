@@ -19,7 +19,7 @@ from torch import nn
 
 from ..checkpoint import shard_tensor
 from ..comm.collectives import group_rank
-from ..data import cp_positions
+from ..cp import cp_positions
 from ..nn import mappings
 from ..nn._common import local_kv_heads
 from ..nn.attention import ReplicatedKV
@@ -113,7 +113,7 @@ class LayoutPositionEmbedding(nn.Module):
     """A learned position table (the model's ``nn.Embedding``'s weight, kept) that returns
     the rows of this rank's tokens: the model asks for positions ``0..t-1`` of its local
     length ``t`` (nanoGPT's ``wpe(arange(t))``); under CP these are this rank's
-    load-balanced chunks of the full sequence (tpkit.data.cp_positions), under SP their
+    load-balanced chunks of the full sequence (tpkit.cp.cp_positions), under SP their
     ``1/tp`` slice. The weight is replicated; under SP each TP rank's gradient covers its
     own rows, so it is tagged ``sequence_parallel`` (summed over TP)."""
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..data import shard_position_ids, shard_sequence
+from ..cp import shard_position_ids, shard_sequence
 from .core import (READY_PLANS, Attention, Column, Norm, Plan, PositionEmbedding, Row,
                    VocabEmbedding, VocabHead)
 

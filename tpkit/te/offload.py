@@ -18,7 +18,7 @@ gradients are bitwise those without offload.
 - CPU: the compute device *is* host memory, so the offloaded copy goes to a separate
   host pool, shared memory (``UntypedStorage.share_memory_``): the same bookkeeping and
   copies, and an allocation anyone can tell apart from the compute device's private
-  memory (tests/test_offload.py measures both with its own tensor-bytes tracker).
+  memory (tests/te/test_offload.py measures both with its own tensor-bytes tracker).
 
 ``offload_weights`` is deprecated in TE and has no effect there; the same here (TE's
 DeprecationWarning). TE refuses to offload the last layer (``num_layers <=

@@ -78,7 +78,7 @@ class JobConfig:
     def check_layout(self, state) -> None:
         """The checks that need the layout ``state`` (a ParallelState, real or planned):
         the batch against dp, the sequence against its shards, the pipeline plan."""
-        from ..data import check_sequence_length
+        from ..cp import check_sequence_length
         t, p = self.training, self.pipeline
         if self.experts.num and self.experts.num % state.ep_size:
             raise ValueError(f"{self.show('experts.num')} is not divisible by ep="

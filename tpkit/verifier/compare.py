@@ -22,7 +22,7 @@ import dataclasses
 import torch
 
 from ..checkpoint import shard_tensor
-from ..data import cp_chunk_ids
+from ..cp import cp_chunk_ids
 from .findings import Finding, Tolerance, diff, hint_grad, hint_output, hint_update, module_rank
 
 __all__ = ["compare_layout", "expected_piece"]

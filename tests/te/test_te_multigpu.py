@@ -1,5 +1,5 @@
 """Issue 40: the multi-GPU Transformer Engine paths, on CPU through the fake TE
-(tests/fake_te, whose TE behaviour tests/test_te_contract_rows.py checks against TE's
+(tests/fake_te, whose TE behaviour tests/te/test_te_contract_rows.py checks against TE's
 source) and gloo ranks. One test per row of the issue's table; each fails with the
 row's defect put back (the commits say how each was planted):
 

@@ -8,7 +8,7 @@ glibc's allocator is told to serve blocks of 64 KiB and more with mmap
 its dynamic threshold keeps freed blocks in the heap and the RSS stays about 25 % above
 the bytes ever alive together (measured here: 0.78-0.80 of the estimate without it,
 0.97 with it at h=1024). The live-tensor comparison at 18 layouts is
-tests/test_memory.py's.
+tests/memory/test_memory.py's.
 """
 import json
 import os
@@ -19,7 +19,7 @@ import pytest
 
 import paths
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_cpu_estimate_within_20_percent_of_rss():

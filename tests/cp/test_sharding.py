@@ -1,4 +1,4 @@
-"""tpkit.data: load-balanced CP sharding, position ids, unshard (values and gradient)."""
+"""tpkit.cp.sharding (through tpkit.data, where users import it): load-balanced CP sharding, position ids, unshard (values and gradient)."""
 import re
 from types import SimpleNamespace
 
@@ -112,7 +112,8 @@ def _gather_from(shards):
 
 @pytest.mark.parametrize("cp", [2, 4])
 def test_unshard_sequence_every_rank_values_and_grad(cp, monkeypatch):
-    import tpkit.data.sharding as data
+    import tpkit.cp.sharding as data
+    from tpkit.data import packing
     s = 8 * cp   # chunks of 4 tokens
     full = torch.randn(2, s, 3, dtype=torch.float64)
     shards = [full[:, _mine(s, cp, r)] for r in range(cp)]
@@ -141,8 +142,9 @@ def test_unshard_sequence_every_rank_values_and_grad(cp, monkeypatch):
 
 @pytest.mark.parametrize("cp", [2, 4])
 def test_unshard_packed_every_rank_values_and_grad(cp, monkeypatch):
-    import tpkit.data.sharding as data
-    pb = data.pack_sequences([list(range(1, 6)), [7], list(range(20, 33)),
+    import tpkit.cp.sharding as data
+    from tpkit.data import packing
+    pb = packing.pack_sequences([list(range(1, 6)), [7], list(range(20, 33)),
                               list(range(100, 140))], multiple=2 * cp)
     cup = pb.cu_seqlens_padded.tolist()
     n = cup[-1]
@@ -179,7 +181,8 @@ def test_unshard_packed_every_rank_values_and_grad(cp, monkeypatch):
 
 
 def test_layout_rules_at_cp_3_and_messages():
-    import tpkit.data.sharding as data
+    import tpkit.cp.sharding as data
+    from tpkit.data import packing
     # 2*cp = 6 is no power of two: documents at offsets that share bits with their ends
     cup = [0, 6, 18, 30]
     for r in range(3):
@@ -197,23 +200,24 @@ def test_layout_rules_at_cp_3_and_messages():
     for bad in (torch.ones(2, 2, dtype=torch.long), torch.tensor(5),
                 torch.tensor([], dtype=torch.long)):
         with pytest.raises(ValueError, match=re.escape(f"document 0 has shape {tuple(bad.shape)} ")):
-            data.pack_sequences([bad])
+            packing.pack_sequences([bad])
     t = torch.tensor([1, 2])
-    pb = data.PackedBatch(t, t, t, t, t, 2)
+    pb = packing.PackedBatch(t, t, t, t, t, 2)
     assert pb.ignore_index == -100
     for bad in (True, 2.0, 0):
         with pytest.raises(ValueError, match=rf"multiple={bad!r} must be a positive integer"):
-            data.pack_sequences([[1, 2]], multiple=bad)
+            packing.pack_sequences([[1, 2]], multiple=bad)
     with pytest.raises(TypeError):   # the options are keyword-only
-        data.pack_sequences([[1, 2]], fake(1, 0))
+        packing.pack_sequences([[1, 2]], fake(1, 0))
     with pytest.raises(TypeError):
         data.shard_position_ids(8, fake(2, 0), None)
 
 
 def test_packed_defaults_long_rows_and_wrong_lengths(monkeypatch):
-    import tpkit.data.sharding as data
+    import tpkit.cp.sharding as data
+    from tpkit.data import packing
     cp = 2
-    pb = data.pack_sequences([list(range(300)), list(range(7))], multiple=2 * cp)
+    pb = packing.pack_sequences([list(range(300)), list(range(7))], multiple=2 * cp)
     cup = pb.cu_seqlens_padded.tolist()
     n = cup[-1]
     assert n == 308    # a row longer than 256: lengths compare by value

@@ -13,7 +13,7 @@ import pytest
 import te_contract as c
 from te_fake import fake_te  # noqa: F401  (fixture)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """Issue 40's TE behaviour, as the fake TE models it, checked against TE 2.20.2's sources
-(parsed with ``ast``, nothing imported; the wheel as in tests/test_te_contract.py).
-tests/test_te_multigpu.py relies on each: if TE changes one, the check here fails first.
+(parsed with ``ast``, nothing imported; the wheel as in tests/te/test_te_contract.py).
+tests/te/test_te_multigpu.py relies on each: if TE changes one, the check here fails first.
 
 Row 1: GroupedLinear does not pad (the caller must) and the alignment rule; row 2: a
 module's amax joins the global buffer once, on its first forward, and the outermost

@@ -9,7 +9,7 @@ import pytest
 import paths
 from dist import run
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BATCH, SEQ = 8, 16
 TOL = 1e-5
 

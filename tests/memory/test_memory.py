@@ -21,7 +21,7 @@ from tpkit.layout.config import ParallelConfig
 from tpkit.memory import (GiB, MemoryJob, ModelShape, estimate_memory, estimate_roles,
                           format_measured, measured_peak_bytes, suggest_layouts)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPTS = os.path.join(ROOT, "tests", "launch_scripts")
 PEAK = re.compile(r"^  estimated peak: (\d+\.\d\d) GiB per rank$", re.M)
 LLAMA_70B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",

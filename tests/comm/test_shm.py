@@ -113,7 +113,8 @@ def _killed_rank0_leftover():
             "path, mm = shm._create(shm._HEADER + 4 * shm.SLOT_BYTES, shm._HEADER, b'0' * 16)\n"
             "print(path, flush=True)\n"
             "os.kill(os.getpid(), signal.SIGKILL)")
-    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__)))))
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert proc.returncode == -9, proc.stderr
     return proc.stdout.strip()
