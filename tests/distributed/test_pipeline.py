@@ -185,9 +185,9 @@ def test_fsdp_in_stages_every_schedule(ref4):
     schedule's gradients after two steps are the one-process gradients of the batch
     twice, and each FSDP2 unit reduce-scatters once in a step, not once per micro-batch
     (torch.distributed.reduce_scatter_single counted). One launch for all cases.
-    Planted: the schedule's no-sync for non-last micro-batches skipped (PipelineStage.
-    backward_maybe_with_nosync -> plain backward): the count was micro-batches x units;
-    Pipeline.step all-reducing FSDP2's gradients again (average=True): wrong gradients."""
+    Planted: the stage module left without its root unit (blocks only, so the schedule
+    does not see an FSDPModule and cannot hold the sync back): the test failed (FSDP2
+    raised in its forward prefetch)."""
     results = run(_pipelined_fsdp_cases, 4, FSDP_SCHEDULES)
     for i, kw in enumerate(FSDP_SCHEDULES):
         per_rank = [r[i] for r in results]
