@@ -510,8 +510,6 @@ class Run:
         expect_error(TypeError, "storage_options", self.fabric.strategy.save_checkpoint,
                      ckpt + "-x", {"model": model}, storage_options={})
         expect_error(ValueError, "only apply with pp > 1", TPKitStrategy, pp=1, microbatches=4)
-        expect_error(ValueError, "data_parallel='fsdp' with pp=2", TPKitStrategy, pp=2,
-                     data_parallel="fsdp")
 
     def load_raw_optimizer(self):
         _, ref_at_save, ref_osd = self.saved
@@ -763,8 +761,6 @@ class PPRun(Run):
         """What cannot apply at pp > 1, each with the error docs/integrations.md lists."""
         expect_error(RuntimeError, "pipeline_step needs TPKitStrategy(pp > 1)",
                      TPKitStrategy().pipeline_step, self.tokens[:2], target=self.targets[:2])
-        expect_error(ValueError, "data_parallel='fsdp' with pp=2", TPKitStrategy, pp=2,
-                     data_parallel="fsdp")
         expect_error(ValueError, "TPKitStrategy(pp > 1) pipelines one model",
                      self.fabric.setup_module, PPNet())
 
@@ -817,13 +813,22 @@ def pipeline_conformance():
     return run.errors
 
 
-def fsdp_refused(run):
-    """data_parallel="fsdp" with expert weights: a ValueError naming the fix."""
+def fsdp_experts(run):
+    """data_parallel="fsdp" with expert weights (refused before issue 54): the expert
+    weights become FSDP2 DTensors over the expert-data-parallel ranks, the dense ones over
+    dp x cp (tpkit.distributed.fsdp)."""
+    from torch.distributed.tensor import DTensor
+    from tpkit.layout.param_tags import is_expert
     fabric = Fabric(strategy=TPKitStrategy(data_parallel="fsdp"), accelerator="cpu",
                     devices=dist.get_world_size())
     fabric.launch()
     try:
-        expect_error(ValueError, "use data_parallel='ddp'", fabric.setup_module, run.Net())
+        model = fabric.setup_module(run.Net())
+        s = fabric.strategy.parallel_state
+        meshes = {is_expert(p): p.device_mesh for p in model.parameters()
+                  if isinstance(p, DTensor)}
+        assert set(meshes) == {True, False}, meshes
+        assert meshes[True].size() == s.edp_size and meshes[False].size() == s.dp_cp_size
     finally:
         fabric.strategy.teardown()
 
@@ -854,7 +859,7 @@ def conformance(layout, strategy):
                          ("refused", run.refused), ("load_full_file", run.load_full_file)):
             run.check(name, fn)
         if layout == "ep":
-            run.check("fsdp_refused", fsdp_refused, run)
+            run.check("fsdp_experts", fsdp_experts, run)
         else:
             fsdp_checks(run, layout == "sp")
     run.check("save_filter", run.save_filter)

@@ -713,8 +713,6 @@ API = [
         call=_at(1, lambda s: __import__("tpkit.data").data.check_sequence_length(12, s),
                  cp=4)),
     # pipeline parallelism (issue 16): TPKitStrategy's pipeline arguments
-    Row("strategy-pp-fsdp", "data_parallel='fsdp' with pp=2", "use data_parallel='ddp'",
-        call=lambda tmp: _fabric("TPKitStrategy")(pp=2, data_parallel="fsdp")),
     Row("strategy-pp-microbatches", "microbatches=1 is fewer than the 2 pipeline stages",
         "use at least 2", call=lambda tmp: _fabric("TPKitStrategy")(pp=2, microbatches=1)),
     Row("strategy-pp-schedule", "'Zigzag' is unknown", "use one of",

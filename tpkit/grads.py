@@ -75,8 +75,9 @@ def reduce_expert_grads(module_or_params: nn.Module | Iterable[nn.Parameter], st
     parameters (Megatron-Core's expert gradient scaling). Expert weights must stay out
     of DDP/FSDP over dp x cp, which would mix different experts' gradients. One
     flattened all-reduce per dtype; returns the number of gradients reduced."""
-    state = resolve_state(state)
-    grads = _tagged_grads(module_or_params, is_expert)
+    state = resolve_state(state)   # (FSDP2's expert weights, DTensors: FSDP2 reduces them)
+    grads = _tagged_grads(module_or_params,
+                          lambda p: is_expert(p) and not isinstance(p, DTensor))
     if state.edp_size > 1:
         all_reduce_flat(grads, state.edp_group)
     if average and state.dp_cp_size > 1 and grads:
@@ -106,6 +107,8 @@ def grad_norm(params: Iterable[torch.nn.Parameter], state, norm_type: float = 2.
     # Replicated gradients are identical on every TP rank: their p-th powers are pre-divided
     # by tp so the TP sum below counts them once (one collective instead of two).
     experts = [_local(p.grad).detach() for p in params if is_expert(p)]
+    # FSDP2 shards expert weights over edp (tpkit.distributed.fsdp): each edp rank a piece
+    sharded_experts = any(isinstance(p.grad, DTensor) for p in params if is_expert(p))
     dense = [p for p in params if not is_expert(p)]
     sharded = [_local(p.grad).detach() for p in dense if tp_spec(p) is not None]
     replicated = [_local(p.grad).detach() for p in dense if tp_spec(p) is None]
@@ -124,24 +127,31 @@ def grad_norm(params: Iterable[torch.nn.Parameter], state, norm_type: float = 2.
             acc = acc + norms.pow(norm_type).sum() * weight
     reduce = all_reduce_max if inf else all_reduce_sum
     if fsdp and state.dp_cp_size > 1:
-        # HSDP: each shard is held by every replica (a Replicate mesh dim): counted once
-        g = next(p.grad for p in params if isinstance(p.grad, DTensor))
-        replicas = math.prod(g.device_mesh.size(i) for i, pl in enumerate(g.placements)
-                             if pl.is_replicate())
-        if not inf and replicas > 1:
-            acc = acc / replicas
-        acc = reduce(acc, state.dp_cp_group)
+        for group in _shard_groups(dense):   # HSDP: over the shards, not the replicas
+            acc = reduce(acc, group)
     if tp > 1:
         acc = reduce(acc, state.tp_group)
     if experts:
         norms = torch.stack(torch._foreach_norm(experts, norm_type, dtype=acc_dtype))
         e_acc = norms.max() if inf else norms.pow(norm_type).sum()
+        if sharded_experts and state.edp_size > 1:
+            e_acc = reduce(e_acc.contiguous(), state.edp_group)
         if state.etp_size * state.ep_size > 1:
             e_acc = reduce(e_acc.contiguous(), state.etp_ep_group)
         acc = torch.maximum(acc, e_acc) if inf else acc + e_acc
     if pp:   # stages hold disjoint parameters: their sums (maxima) add up once each
         acc = reduce(acc, state.pp_group)
     return acc if inf else acc.pow(1.0 / norm_type)
+
+
+def _shard_groups(params) -> list:
+    """The groups of the mesh dimensions FSDP2 shards the (dense) gradients over: the
+    dp x cp group, or under HSDP only the shard dimension's (the replicas hold the same
+    pieces, which a sum over dp x cp would count once per replica)."""
+    g = next((p.grad for p in params if isinstance(p.grad, DTensor)), None)
+    if g is None:
+        return []
+    return [g.device_mesh.get_group(i) for i, pl in enumerate(g.placements) if pl.is_shard()]
 
 
 def _device(state) -> torch.device:

@@ -72,18 +72,56 @@ def _pipelined(layers, *, tp=1, cp=1, pp=2, schedule="1F1B", microbatches=4,
                           virtual_stages=virtual_stages, data_parallel=data_parallel)
     x, y = _batch()
     rows = slice(state.dp_rank * BATCH // state.dp_size, (state.dp_rank + 1) * BATCH // state.dp_size)
+    calls = _count_reduce_scatters(dist, state.dp_cp_group)
     for _ in range(steps):
+        calls.clear()   # the last step's (the first also infers shapes)
         loss = pipe.step(x[rows], target=y[rows])
+    dist.reduce_scatter_single = calls.real
     loss = loss.clone()
     dist.all_reduce(loss, group=state.dp_cp_group)
     sync_sequence_parallel_grads(pipe.module, state)
     grads = {}
     for n, p in pipe.module.named_parameters():
         spec = tp_spec(p)
-        g = p.grad if spec is None else gather_param(p.grad, spec[0], spec[1], state.tp_group)
+        g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad   # FSDP2's
+        g = g if spec is None else gather_param(g, spec[0], spec[1], state.tp_group)
         grads[n] = g.clone()
     report = state.tp_rank == 0 and state.dp_cp_rank == 0
+    if data_parallel == "fsdp":   # FSDP2's reduce-scatters in the last step, its units
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+        states = {id(fully_shard.state(m)): fully_shard.state(m) for st in pipe.stage_modules
+                  for m in st.modules() if isinstance(m, FSDPModule)}   # a unit of several
+        groups = sum(len(s._fsdp_param_groups) for s in states.values())   # modules: one
+        return loss.item() / state.dp_cp_size, (grads if report else {}), len(calls), groups
     return loss.item() / state.dp_cp_size, (grads if report else {})
+
+
+def _count_reduce_scatters(dist, group):
+    """Counts torch.distributed.reduce_scatter_single calls over ``group`` (FSDP2's
+    gradient reduction) until ``dist.reduce_scatter_single = calls.real`` puts it back."""
+    class Calls(list):
+        pass
+    calls = Calls()
+    calls.real = dist.reduce_scatter_single
+
+    def counted(*a, **k):
+        if k.get("group") is group:
+            calls.append(1)
+        return calls.real(*a, **k)
+    dist.reduce_scatter_single = counted
+    return calls
+
+
+def _pipelined_fsdp_cases(cases):
+    """Several FSDP2 pipelines in one launch (each case's layout torn down after it)."""
+    import tpkit
+    from tpkit.fabric.setup import clear_dtensor_caches
+    out = []
+    for kw in cases:
+        out.append(_pipelined(4, data_parallel="fsdp", steps=2, **kw))
+        tpkit.destroy_parallel()
+        clear_dtensor_caches()   # DTensor's caches name the destroyed layout's groups
+    return out
 
 
 def _check(ref, results, steps=1):
@@ -133,6 +171,29 @@ def test_gradients_accumulate_over_steps(ref4):
 ], ids=lambda kw: "-".join(str(v) for v in kw.values()))
 def test_schedules_pp4(ref8, kw):
     _check(ref8, run(_pipelined, 4, 8, pp=4, **kw))
+
+
+# FSDP2 inside the stages (issue 54): every schedule, gradients reduced once per step.
+FSDP_SCHEDULES = [dict(schedule="1F1B"), dict(schedule="GPipe", microbatches=2),
+                  dict(schedule="Interleaved1F1B"), dict(schedule="LoopedBFS"),
+                  dict(schedule="InterleavedZeroBubble", microbatches=2),
+                  dict(schedule="ZBVZeroBubble"), dict(schedule="DualPipeV")]
+
+
+def test_fsdp_in_stages_every_schedule(ref4):
+    """pp=2 x dp=2 with data_parallel='fsdp' (tpkit.distributed.fsdp in each stage): every
+    schedule's gradients after two steps are the one-process gradients of the batch
+    twice, and each FSDP2 unit reduce-scatters once in a step, not once per micro-batch
+    (torch.distributed.reduce_scatter_single counted). One launch for all cases.
+    Planted: the stage module left without its root unit (blocks only, so the schedule
+    does not see an FSDPModule and cannot hold the sync back): the test failed (FSDP2
+    raised in its forward prefetch)."""
+    results = run(_pipelined_fsdp_cases, 4, FSDP_SCHEDULES)
+    for i, kw in enumerate(FSDP_SCHEDULES):
+        per_rank = [r[i] for r in results]
+        _check(ref4, [(loss, grads) for loss, grads, _, _ in per_rank], steps=2)
+        for _, _, calls, groups in per_rank:
+            assert groups > 0 and calls == groups, (kw, calls, groups)
 
 
 # pp=2 on 4 ranks with TP, SP, CP or DP inside each stage.

@@ -49,9 +49,9 @@ CHECKS = [
 PP_CHECKS = ["setup", "pipeline_step", "clip_gradients_norm", "clip_gradients_value",
              "collectives", "save", "load_without_state", "load_remainder", "load_into_state",
              "load_strict", "load_raw_model", "refused"]
-# At the expert layout: FSDP is refused with experts (checked); bf16/fp16/fp8 autocast run
-# against the reference under the same autocast (fp8: the expert GEMMs quantized too).
-EP_CHECKS = [c for c in CHECKS if not c.startswith("fsdp_")] + ["fsdp_refused"]
+# At the expert layout: FSDP shards the experts over edp (checked); bf16/fp16/fp8 autocast
+# run against the reference under the same autocast (fp8: the expert GEMMs quantized too).
+EP_CHECKS = [c for c in CHECKS if not c.startswith("fsdp_")] + ["fsdp_experts"]
 
 
 def _env(**extra):

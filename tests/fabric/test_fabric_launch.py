@@ -17,6 +17,5 @@ def test_registered_name_and_env_layout(monkeypatch):
         tpkit.fabric.TPKitStrategy(tp=1)
     with pytest.raises(ValueError, match="data_parallel='zero'"):
         tpkit.fabric.TPKitStrategy(data_parallel="zero")
-    with pytest.raises(ValueError, match="data_parallel='fsdp' with pp=2"):
-        tpkit.fabric.TPKitStrategy(pp=2, data_parallel="fsdp")
+    tpkit.fabric.TPKitStrategy(pp=2, data_parallel="fsdp")   # FSDP2 in the stages (issue 54)
 

@@ -47,6 +47,7 @@ import copy
 from dataclasses import dataclass
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..comm.collectives import all_reduce_flat, all_reduce_sum
 from ..grads import reduce_expert_grads, reduce_since, snapshot_grads
@@ -68,7 +69,7 @@ SCHEDULES = {
     "DualPipeV": ("ScheduleDualPipeV", "v"),
 }
 ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
-DATA_PARALLEL = ("ddp", "allreduce", None)
+DATA_PARALLEL = ("ddp", "allreduce", "fsdp", None)
 
 
 @dataclass(frozen=True)
@@ -207,6 +208,8 @@ class PipelineStageModule(nn.Module):
         self.aux_scale, self.aux_values = float(aux_scale), []
         self.is_first, self.is_last = stage == 0, stage == num_stages - 1
         self._blocks_name = name
+        self._stem_names = stem if self.is_first else ()
+        self._head_names = head if self.is_last else ()
         # The model's pp_* methods run on a shallow copy holding only stem/head/shared
         # children, so that the stage does not keep other stages' modules alive.
         held = (stem if self.is_first else ()) + (head if self.is_last else ())
@@ -222,6 +225,13 @@ class PipelineStageModule(nn.Module):
         if self.is_last:
             for n in head:
                 setattr(self, n, getattr(model, n))
+
+    def fsdp_parts(self):
+        """(stem modules, blocks, head modules) of this stage: FSDP2's units
+        (tpkit.distributed.fsdp)."""
+        return ([getattr(self, n) for n in self._stem_names],
+                list(getattr(self, self._blocks_name).values()),
+                [getattr(self, n) for n in self._head_names])
 
     def forward(self, *args):
         with self._forward_context():
@@ -312,7 +322,9 @@ class Pipeline:
         self._average, self._reduce_experts = average, reduce_experts
         self.module = PipelineModule([_unwrap(m) for m in stage_modules])
         self.has_last_stage = any(_unwrap(m).is_last for m in stage_modules)
-        self._experts = [p for p in self.module.parameters() if is_expert(p)]
+        # expert weights FSDP2 shards (DTensors) are reduced by FSDP2 over edp
+        self._experts = [p for p in self.module.parameters()
+                         if is_expert(p) and not isinstance(p, DTensor)]
         self._dense = [p for p in self.module.parameters() if not is_expert(p)]
 
     def step(self, *inputs, target: torch.Tensor) -> torch.Tensor:
@@ -359,7 +371,7 @@ def _unwrap(m: nn.Module) -> nn.Module:
 def build_pipeline(model: nn.Module, *, microbatches: int, schedule: str = "1F1B",
                    virtual_stages: int | None = None, data_parallel: str | None = "ddp",
                    state=None, device: torch.device | None = None, forward_context=None,
-                   loss_scale=None) -> Pipeline:
+                   loss_scale=None, fsdp: dict | None = None) -> Pipeline:
     """Split ``model`` (the pp protocol above) into ``pp x virtual_stages`` stages, keep
     this rank's (``state.pp_rank``), and build the schedule ``schedule`` (a name of
     ``SCHEDULES``) over ``state.pp_group``. The model object is consumed: the modules of
@@ -370,7 +382,12 @@ def build_pipeline(model: nn.Module, *, microbatches: int, schedule: str = "1F1B
     each stage module in DistributedDataParallel (reductions overlap the last
     micro-batch's backward; not with the zero-bubble schedules, whose split backward DDP
     does not follow), ``"allreduce"`` issues one flattened all-reduce per dtype after each
-    step (any schedule), ``None`` leaves it to the caller.
+    step (any schedule), ``"fsdp"`` shards each stage module with FSDP2 over dp x cp
+    (tpkit.distributed.fsdp.shard_model with ``pipelined=True`` and the keywords
+    ``fsdp``: a unit per block, the stem and the head their own, the stage module the
+    root; expert weights over edp): torch's schedules keep its gradient reduction off
+    until the last micro-batch and reduce-scatter once per step (any schedule; the step
+    adds no all-reduce of its own), ``None`` leaves it to the caller.
 
     ``forward_context``: a callable returning the context every stage forward and the
     loss run in (a precision's autocast or fp8 autocast: ``TPKitPrecision.forward_context``).
@@ -401,6 +418,11 @@ def build_pipeline(model: nn.Module, *, microbatches: int, schedule: str = "1F1B
                                 forward_context=forward_context)
             for s in plan.stages_of(state.pp_rank)]
     _drop_unused(model, mine)
+    if data_parallel == "fsdp":   # each stage module its own FSDP2 root (a PipelineStage
+        # whose submod is an FSDPModule: torch's schedules sync it once per step)
+        from .fsdp import shard_model
+        for m in mine:
+            shard_model(m, state, pipelined=True, **(fsdp or {}))
     ddp = data_parallel == "ddp" and state.dp_cp_size > 1
     wrapped = [_ddp(m, state, device) if ddp else m for m in mine]
     stages = [pipelining.PipelineStage(w, m.stage_index, plan.num_stages, device,

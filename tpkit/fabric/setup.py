@@ -101,10 +101,6 @@ def _pipeline_args(pp: int, microbatches, schedule, virtual_stages, data_paralle
             raise ValueError(f"{', '.join(given)} only apply with pp > 1 (pp=1 here); drop "
                              "them or set pp")
         return {}
-    if data_parallel != "ddp":
-        raise ValueError(f"data_parallel={data_parallel!r} with pp={pp}: pipeline stages "
-                         "average their gradients over dp x cp themselves (DDP, or one "
-                         "all-reduce for the zero-bubble schedules); use data_parallel='ddp'")
     m = 2 * pp if microbatches is None else microbatches
     vs = virtual_stages if isinstance(virtual_stages, int) and virtual_stages > 0 else 1
     # Every check that does not need the model (its blocks: setup_module); 2 x pp x vs

@@ -267,9 +267,6 @@ class TPKitStrategy(ParallelStrategy):
         if hasattr(self.precision, "attach"):
             self.precision.attach(state, self.root_device)
         experts = [n for n, p in module.named_parameters() if is_expert(p)]
-        if experts and self._data_parallel == "fsdp":
-            raise ValueError("data_parallel='fsdp' does not shard expert weights (tpkit.nn."
-                             f"MoE: {experts[0]}, ...) yet; use data_parallel='ddp'")
         if state.pp_size > 1:   # expert weights: summed over edp by Pipeline.step
             return self._setup_pipeline(module, state)
         if self._data_parallel == "fsdp":
@@ -310,9 +307,13 @@ class TPKitStrategy(ParallelStrategy):
         forward_context = getattr(self.precision, "forward_context", None)
         before = {id(p): weakref.ref(p) for p in module.parameters()}
         # One flattened all-reduce per dtype over dp x cp after the step: right for every
-        # schedule and micro-batch count (DDP inside the stages is not, tpkit.distributed.pipeline).
+        # schedule and micro-batch count (DDP inside the stages is not, tpkit.distributed.pipeline);
+        # with FSDP2 each stage module is sharded, reduced once per step by the schedule.
+        fsdp = self._data_parallel == "fsdp"
         pipe = build_pipeline(module, state=state, device=self.root_device,
-                              data_parallel="allreduce", forward_context=forward_context,
+                              data_parallel="fsdp" if fsdp else "allreduce",
+                              fsdp=self._fsdp if fsdp else None,
+                              forward_context=forward_context,
                               loss_scale=None if scaler is None or not scaler.is_enabled()
                               else scaler, **self._pipeline_args)
         for p in pipe.module.parameters():

@@ -106,10 +106,7 @@ class JobConfig:
             for path, bad, why in (
                     ("model.init_from_hf", _tied_hf(self.model.init_from_hf), "its "
                      "config.json has tie_word_embeddings=true: the embedding (first stage) "
-                     "and the head (last stage) share one weight"),
-                    ("parallelism.data_parallel", self.parallelism.data_parallel == "fsdp",
-                     "FSDP2 units inside pipeline stages are not wired yet (the stages' "
-                     "gradients are averaged by one all-reduce per step)")):
+                     "and the head (last stage) share one weight"),):
                 if bad:
                     raise ValueError(f"{self.show(path)} with --pp {pp}: {why}; drop it or "
                                      "use --pp 1")

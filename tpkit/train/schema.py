@@ -232,9 +232,7 @@ class Training:
                  (job.precision.mode == "fp8", "precision.mode", "cannot be fp8 (emulated "
                   "fp8 under torch.compile is not supported yet)"),
                  (job.data.pack, "data.pack", "cannot be set (packed attention under "
-                  "torch.compile is not supported yet)"),
-                 (job.parallelism.data_parallel == "fsdp", "parallelism.data_parallel",
-                  "must be ddp (FSDP2's hooks on compiled blocks are not supported yet)")]
+                  "torch.compile is not supported yet)")]
         for bad, path, problem in clash:
             if bad:
                 raise ValueError(f"{job.show('training.compile')} with {job.show(path)}: "
@@ -400,11 +398,6 @@ class Experts:
             check_moe_args(self.num, self.topk, self.capacity_factor)
         except ValueError as e:
             raise ValueError(f"{job.show('experts.num')}: {e}") from None
-        if job.parallelism.data_parallel == "fsdp":   # TPKitStrategy.setup_module's refusal
-            raise ValueError(f"{job.show('experts.num')} with "
-                             f"{job.show('parallelism.data_parallel')}: FSDP2 does not shard "
-                             "expert weights yet (they are summed over the expert-data-parallel"
-                             " ranks, docs/moe.md); use --data-parallel ddp")
         ep = job.parallelism.ep   # tpkit-launch's --ep: check_layout, at the final layout
         if ep is not None and self.num % ep:
             raise ValueError(f"{job.show('experts.num')} is not divisible by ep={ep}; use a "
