@@ -14,6 +14,7 @@ import pytest
 
 import paths
 from dist import run
+from test_compose_pp import hf_dir  # noqa: F401  (the fixture: a 4-layer Mistral)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LAUNCH = [sys.executable, "-m", "tpkit.cli.launch", "--backend", "gloo"]
@@ -311,7 +312,7 @@ def test_fsdp_with_pipeline_experts_compile():
     _check_cases(FSDP4, run(_curves, 4, [case for case, _, _ in FSDP4]), refs)
 
 
-def _check_cases(table, results, refs):
+def _check_cases(table, results, refs, skip=len(TINY)):
     """Every case of ``table`` against its reference; one AssertionError naming each
     case off its curve."""
     bad = []
@@ -321,11 +322,13 @@ def _check_cases(table, results, refs):
                 _same_curves(g, ref, rel)
                 assert g[2] == ("--compile" in case), f"compiled blocks: {g[2]}"
             except AssertionError as e:
-                bad.append(f"{' '.join(case[len(TINY):])}: {e}")
+                bad.append(f"{' '.join(case[skip:])}: {e}")
     assert not bad, "\n".join(dict.fromkeys(bad))
 
 
-# 8 ranks: issue 54's acceptance (init-from-hf: see the note in the test)
+# 8 ranks: issue 54's acceptance (the composite's model and weights from --init-from-hf)
+HF_TINY = ["--steps", "4", "--seq-len", "32", "--global-batch", "8", "--warmup", "2",
+           "--log-every", "100"]
 COMPOSITE = ["--pp", "2", "--tp", "2", "--microbatches", "2", "--precision", "bf16-mixed",
              "--recompute"] + FSDP[:2] + COMPILE
 FSDP8 = [(TINY + COMPOSITE, TINY + ["--precision", "bf16-mixed", "--recompute"], 0.01),
@@ -333,12 +336,16 @@ FSDP8 = [(TINY + COMPOSITE, TINY + ["--precision", "bf16-mixed", "--recompute"],
 
 
 @pytest.mark.slow
-def test_issue54_acceptance_at_8_ranks():
+def test_issue54_acceptance_at_8_ranks(hf_dir):
     """Issue 54's acceptance on 8 gloo ranks, one launch: pp2 x tp2 x dp2 with bf16-mixed
     + FSDP per block + compile (aot_eager) + recompute on the one-process bf16-mixed curve
     (bf16's tolerance of test_pipeline_precision), and FSDP + ep2 (dp=8: experts sharded
     over edp=4) on the one-process curve. (HSDP 2 x 2 with tp2: test_hsdp_2x2_with_tp2.)
-    --init-from-hf belongs in the composite's argv once branch `pipe` lifts init-from-hf x
-    pp (refused on this branch's main: docs/train.md's refused pairs)."""
-    refs = run(_curves, 1, [ref for _, ref, _ in FSDP8])[0]
-    _check_cases(FSDP8, run(_curves, 8, [case for case, _, _ in FSDP8]), refs)
+    The composite starts from a transformers checkpoint (--init-from-hf: a 4-layer Mistral,
+    test_compose_pp's), each stage reading its own blocks."""
+    base = HF_TINY + ["--init-from-hf", hf_dir]
+    table = [(base + COMPOSITE, base + ["--precision", "bf16-mixed", "--recompute"], 0.01),
+             *FSDP8[1:]]
+    refs = run(_curves, 1, [ref for _, ref, _ in table])[0]
+    _check_cases(table, run(_curves, 8, [case for case, _, _ in table]), refs,
+                 skip=len(base))
