@@ -120,6 +120,9 @@ class DotProductAttention(TEBackendMixin, torch.nn.Module):
         divide(num_attention_heads, num_gqa_groups, "num_attention_heads", by="num_gqa_groups")
         self.num_heads_local = divide(num_attention_heads, state.tp_size, "num_attention_heads")
         self.num_gqa_local = local_kv_heads(num_gqa_groups, state.tp_size)
+        # a bool fixed here: torch.compile makes ints that differ between compiled calls
+        # (two models' head counts, shapes) symbolic, and SDPA refuses a SymBool enable_gqa
+        self._gqa = bool(self.num_heads_local != self.num_gqa_local)
         self.kv_channels = kv_channels
         self.attn_mask_type = attn_mask_type
         self.attention_dropout = attention_dropout
@@ -281,7 +284,7 @@ class DotProductAttention(TEBackendMixin, torch.nn.Module):
                 else fused_context_parallel_attention(q, k, v, op=op, **kw)
         else:  # no CP: PyTorch's fused kernel (saves q, k, v, out, lse like the ring)
             kw = dict(is_causal=causal, dropout_p=dropout_p, scale=self.softmax_scale,
-                      enable_gqa=q.shape[1] != k.shape[1])
+                      enable_gqa=self._gqa)
             if dropout_p > 0.0:
                 with get_rng_tracker().fork():
                     out = F.scaled_dot_product_attention(q, k, v, **kw)
