@@ -60,6 +60,8 @@ def _cases(cases: dict) -> dict:
     """Every case of one rank count in one call of the pool: name -> (losses, this rank's
     pipeline rank, the bytes activation offload moved off the device on this rank, counted
     on tpkit.te.offload's handlers)."""
+    import torch.distributed as dist
+
     import tpkit.te.offload as offload
     handlers = []
     init = offload.OffloadHandler.__init__
@@ -72,7 +74,9 @@ def _cases(cases: dict) -> dict:
     try:
         for name, argv in cases.items():
             del handlers[:]
-            pp_rank = int(os.environ["RANK"]) // (int(os.environ["WORLD_SIZE"]) // _pp(argv))
+            # the pool's process group, not os.environ (an earlier test's function may
+            # have changed this reused worker's environment)
+            pp_rank = dist.get_rank() // (dist.get_world_size() // _pp(argv))
             losses = _main(argv)
             out[name] = (losses, pp_rank, sum(h.offloaded_bytes for h in handlers))
     finally:
