@@ -332,7 +332,8 @@ HF_TINY = ["--steps", "4", "--seq-len", "32", "--global-batch", "8", "--warmup",
 COMPOSITE = ["--pp", "2", "--tp", "2", "--microbatches", "2", "--precision", "bf16-mixed",
              "--recompute"] + FSDP[:2] + COMPILE
 FSDP8 = [(TINY + COMPOSITE, TINY + ["--precision", "bf16-mixed", "--recompute"], 0.01),
-         (TINY + FSDP[:2] + MOE + ["--ep", "2"], TINY + MOE, 1e-5)]
+         (TINY + FSDP[:2] + MOE + ["--ep", "2"], TINY + MOE, 1e-5),
+         (TINY + FSDP[:2] + ["--cp", "2"], TINY, 1e-5)]
 
 
 @pytest.mark.slow
@@ -340,7 +341,8 @@ def test_issue54_acceptance_at_8_ranks(hf_dir):
     """Issue 54's acceptance on 8 gloo ranks, one launch: pp2 x tp2 x dp2 with bf16-mixed
     + FSDP per block + compile (aot_eager) + recompute on the one-process bf16-mixed curve
     (bf16's tolerance of test_pipeline_precision), and FSDP + ep2 (dp=8: experts sharded
-    over edp=4) on the one-process curve. (HSDP 2 x 2 with tp2: test_hsdp_2x2_with_tp2.)
+    over edp=4) and FSDP over dp4 x cp2 on the one-process curve. (HSDP 2 x 2 with tp2:
+    test_hsdp_2x2_with_tp2.)
     The composite starts from a transformers checkpoint (--init-from-hf: a 4-layer Mistral,
     test_compose_pp's), each stage reading its own blocks."""
     base = HF_TINY + ["--init-from-hf", hf_dir]
