@@ -14,7 +14,6 @@ import pytest
 
 import paths
 from dist import run
-from test_compose_pp import hf_dir  # noqa: F401  (the fixture: a 4-layer Mistral)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LAUNCH = [sys.executable, "-m", "tpkit.cli.launch", "--backend", "gloo"]
@@ -343,8 +342,8 @@ def test_issue54_acceptance_at_8_ranks(hf_dir):
     (bf16's tolerance of test_pipeline_precision), and FSDP + ep2 (dp=8: experts sharded
     over edp=4) and FSDP over dp4 x cp2 on the one-process curve. (HSDP 2 x 2 with tp2:
     test_hsdp_2x2_with_tp2.)
-    The composite starts from a transformers checkpoint (--init-from-hf: a 4-layer Mistral,
-    test_compose_pp's), each stage reading its own blocks."""
+    The composite starts from a transformers checkpoint (--init-from-hf: this module's
+    2-layer Mistral, hf_dir), each stage reading its own block."""
     base = HF_TINY + ["--init-from-hf", hf_dir]
     table = [(base + COMPOSITE, base + ["--precision", "bf16-mixed", "--recompute"], 0.01),
              *FSDP8[1:]]
