@@ -112,23 +112,3 @@ def test_ray_environment_takes_ray_ranks():
     assert ray_train_context() is None                    # not a Ray Train worker
     with pytest.raises(ValueError, match="outside a Ray Train worker"):
         RayEnvironment()
-
-
-def test_corpus_does_not_depend_on_patched_modules(monkeypatch):
-    """The built-in corpus (so every loss curve) is the same in a process where a library
-    replaced standard-library functions, as Ray's workers do (logging's record factory,
-    inspect.isgenerator) and Lightning (warnings.formatwarning)."""
-    import inspect
-    import logging
-    import warnings
-
-    from tpkit.train import corpus
-    before = corpus.corpus_text()
-    monkeypatch.setattr(logging, "_logRecordFactory", lambda *a, **k: None)
-    monkeypatch.setattr(inspect, "isgenerator", lambda obj: False)
-    monkeypatch.setattr(warnings, "formatwarning", lambda *a, **k: "")
-    import sys
-    import types
-    monkeypatch.setitem(sys.modules, "http.client", types.ModuleType("http.client"))
-    assert corpus.corpus_text() == before
-    assert "A LogRecord instance represents an event being logged." in before
