@@ -86,6 +86,16 @@ class Job:
         pytest.fail(f"no line matching {pattern!r} (exit {self.proc.poll()}):\n"
                     f"{''.join(self.out)[-3000:]}\n{''.join(self.err)[-5000:]}")
 
+    def wait_for_each(self, *patterns: str, timeout: float = TIMEOUT) -> None:
+        """The next lines until each pattern has matched one, in any order (lines of
+        different processes, printed at about the same time, arrive in either order)."""
+        left = list(patterns)
+        deadline = time.monotonic() + timeout
+        while left:
+            line = self.wait_for("|".join(f"(?:{p})" for p in left),
+                                 timeout=max(0.0, deadline - time.monotonic())).string
+            left = [p for p in left if not re.search(p, line)]
+
     def finish(self, timeout: float = TIMEOUT) -> int:
         try:
             self.proc.wait(timeout)
@@ -177,8 +187,8 @@ def test_sigterm_then_resume_then_kill_during_async_save(tmp_path):
     job.wait_for(r"rank \d: SIGTERM: finishing this step")
     for pid in [job.proc.pid, *job.workers()]:
         os.kill(pid, signal.SIGTERM)
-    job.wait_for(r"SIGTERM again: still waiting")      # tpkit-launch's
-    job.wait_for(r"rank \d: SIGTERM again: ignored")   # a worker's
+    job.wait_for_each(r"SIGTERM again: still waiting",   # tpkit-launch's
+                      r"rank \d: SIGTERM again: ignored")  # a worker's
     hold.unlink()
     saved = int(job.wait_for(r"recovery: SIGTERM: saved after step (\d+)").group(1))
     assert job.finish() == 143, job.text()[-5000:]
