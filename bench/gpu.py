@@ -14,7 +14,9 @@ micro-batch (gradient accumulation over 8, no gradient sync in between).
 
 Every row is a process of its own with its own timeout (a row that fails, runs out of
 memory or times out is recorded with its error and the next row runs), in ``ROWS``'
-order, the most wanted first; a row is skipped once ``--budget`` cannot hold it.
+order, the most wanted first; a row is skipped once ``--budget`` cannot hold it. A row
+that needs CUDA or Transformer Engine where this process has none is recorded as an
+error without starting its process.
 ``--json`` is rewritten after every row. Each rate covers the same steps: ``window`` (4)
 warm-up steps, then ``window`` timed steps (the trainer's second logging window,
 ``--log-every window``; the hand loop times the same steps the same way, from the end of
@@ -354,6 +356,21 @@ def child(name: str, s: dict, out: str) -> None:
         json.dump(r, f)
 
 
+def unavailable(kind: str, args: list[str], cuda: bool, te: str) -> str | None:
+    """Why a row cannot run on this machine, recorded without starting its process (on a
+    CPU a row's process would only import torch and Lightning to say the same); None when
+    it can run. ``te``: the version, or why ``import transformer_engine`` failed here."""
+    needs_te = (kind == "hand" and args[0] == "te") or (
+        kind == "tpkit" and "--model.impl" in args and
+        args[args.index("--model.impl") + 1] == "te")
+    needs_cuda = kind == "matmul" or needs_te          # TE does not run on a CPU
+    if needs_cuda and not cuda:
+        return "needs CUDA (torch.cuda.is_available() is False)"
+    if needs_te and te.startswith("unavailable"):
+        return f"needs Transformer Engine ({te})"
+    return None
+
+
 def child_row(name: str, s: dict, work: str, log, timeout: float) -> dict:
     out = os.path.join(work, "row.json")
     if os.path.exists(out):
@@ -424,7 +441,10 @@ def main(argv=None) -> dict:
             if args.only and name not in args.only:
                 continue
             left = args.budget - (time.monotonic() - t_start)
-            if left < min(seconds, 30):
+            why = unavailable(kind, extra, cuda, res["te"])
+            if why:
+                r = {"error": why}
+            elif left < min(seconds, 30):
                 r = {"skipped": f"budget: {left:.0f} s left of {args.budget:.0f}"}
             else:
                 t = time.monotonic()

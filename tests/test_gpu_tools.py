@@ -169,6 +169,8 @@ def test_the_whole_gpu_call_rehearsed_on_cpu(tmp_path):
     assert list(rows) == list(load_bench().ROWS), rows
     for name in ("matmul", "tpkit te bf16", "hand te bf16", "tpkit te fp8 current"):
         assert "error" in rows[name], rows[name]        # no CUDA: recorded, the rest ran
+    assert all("needs CUDA" in rows[n]["error"] for n in (
+        "matmul", "tpkit te bf16", "hand te bf16", "tpkit te fp8 current")), rows
     for name in ("tpkit torch compiled", "hand loop tpkit llama te bf16"):
         r = rows[name]
         assert r["tokens_per_s"] > 0 and r["tflops"] > 0 and r["mfu"] is None, r
@@ -183,6 +185,21 @@ def test_the_whole_gpu_call_rehearsed_on_cpu(tmp_path):
 def load_bench():
     import importlib
     return importlib.import_module("bench.gpu")
+
+
+def test_bench_starts_every_row_where_cuda_and_te_are():
+    """A row is recorded as failed without its process only where it needs CUDA or TE and
+    this machine lacks it: on the GPU machine every row runs."""
+    gpu = load_bench()
+    for name, (kind, args, _) in gpu.ROWS.items():
+        assert gpu.unavailable(kind, args, True, "2.20.2") is None, name
+    cpu = {n for n, (k, a, _) in gpu.ROWS.items() if gpu.unavailable(k, a, False, "2.20.2")}
+    assert cpu == set(gpu.ROWS) - {"tpkit torch compiled", "hand loop tpkit llama te bf16"}
+    no_te = {n for n, (k, a, _) in gpu.ROWS.items()
+             if gpu.unavailable(k, a, True, "unavailable: ModuleNotFoundError")}
+    assert no_te == {"tpkit te bf16", "hand te bf16", "tpkit te fp8 current",
+                     "tpkit te fp8 delayed", "hand te fp8 delayed",
+                     "tpkit te bf16 foreach adamw"}, no_te
 
 
 def test_bench_parsers_read_what_the_trainer_writes(tmp_path):
