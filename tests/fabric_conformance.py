@@ -12,8 +12,9 @@ another; rank 0 writes ``{"sp/<check>": {rank: error}}`` (empty when every rank 
 as JSON to OUT. The model: tpkit.nn layers (vocab-parallel embedding, LayerNorm, fused
 gate/up column-parallel, row-parallel) and a plain ``nn.Linear`` head.
 
-At an expert layout (``tpkit-launch --tp 2 --sequence-parallel --ep 2 --etp 1``: TPKIT_EP
-> 1) the run is layout "ep" instead: the same checks on the same model plus a
+With ``CONFORMANCE_EXPERTS=1`` (the tpkit-launch run; one launch, not two) layout "ep"
+follows, ``TPKitStrategy(ep=2, etp=1)`` beside tp=2 and SP from TPKIT_*: the same checks on
+the same model plus a
 ``tpkit.nn.MoE`` block (4 experts, 2 per rank, replicated over edp=2) against the
 single-process MoE reference of tests/nn/test_moe.py (under fp8: its expert GEMMs' operands
 cast to E4M3 at scale 1, as every first-step delayed-scaling GEMM); FSDP is refused with
@@ -46,6 +47,13 @@ STEP_OF = {"backward": 1, "clip_gradients_norm": 2, "clip_gradients_value": 3,
            "no_backward_sync": 4, "accumulate_without_no_backward_sync": 0}   # check: batch
 CFG = {"lr": 0.01, "name": "x", "hist": {1: 0.5}, "betas": (0.9, 0.99)}
 E, FE = 4, 8                                   # experts, expert ffn (layout "ep")
+EXPERTS = dict(ep=2, etp=1)                    # layout "ep"'s sizes beside TPKIT_*'s
+
+
+def sizes(run) -> dict:
+    """The sizes a check's own TPKitStrategy needs for ``run``'s layout (TPKIT_* gives
+    tp=2 and SP)."""
+    return EXPERTS if run.layout == "ep" else {}
 
 
 class Ref(nn.Module):
@@ -556,7 +564,8 @@ def precision_checks(run, sp, precs=("bf16-mixed", "16-mixed", "fp8")):
     tols = {"bf16-mixed": 2e-2, "16-mixed": 5e-3, "fp8": 1e-5}
     for prec in precs:
         def check(prec=prec):
-            fabric = Fabric(strategy=TPKitStrategy(sequence_parallel=sp), accelerator="cpu",
+            fabric = Fabric(strategy=TPKitStrategy(sequence_parallel=sp, **sizes(run)),
+                            accelerator="cpu",
                             devices=dist.get_world_size(), plugins=[TPKitPrecision(prec)])
             fabric.launch()
             run.fabric, saved = fabric, run.fabric
@@ -819,7 +828,8 @@ def fsdp_experts(run):
     dp x cp (tpkit.distributed.fsdp)."""
     from torch.distributed.tensor import DTensor
     from tpkit.layout.param_tags import is_expert
-    fabric = Fabric(strategy=TPKitStrategy(data_parallel="fsdp"), accelerator="cpu",
+    fabric = Fabric(strategy=TPKitStrategy(data_parallel="fsdp", **EXPERTS),
+                    accelerator="cpu",
                     devices=dist.get_world_size())
     fabric.launch()
     try:
@@ -869,12 +879,11 @@ def conformance(layout, strategy):
 
 
 def main():
-    if int(os.environ.get("TPKIT_EP", "1")) > 1:   # an expert layout: layout "ep" only
-        errors = conformance("ep", "tpkit")
-    else:
-        errors = conformance("sp", "tpkit")
-        errors.update(conformance("nosp", TPKitStrategy(sequence_parallel=False)))
-        errors.update(pipeline_conformance())
+    errors = conformance("sp", "tpkit")
+    errors.update(conformance("nosp", TPKitStrategy(sequence_parallel=False)))
+    errors.update(pipeline_conformance())
+    if os.environ.get("CONFORMANCE_EXPERTS") == "1":
+        errors.update(conformance("ep", TPKitStrategy(**EXPERTS)))
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, errors)
     if dist.get_rank() == 0:

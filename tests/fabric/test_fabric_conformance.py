@@ -2,8 +2,9 @@
 TPKitStrategy at tp=2 x dp=2 with sequence parallelism on and off, each call against a
 single-process reference, launched the way users launch: ``tpkit-launch`` and Fabric's own
 launcher (``python script.py``), and at an expert layout (ep=2, etp=1, tp=2, SP: a model
-with a tpkit.nn.MoE). The checks are tests/fabric_conformance.py's; here each becomes one
-test item, so a failing call is named."""
+with a tpkit.nn.MoE; in the tpkit-launch run, after the other layouts: a process start
+costs more than a layout's checks). The checks are tests/fabric_conformance.py's; here each
+becomes one test item, so a failing call is named."""
 import json
 import os
 import socket
@@ -62,16 +63,17 @@ def _env(**extra):
     return env
 
 
-def _run(cmd, env, tmp, cwd=None, layouts=LAYOUTS, checks=CHECKS) -> dict:
+def _run(cmd, env, tmp, cwd=None, experts=False) -> dict:
     out, ckpts = tmp / "report.json", tmp / "ckpts"
     ckpts.mkdir()
     proc = subprocess.run([*cmd, SCRIPT, str(out), str(ckpts)], env=env, cwd=cwd,
                           capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
     report = json.loads(out.read_text())
-    want = [f"{lay}/{c}" for lay in layouts for c in checks]
-    if layouts == LAYOUTS:   # the pipeline layout runs in the same launch
-        want += [f"pp/{c}" for c in PP_CHECKS]
+    want = [f"{lay}/{c}" for lay in LAYOUTS for c in CHECKS]
+    want += [f"pp/{c}" for c in PP_CHECKS]   # the pipeline layout runs in the same launch
+    if experts:                              # and the expert layout, asked for
+        want += [f"ep/{c}" for c in EP_CHECKS]
     assert sorted(report) == sorted(want)
     return report
 
@@ -83,9 +85,15 @@ def _failures(report, check, layouts=LAYOUTS):
 
 @pytest.fixture(scope="module")
 def tpkit_launch_report(tmp_path_factory):
+    """Layouts sp (TPKIT_* from tpkit-launch's flags), nosp, pp and ep (ep=2 x etp=1 given
+    to TPKitStrategy beside the launch's tp=2 and SP) in one launch. tpkit-launch exporting
+    --ep/--etp as TPKIT_EP/TPKIT_ETP and their reading back are tests/nn/test_moe.py's
+    test_launcher_checks_ep and tests/layout/test_config.py's test_has_experts_and_expert_env;
+    the strategy reads every TPKIT_* size alike (layout sp here)."""
     return _run([sys.executable, "-m", "tpkit.cli.launch", "--standalone", "--nproc-per-node",
                  "4", "--tp", "2", "--sequence-parallel", "--backend", "gloo"],
-                _env(), tmp_path_factory.mktemp("tpkit_launch"))
+                _env(CONFORMANCE_EXPERTS="1"), tmp_path_factory.mktemp("tpkit_launch"),
+                experts=True)
 
 
 @pytest.mark.parametrize("check", CHECKS)
@@ -115,17 +123,8 @@ def test_every_fabric_call_under_fabrics_own_launcher(tmp_path):
     assert not failed, failed
 
 
-
-@pytest.fixture(scope="module")
-def expert_layout_report(tmp_path_factory):
-    return _run([sys.executable, "-m", "tpkit.cli.launch", "--standalone", "--nproc-per-node",
-                 "4", "--tp", "2", "--sequence-parallel", "--ep", "2", "--etp", "1",
-                 "--backend", "gloo"], _env(), tmp_path_factory.mktemp("expert_layout"),
-                layouts=("ep",), checks=EP_CHECKS)
-
-
 @pytest.mark.parametrize("check", EP_CHECKS)
-def test_fabric_call_at_expert_layout(expert_layout_report, check):
+def test_fabric_call_at_expert_layout(tpkit_launch_report, check):
     """ep=2 x etp=1 (edp=2) with tp=2 and SP: the same calls on a model with an MoE block."""
-    failed = _failures(expert_layout_report, check, ("ep",))
+    failed = _failures(tpkit_launch_report, check, ("ep",))
     assert not failed, failed
