@@ -7,11 +7,11 @@ Each script checks many things (process start costs ~1.5 s a rank here) and rank
 writes a JSON summary the test reads.
 
 - tests/launch_scripts/reinit.py: init_parallel -> destroy_parallel cycles over many
-  layouts, 3 rounds in one launch (26 re-inits per rank at 4 ranks, 26 at 8), with group,
+  layouts, 2 rounds in one launch (18 re-inits per rank at 4 ranks, 18 at 8), with group,
   all-reduce, TP-MLP and float64 CP-attention checks each time;
 - tests/launch_scripts/fabric_layouts.py: three Fabric layouts in one process, one of them
-  resuming the checkpoint another wrote;
-- tests/launch_scripts/ds_train.py: DeepSpeed ZeRO at two layouts in one process;
+  resuming the checkpoint another wrote; then, in the same launch,
+  tests/launch_scripts/ds_train.py: DeepSpeed ZeRO at two layouts in one process;
 - launch/train.py: a run at cp=2 x dp=2 SIGKILLed after a checkpoint, resumed at
   tp=2 x cp=2 to the end, on the single-process loss curve.
 """
@@ -127,11 +127,12 @@ def test_exit_right_after_collectives():
 @pytest.mark.parametrize("world", [4, 8])
 def test_reinit_loop_under_tpkit_launch(world, tmp_path):
     """Issue 14: the second init_parallel hung under tpkit-launch (tpkit destroyed the
-    default group and re-created it on the same rendezvous store). 3 rounds of >= 8
-    layouts per launch; the first one from TPKIT_* (--tp 2), the rest explicit."""
+    default group and re-created it on the same rendezvous store). 2 rounds of >= 8
+    layouts per launch (the second round's threads must be the first's); the first one
+    from TPKIT_* (--tp 2), the rest explicit."""
     out_file = tmp_path / "summary.json"
     cmd = ["--nproc-per-node", str(world), "--tp", "2", os.path.join(SCRIPTS, "reinit.py"),
-           "3", "--out", str(out_file)]
+           "2", "--out", str(out_file)]
     if world == 4:  # once through the installed console script itself
         script = os.path.join(os.path.dirname(sys.executable), "tpkit-launch")
         if not os.path.exists(script):
@@ -143,7 +144,7 @@ def test_reinit_loop_under_tpkit_launch(world, tmp_path):
     else:
         out, err = launched(*cmd)
     assert "REINIT OK" in out and "still alive at exit" not in err
-    check_reinit(json.loads(out_file.read_text()), world, 3)
+    check_reinit(json.loads(out_file.read_text()), world, 2)
 
 
 def test_reinit_loop_under_torchrun_and_plain_python(tmp_path):
@@ -163,22 +164,29 @@ def test_reinit_loop_under_torchrun_and_plain_python(tmp_path):
 
 
 # --- Fabric and DeepSpeed scripts -------------------------------------------------------------
-def test_fabric_three_layouts_in_one_process(tmp_path):
-    out_file = tmp_path / "fabric.json"
+@pytest.fixture(scope="module")
+def fabric_then_deepspeed(tmp_path_factory):
+    """One launch for the two tests below (fabric_then_deepspeed.py: fabric_layouts.py's
+    main, then ds_train.py's, in the same 4 processes): a rank's start costs ~5 CPU-s with
+    Lightning, a second launch 4 more of them. Returns the directory of the summaries."""
+    d = tmp_path_factory.mktemp("fabric_ds")
     launched("--nproc-per-node", "4", "--tp", "2", "--sequence-parallel",
-             os.path.join(SCRIPTS, "fabric_layouts.py"), str(tmp_path / "ckpt"), str(out_file))
-    res = json.loads(out_file.read_text())  # losses were checked inside against the reference
+             os.path.join(SCRIPTS, "fabric_then_deepspeed.py"), str(d / "ckpt"),
+             str(d / "fabric.json"), str(d / "ds.json"), DS_ACCELERATOR="cpu")
+    return d
+
+
+def test_fabric_three_layouts_in_one_process(fabric_then_deepspeed):
+    res = json.loads((fabric_then_deepspeed / "fabric.json").read_text())
+    # losses were checked inside against the reference
     assert {k: v["layout"] for k, v in res.items()} == {
         "A": [2, 1, 2, True], "B": [1, 2, 2, False], "C": [2, 1, 2, True]}
 
 
-def test_deepspeed_two_layouts_in_one_process(tmp_path):
+def test_deepspeed_two_layouts_in_one_process(fabric_then_deepspeed):
     pytest.importorskip("deepspeed", reason="needs deepspeed (pip install tpkit[deepspeed])")
-    out_file = tmp_path / "ds.json"
-    launched("--nproc-per-node", "4", "--tp", "2", os.path.join(SCRIPTS, "ds_train.py"),
-             str(out_file), DS_ACCELERATOR="cpu")
     from test_deepspeed import CLIP, reference_run
-    res = json.loads(out_file.read_text())
+    res = json.loads((fabric_then_deepspeed / "ds.json").read_text())
     assert res["tp2dp2_zero2_clip"] == pytest.approx(reference_run(clip=CLIP)[0], rel=1e-5)
     assert res["cp2dp2_zero1"] == pytest.approx(reference_run()[0], rel=1e-5)
 

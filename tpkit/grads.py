@@ -8,11 +8,11 @@ which need a TP sum is read off their tags (tpkit.layout.param_tags).
 from __future__ import annotations
 
 import math
+import sys
 from typing import Callable, Iterable
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from .comm.collectives import all_reduce_flat, all_reduce_max, all_reduce_sum
 from .layout.param_tags import is_expert, is_sequence_parallel, tp_spec
@@ -22,8 +22,15 @@ __all__ = ["sync_sequence_parallel_grads", "reduce_expert_grads", "grad_norm",
            "clip_grad_norm", "clip_grad_value", "snapshot_grads", "reduce_since"]
 
 
+def _is_dtensor(t) -> bool:
+    """isinstance(t, DTensor) without importing torch.distributed.tensor (half a CPU-second
+    in every process that imports tpkit.nn): a DTensor exists only once it is imported."""
+    m = sys.modules.get("torch.distributed.tensor")
+    return m is not None and isinstance(t, m.DTensor)
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+    return t.to_local() if _is_dtensor(t) else t
 
 
 def _tagged_grads(module_or_params, tagged) -> list[torch.Tensor]:
@@ -77,7 +84,7 @@ def reduce_expert_grads(module_or_params: nn.Module | Iterable[nn.Parameter], st
     flattened all-reduce per dtype; returns the number of gradients reduced."""
     state = resolve_state(state)   # (FSDP2's expert weights, DTensors: FSDP2 reduces them)
     grads = _tagged_grads(module_or_params,
-                          lambda p: is_expert(p) and not isinstance(p, DTensor))
+                          lambda p: is_expert(p) and not _is_dtensor(p))
     if state.edp_size > 1:
         all_reduce_flat(grads, state.edp_group)
     if average and state.dp_cp_size > 1 and grads:
@@ -103,12 +110,12 @@ def grad_norm(params: Iterable[torch.nn.Parameter], state, norm_type: float = 2.
     device = _local(params[0].grad).device if params else _device(state)
     tp = state.tp_size
     inf = math.isinf(norm_type)
-    fsdp = any(isinstance(p.grad, DTensor) for p in params)
+    fsdp = any(_is_dtensor(p.grad) for p in params)
     # Replicated gradients are identical on every TP rank: their p-th powers are pre-divided
     # by tp so the TP sum below counts them once (one collective instead of two).
     experts = [_local(p.grad).detach() for p in params if is_expert(p)]
     # FSDP2 shards expert weights over edp (tpkit.distributed.fsdp): each edp rank a piece
-    sharded_experts = any(isinstance(p.grad, DTensor) for p in params if is_expert(p))
+    sharded_experts = any(_is_dtensor(p.grad) for p in params if is_expert(p))
     dense = [p for p in params if not is_expert(p)]
     sharded = [_local(p.grad).detach() for p in dense if tp_spec(p) is not None]
     replicated = [_local(p.grad).detach() for p in dense if tp_spec(p) is None]
@@ -148,7 +155,7 @@ def _shard_groups(params) -> list:
     """The groups of the mesh dimensions FSDP2 shards the (dense) gradients over: the
     dp x cp group, or under HSDP only the shard dimension's (the replicas hold the same
     pieces, which a sum over dp x cp would count once per replica)."""
-    g = next((p.grad for p in params if isinstance(p.grad, DTensor)), None)
+    g = next((p.grad for p in params if _is_dtensor(p.grad)), None)
     if g is None:
         return []
     return [g.device_mesh.get_group(i) for i, pl in enumerate(g.placements) if pl.is_shard()]

@@ -215,3 +215,38 @@ def test_failure_line_names_the_cause_not_the_peer_that_lost_it():
     # only peers' errors: the earliest is named
     e.failures.pop(1)
     assert launch.describe_failure(e).startswith("rank 2 "), launch.describe_failure(e)
+
+
+def test_signal_hidden_by_torchs_metrics_wrapper_is_still_the_signal(monkeypatch, capsys):
+    """A signal that lands just before torch's elastic metrics wrapper sets ``start``
+    (torch/distributed/elastic/metrics/api.py) makes its ``finally`` raise
+    UnboundLocalError with the SignalException as its context: tpkit-launch still exits
+    128 + the signal with its one line, as when the signal lands anywhere else; an
+    UnboundLocalError of any other origin is not swallowed."""
+    import signal
+
+    import torch.distributed.run as torch_run
+    from torch.distributed.elastic.multiprocessing import api
+    monkeypatch.setattr(api, "_terminate_process_handler", api._terminate_process_handler)
+    monkeypatch.setattr(signal, "signal", lambda *a: None)   # _signal_once: no real handler
+
+    def racing_run(args):   # the wrapper's shape: ``start`` is local, set inside the try
+        try:
+            raise api.SignalException("Process got signal: 2", sigval=signal.SIGINT)
+            start = 0
+        finally:
+            print(start)
+
+    args = launch.build_parser().parse_args(["--nproc-per-node", "2", SCRIPT])
+    plan = launch.resolve(args, {})
+    monkeypatch.setattr(torch_run, "run", racing_run)
+    assert launch._launch(args, plan) == 128 + signal.SIGINT
+    assert "stopped by SIGINT; the workers were sent it too" in capsys.readouterr().err
+
+    def broken_run(args):
+        print(start)
+        start = 0
+
+    monkeypatch.setattr(torch_run, "run", broken_run)
+    with pytest.raises(UnboundLocalError):
+        launch._launch(args, plan)

@@ -117,3 +117,16 @@ def test_signal_reaches_workers(sig, no_python, tmp_path):
     # torchrun's agent forwards the signal it received to every worker
     assert sorted(p.name for p in tmp_path.iterdir()) == \
         sorted(["ready.0", "ready.1", f"{sig.name}.0", f"{sig.name}.1"])
+
+
+def test_memory_check_imports_no_model_family():
+    """tpkit-launch's memory check (every launch) reads tpkit.models.shape, which imports no
+    torch; the model families (torch, tpkit.nn, DTensor: ~0.6 CPU-s a launch) are imported
+    only when a script's pre-flight builds its model."""
+    code = ("import sys, tpkit.cli.memory, tpkit.memory\n"
+            "from tpkit.models.shape import ModelShape\n"
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('tpkit.nn')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=launch_env(),
+                         capture_output=True, text=True, timeout=TIMEOUT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "[]", out.stdout

@@ -77,22 +77,32 @@ def run_cpu_sbatch(slurm_conf, tmp_path, ntasks: int, *args) -> tuple[str, str]:
     return job, log
 
 
-def test_cpu_sbatch_two_tasks_runs_to_completion(slurm_conf, tmp_path):
-    job, log = run_cpu_sbatch(slurm_conf, tmp_path, 2, "--tp", "2", SCRIPT, "2", "1")
+@pytest.fixture(scope="module")
+def reinit_job(slurm_conf, tmp_path_factory):
+    """One ``cpu.sbatch`` job (2 tasks, --tp 2) for the two tests below: a job's ranks and
+    its tpkit-launch cost ~8 CPU-s. Its script, tests/launch_scripts/reinit.py, checks the
+    layout tpkit-launch exported as check_layout.py does (every rank's tp/cp/dp/pp groups
+    against the rank formula, an all-reduce over each) and prints the same ``OK rank=``
+    line, then builds and destroys its 2-rank layouts twice over."""
+    return run_cpu_sbatch(slurm_conf, tmp_path_factory.mktemp("sbatch"), 2, "--tp", "2",
+                          os.path.join("tests", "launch_scripts", "reinit.py"), "2")
+
+
+def test_cpu_sbatch_two_tasks_runs_to_completion(reinit_job):
+    job, log = reinit_job
     oks = {int(m.group(1)): m.group(0)
            for m in re.finditer(r"OK rank=(\d+) .*?args=\[.*?\]", log)}
     assert sorted(oks) == [0, 1], log
     for rank, line in oks.items():
         # layout checked inside; rendezvous id derived from the Slurm job and step
-        assert f"world=2 local_rank={rank} tp={rank} cp=0 dp=0" in line
+        assert f"world=2 local_rank={rank} tp={rank} cp=0 dp=0 backend=gloo" in line
         assert f"run_id=slurm-{job}.0" in line
 
 
-def test_layouts_rebuilt_in_one_slurm_job(slurm_conf, tmp_path):
+def test_layouts_rebuilt_in_one_slurm_job(reinit_job):
     """Issue 14 on the Slurm road (srun + tpkit-launch, rendezvous on the job's port):
     tests/launch_scripts/reinit.py builds and destroys its 2-rank layouts twice over."""
-    _, log = run_cpu_sbatch(slurm_conf, tmp_path, 2, "--tp", "2",
-                            os.path.join("tests", "launch_scripts", "reinit.py"), "2")
+    _, log = reinit_job
     from test_userpath import check_reinit
     m = re.search(r"REINIT OK (\{.*\})", log)
     assert m, log[-4000:]

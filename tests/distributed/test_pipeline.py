@@ -371,9 +371,10 @@ def torch_equal(a, b):
 
 
 # --- launch/train.py under tpkit-launch: the user's road ----------------------------------
-TRAIN_SMALL = ["--steps", "20", "--hidden", "32", "--layers", "4", "--heads", "4",
+STEPS, SAVE_AT = 8, 4
+TRAIN_SMALL = ["--steps", str(STEPS), "--hidden", "32", "--layers", "4", "--heads", "4",
                "--gqa-groups", "2", "--ffn", "64", "--seq-len", "16", "--global-batch", "8",
-               "--warmup", "5", "--log-every", "100"]
+               "--warmup", "2", "--log-every", "100"]
 INTERLEAVED = ["--pp-schedule", "Interleaved1F1B"]
 # MoE (docs/moe.md): blocks 1 and 3 are MoE, so one sits in a non-last stage at pp=2;
 # the load-balancing loss is per micro-batch, so the reference runs the same 2 micro-batches
@@ -413,14 +414,15 @@ def _launch_train(world, runs, tmp_path):
 
 
 def test_train_py_launched_parity(tmp_path):
-    """launch/train.py under tpkit-launch, 20 steps at (pp, tp, cp, dp) = (2,1,1,1),
-    (2,2,1,1), (2,1,2,1), (2,1,1,2), (4,1,1,1), with 1F1B and Interleaved1F1B (also at
-    pp=4 with 8 layers), with --sequence-parallel and --recompute: the loss curve of one
-    process (pp=1) within 1e-5 relative. A checkpoint written at (pp=2, tp=2) after 10
-    steps resumes at pp=4 and at pp=1 (tp=2, dp=2) with the losses of the uninterrupted
-    run. A mixture of experts (4 experts, ep=2) at pp=2 x dp=2 (1F1B) and pp=2 x tp=2 with
-    SP (Interleaved1F1B, recompute): the curve of one process (pp=1, ep=1) with the same
-    micro-batches, the aux loss of the first stage's MoE layer included."""
+    """launch/train.py under tpkit-launch (one launch of 4 ranks), 8 steps at (pp, tp,
+    cp, dp) = (2,2,1,1), (2,1,2,1), (2,1,1,2), (4,1,1,1), with 1F1B and Interleaved1F1B
+    (also at pp=4 with 8 layers), with --sequence-parallel and --recompute, and (2,1,1,1)
+    in the 2-rank pool (the same train.main; the launched road is the 4-rank launch's):
+    the loss curve of one process (pp=1) within 1e-5 relative. A checkpoint written at
+    (pp=2, tp=2) after 4 steps resumes at pp=4 and at pp=1 (tp=2, dp=2) with the losses of
+    the uninterrupted run. A mixture of experts (4 experts, ep=2) at pp=2 x dp=2 (1F1B) and
+    pp=2 x tp=2 with SP (Interleaved1F1B, recompute): the curve of one process (pp=1, ep=1)
+    with the same micro-batches, the aux loss of the first stage's MoE layer included."""
     reference = run(_train_reference, 1)[0]
     assert reference[-1] < reference[0] - 0.3, reference   # it learns
     # (the same 4 micro-batches as the pipeline: 8 layers drift apart by rounding otherwise)
@@ -431,8 +433,10 @@ def test_train_py_launched_parity(tmp_path):
     assert max(abs(a - b) / b for a, b in zip(whole, ref_moe)) > 100 * TOL, (whole, ref_moe)
     ckpt = str(tmp_path / "ckpt")
     m4 = ["--microbatches", "4"]
+    saved = os.path.join(ckpt, f"step{SAVE_AT:06d}")
     got = _launch_train(4, {
-        "pp2tp2": ["--pp", "2", "--tp", "2", *m4, "--save", ckpt, "--save-every", "10"],
+        "pp2tp2": ["--pp", "2", "--tp", "2", *m4, "--save", ckpt, "--save-every",
+                   str(SAVE_AT)],
         "pp2cp2": ["--pp", "2", "--cp", "2", *m4],
         "pp2dp2": ["--pp", "2", "--microbatches", "2"],
         "pp4": ["--pp", "4", *m4],
@@ -446,14 +450,16 @@ def test_train_py_launched_parity(tmp_path):
         "moe-pp2tp2-ep2-sp-interleaved-recompute": [
             "--pp", "2", "--tp", "2", "--sequence-parallel", "--ep", "2", "--etp", "1",
             *MOE, *INTERLEAVED, "--recompute"],
-        "resume-pp4": ["--pp", "4", *m4, "--resume", os.path.join(ckpt, "step000010")],
-        "resume-pp1": ["--tp", "2", "--resume", os.path.join(ckpt, "step000010")],
+        "resume-pp4": ["--pp", "4", *m4, "--resume", saved],
+        "resume-pp1": ["--tp", "2", "--resume", saved],
     }, tmp_path)
-    got.update(_launch_train(2, {"pp2": ["--pp", "2", *m4],
-                                 "pp2-interleaved": ["--pp", "2", *m4, *INTERLEAVED]},
-                             tmp_path))
+    for name, extra in {"pp2": ["--pp", "2", *m4],
+                        "pp2-interleaved": ["--pp", "2", *m4, *INTERLEAVED]}.items():
+        ranks = run(_train_reference, 2, extra)
+        assert ranks[1] == ranks[0], name   # every rank reports the same global loss
+        got[name] = ranks[0]
     for name, losses in got.items():
-        want = reference[10:] if name.startswith("resume") else \
+        want = reference[SAVE_AT:] if name.startswith("resume") else \
             ref8 if "8layers" in name else ref_moe if name.startswith("moe") else reference
         assert len(losses) == len(want), name
         for i, (x, y) in enumerate(zip(losses, want)):

@@ -1,5 +1,6 @@
-"""Launched by tests/test_userpath.py as
-``tpkit-launch --nproc-per-node 4 --tp 2 --sequence-parallel fabric_layouts.py CKPT OUT``:
+"""``tpkit-launch --nproc-per-node 4 --tp 2 --sequence-parallel fabric_layouts.py CKPT OUT``
+(tests/test_userpath.py runs its main() then ds_train.py's in one launch:
+tests/launch_scripts/fabric_then_deepspeed.py):
 Lightning Fabric with TPKitStrategy, three layouts one after another in one process.
 
 A. ``Fabric(strategy="tpkit")``: the layout from TPKIT_* (tp=2 + SP, dp=2), DDP; 3 steps;
@@ -58,8 +59,7 @@ def run(strategy, steps, *, load=None, save=None, fsdp=False):
     return layout, losses, norms
 
 
-def main():
-    ckpt, out_path = sys.argv[1], sys.argv[2]
+def main(ckpt, out_path):
     ref, ref_norms = reference_losses(6, lr=LR, clip=CLIP)
     batches = data(6)
     results = {}
@@ -83,4 +83,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1], sys.argv[2])

@@ -8,7 +8,9 @@ Each round runs every layout of LAYOUTS[world] (the first one with no arguments,
 layout tpkit-launch exported; then explicit ones, the same layout twice in a row among
 them). For each layout every rank checks, against the rank formula of docs/design.md
 ("Layout and rank order", independent of tpkit's mesh code):
-- the tp/cp/dp/pp group ranks, and an all-reduce over every group summing its ranks;
+- the tp/cp/dp/pp group ranks, and an all-reduce over every group summing its ranks
+  (launched, every rank then prints check_layout.py's ``OK rank=...`` line for the first
+  layout: its coordinates, backend and rendezvous id);
 - the TP sums of tpkit.nn (shared memory on CPU) through a column -> row parallel MLP
   equal to the same MLP computed whole;
 - with cp > 1, float64 DotProductAttention (the layout's comm type, causal) equal to
@@ -148,6 +150,16 @@ def main():
                 t = torch.tensor([float(rank)], device=state.device)
                 dist.all_reduce(t, group=getattr(state, f"{name}_group"))
                 assert t.item() == sum(ranks), (lay, name, t.item(), ranks)
+            if rnd == 0 and lay is None and "RANK" in os.environ:
+                # the layout the launcher exported, reported as check_layout.py does (one
+                # write per line: the ranks share one pipe)
+                assert state.backend == os.environ.get("TPKIT_BACKEND", state.backend)
+                sys.stdout.write(
+                    f"OK rank={rank} world={world} local_rank={os.environ['LOCAL_RANK']} "
+                    f"tp={state.tp_rank} cp={state.cp_rank} dp={state.dp_rank} "
+                    f"backend={state.backend} "
+                    f"run_id={os.environ.get('TORCHELASTIC_RUN_ID')} args={sys.argv[1:]}\n")
+                sys.stdout.flush()
             check_mlp(state)
             ring = []
             if cp > 1:

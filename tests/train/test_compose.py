@@ -122,6 +122,7 @@ def _fsdp_run(argv, units="blocks"):
 
 
 FSDP = ["--data-parallel", "fsdp", "--steps", "8"]
+ONE_STEP = ["--steps", "1", "--warmup", "0"]
 
 
 def test_fsdp_per_block_peak_and_curve(reference):
@@ -135,8 +136,10 @@ def test_fsdp_per_block_peak_and_curve(reference):
             _same_curve(losses, reference, 1e-5)
             assert peak <= unit + sharded, (tp, peak, unit, sharded)
             assert dtypes == ["torch.float32"], dtypes
-    for losses, peak, unit, sharded, *_ in run(_fsdp_run, 4, SMALL + FSDP, units="model"):
-        assert peak > unit + sharded, (peak, unit, sharded)   # the check can fail
+    # the check can fail (one step: the peak is a forward's, the curve is not looked at)
+    for losses, peak, unit, sharded, *_ in run(_fsdp_run, 4, SMALL + FSDP + ONE_STEP,
+                                               units="model"):
+        assert peak > unit + sharded, (peak, unit, sharded)
 
 
 def test_fsdp_bf16_policy_tracks_fp32(reference):

@@ -27,10 +27,10 @@ def test_corpus_does_not_depend_on_patched_modules(monkeypatch):
     assert "A LogRecord instance represents an event being logged." in before
 
 
-def test_cached_text_is_the_sources_text(tmp_path, monkeypatch):
+def test_cached_text_is_the_sources_text(tmp_path):
     """A fresh process with an empty cache directory writes one file holding exactly the
-    text read from the sources; a second fresh process gives the same text; the file is
-    what it reads (a planted file under the same name is what comes back)."""
+    text read from the sources; another fresh process reads that file (a planted file
+    under the same name is what comes back)."""
     env = dict(os.environ, TPKIT_CACHE_DIR=str(tmp_path / "cache"))
     code = ("import sys; from tpkit.train import corpus; "
             "sys.stdout.buffer.write(corpus.corpus_text().encode('utf-8'))")
@@ -39,15 +39,13 @@ def test_cached_text_is_the_sources_text(tmp_path, monkeypatch):
         return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                               check=True).stdout.decode("utf-8")
 
-    want = corpus.read_corpus()
-    assert fresh() == want
+    got = fresh()
     files = os.listdir(tmp_path / "cache")
     assert len(files) == 1 and files[0].startswith("corpus-"), files
     with open(tmp_path / "cache" / files[0], encoding="utf-8", newline="") as f:
-        assert f.read() == want
-    assert fresh() == want
+        assert f.read() == got == corpus.read_corpus()
     (tmp_path / "cache" / files[0]).write_text("planted", encoding="utf-8")
-    assert fresh() == "planted"   # so the second process read the file, not the sources
+    assert fresh() == "planted"   # so a later process reads the file, not the sources
 
 
 def test_changed_source_gives_another_cache_file(tmp_path, monkeypatch):

@@ -403,7 +403,15 @@ def _launch(args, plan: Plan) -> int:
     quiet = _DropFailureLog()
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(quiet)
     try:
-        run(args)
+        try:
+            run(args)
+        except UnboundLocalError as e:
+            # torch's elastic metrics wrapper (metrics/api.py) sets ``start`` inside its try:
+            # a signal arriving just before that line makes its ``finally`` raise
+            # UnboundLocalError over the SignalException. It is still the signal.
+            if not isinstance(e.__context__, SignalException):
+                raise
+            raise e.__context__ from None
     except ChildFailedError as e:
         e.name = script  # torchrun would name the wrapper module
         line = describe_failure(e)

@@ -9,7 +9,20 @@ checkpoints at any layout (tpkit.models.hf). Both generate text with Hugging Fac
 ``generate`` arguments and a KV cache (tpkit.models.generate). docs/models.md is the
 user's page.
 """
-from .gpt import GPT, GPTConfig
-from .llama import Llama, LlamaConfig
+import importlib
 
+# name -> its module. Imported when first asked for (PEP 562): the families import torch and
+# tpkit.nn, which tpkit.models.shape's readers (tpkit-launch's memory check, every launch)
+# do not need.
+_FAMILIES = {"GPT": "gpt", "GPTConfig": "gpt", "Llama": "llama", "LlamaConfig": "llama"}
 __all__ = ["GPT", "GPTConfig", "Llama", "LlamaConfig"]
+
+
+def __getattr__(name: str):
+    if name in _FAMILIES:
+        return getattr(importlib.import_module(f".{_FAMILIES[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted([*globals(), *__all__])
