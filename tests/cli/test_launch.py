@@ -239,6 +239,8 @@ def test_signal_hidden_by_torchs_metrics_wrapper_is_still_the_signal(monkeypatch
 
     args = launch.build_parser().parse_args(["--nproc-per-node", "2", SCRIPT])
     plan = launch.resolve(args, {})
+    for var in plan.exports:   # _launch exports the layout into os.environ: undone after
+        monkeypatch.setenv(var, "")
     monkeypatch.setattr(torch_run, "run", racing_run)
     assert launch._launch(args, plan) == 128 + signal.SIGINT
     assert "stopped by SIGINT; the workers were sent it too" in capsys.readouterr().err
