@@ -19,7 +19,8 @@ from .layout.param_tags import is_expert, is_sequence_parallel, tp_spec
 from .layout.topology import resolve_state
 
 __all__ = ["sync_sequence_parallel_grads", "reduce_expert_grads", "grad_norm",
-           "clip_grad_norm", "clip_grad_value", "snapshot_grads", "reduce_since"]
+           "clip_grad_norm", "clip_grad_value", "snapshot_grads", "reduce_since",
+           "reduced_here"]
 
 
 def _is_dtensor(t) -> bool:
@@ -27,6 +28,12 @@ def _is_dtensor(t) -> bool:
     in every process that imports tpkit.nn): a DTensor exists only once it is imported."""
     m = sys.modules.get("torch.distributed.tensor")
     return m is not None and isinstance(t, m.DTensor)
+
+
+def reduced_here(p) -> bool:
+    """An expert weight whose gradient reduce_expert_grads sums over edp: every expert
+    weight but those FSDP2 shards (DTensors, which FSDP2 reduces over edp itself)."""
+    return is_expert(p) and not _is_dtensor(p)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -83,8 +90,7 @@ def reduce_expert_grads(module_or_params: nn.Module | Iterable[nn.Parameter], st
     of DDP/FSDP over dp x cp, which would mix different experts' gradients. One
     flattened all-reduce per dtype; returns the number of gradients reduced."""
     state = resolve_state(state)   # (FSDP2's expert weights, DTensors: FSDP2 reduces them)
-    grads = _tagged_grads(module_or_params,
-                          lambda p: is_expert(p) and not _is_dtensor(p))
+    grads = _tagged_grads(module_or_params, reduced_here)
     if state.edp_size > 1:
         all_reduce_flat(grads, state.edp_group)
     if average and state.dp_cp_size > 1 and grads:

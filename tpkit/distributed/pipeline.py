@@ -47,10 +47,9 @@ import copy
 from dataclasses import dataclass
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from ..comm.collectives import all_reduce_flat, all_reduce_sum
-from ..grads import reduce_expert_grads, reduce_since, snapshot_grads
+from ..grads import reduce_expert_grads, reduce_since, reduced_here, snapshot_grads
 from ..layout.param_tags import is_expert
 from ..layout.topology import resolve_state
 
@@ -323,8 +322,7 @@ class Pipeline:
         self.module = PipelineModule([_unwrap(m) for m in stage_modules])
         self.has_last_stage = any(_unwrap(m).is_last for m in stage_modules)
         # expert weights FSDP2 shards (DTensors) are reduced by FSDP2 over edp
-        self._experts = [p for p in self.module.parameters()
-                         if is_expert(p) and not isinstance(p, DTensor)]
+        self._experts = [p for p in self.module.parameters() if reduced_here(p)]
         self._dense = [p for p in self.module.parameters() if not is_expert(p)]
 
     def step(self, *inputs, target: torch.Tensor) -> torch.Tensor:

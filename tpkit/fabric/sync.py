@@ -19,10 +19,9 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from .. import grads
-from ..layout.param_tags import is_expert, is_sequence_parallel
+from ..layout.param_tags import is_sequence_parallel
 
 
 class SequenceParallelSum:
@@ -83,9 +82,7 @@ class ExpertGradSum(SequenceParallelSum):
     summed over edp and divided by dp x cp (tpkit.grads.reduce_expert_grads), the
     reduction DDP would otherwise do, over the wrong group, for them."""
 
-    @staticmethod
-    def _tagged(p) -> bool:   # FSDP2's expert weights (DTensors): FSDP2 reduces them
-        return is_expert(p) and not isinstance(p, DTensor)
+    _tagged = staticmethod(grads.reduced_here)   # not FSDP2's (DTensors): FSDP2 reduces them
 
     @staticmethod
     def _needed(state) -> bool:
