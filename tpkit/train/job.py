@@ -103,13 +103,11 @@ class JobConfig:
                 raise ValueError(f"{', '.join(given)} only apply with pipeline stages (pp=1 "
                                  "here); add --pp N (N > 1) or drop them")
         else:
-            for path, bad, why in (
-                    ("model.init_from_hf", _tied_hf(self.model.init_from_hf), "its "
-                     "config.json has tie_word_embeddings=true: the embedding (first stage) "
-                     "and the head (last stage) share one weight"),):
-                if bad:
-                    raise ValueError(f"{self.show(path)} with --pp {pp}: {why}; drop it or "
-                                     "use --pp 1")
+            if _tied_hf(self.model.init_from_hf):
+                raise ValueError(f"{self.show('model.init_from_hf')} with --pp {pp}: its "
+                                 "config.json has tie_word_embeddings=true: the embedding "
+                                 "(first stage) and the head (last stage) share one weight; "
+                                 "drop it or use --pp 1")
             from ..distributed.pipeline import plan_pipeline
             from .arch import num_layers
             try:
