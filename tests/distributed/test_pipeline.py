@@ -413,6 +413,7 @@ def _launch_train(world, runs, tmp_path):
     return ranks[0]
 
 
+@pytest.mark.slow
 def test_train_py_launched_parity(tmp_path):
     """launch/train.py under tpkit-launch (one launch of 4 ranks), 8 steps at (pp, tp,
     cp, dp) = (2,2,1,1), (2,1,2,1), (2,1,1,2), (4,1,1,1), with 1F1B and Interleaved1F1B

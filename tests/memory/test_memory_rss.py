@@ -22,6 +22,7 @@ import paths
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+@pytest.mark.slow
 def test_cpu_estimate_within_20_percent_of_rss():
     shape = (512, 4, 8, 2, 2048, 8000, 512, 4)   # GQA: 8 heads, 2 groups
     env = dict(os.environ, PYTHONPATH=paths.PYTHONPATH, MALLOC_MMAP_THRESHOLD_="65536",

@@ -77,6 +77,7 @@ def llama(tmp_path_factory):
     return {"dir": str(root / "llama"), "refs": refs, "root": root}
 
 
+@pytest.mark.slow
 def test_tpkit_generate_cli_tp2_matches_transformers(llama):
     argv = ["--nproc-per-node", "2", "--tp", "2", "-m", "tpkit.cli.generate",
             "--hf", llama["dir"], "--dtype", "float64", "--max-new-tokens", str(NEW),
