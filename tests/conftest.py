@@ -12,16 +12,32 @@ for var in [v for v in os.environ if v.startswith("TPKIT_") and v not in (
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+# The longest modules (launched jobs; wall seconds on the 2-core machine, serial run of
+# docs/testing.md), longest first: under pytest-xdist they start first.
+LONG_MODULES = ("test_ray", "test_userpath", "test_docs", "test_compose", "test_recovery",
+                "test_compile", "test_gpu_tools", "test_byom_launch", "test_fabric_conformance",
+                "test_pipeline", "test_cuda_rules_matrix", "test_train_data_launched",
+                "test_fp8_recipes", "test_verify", "test_launch_run", "test_models_hf",
+                "test_launch_layout", "test_memory", "test_train_observe", "test_user_features",
+                "test_moe_checkpoint")
+
+
 def pytest_collection_modifyitems(session, config, items):
-    """Modules with a ``slow`` (process-starting) test first, each module's tests in their
-    order, then the rest: under pytest-xdist (``-n 2 --dist loadfile``, pyproject.toml)
-    a module is one unit of work handed to the next free worker in this order, so the long
-    launched modules start early and the many short ones fill the gaps at the end instead of
-    one worker finishing a long module alone."""
+    """README's test command runs the suite on two pytest-xdist workers, a module one unit
+    of work (``-n 2 --dist loadfile``: a module's shared launch runs once) handed to the
+    next free worker in collection order. Reordered so the long modules start first, then
+    the other modules with a ``slow`` (process-starting) test, then the rest, each module's
+    tests in their order: the many short modules fill the gaps at the end instead of one
+    worker finishing a long module alone."""
     slow = {item.module.__name__ for item in items
             if item.get_closest_marker("slow") is not None and hasattr(item, "module")}
-    items.sort(key=lambda item: getattr(item, "module", None) is None
-               or item.module.__name__ not in slow)   # stable: keeps the order within
+
+    def rank(item):
+        name = getattr(getattr(item, "module", None), "__name__", "")
+        if name in LONG_MODULES:
+            return LONG_MODULES.index(name)
+        return len(LONG_MODULES) + (name not in slow)
+    items.sort(key=rank)   # stable: each module's tests keep their order
 
 
 def pytest_runtest_makereport(item, call):
