@@ -22,6 +22,12 @@ LONG_MODULES = ("test_ray", "test_userpath", "test_docs", "test_compose", "test_
                 "test_moe_checkpoint")
 
 
+def pytest_configure(config):
+    # pytest-xdist would hand out the modules with the most tests first; keep ours
+    if getattr(config.option, "dist", None) == "loadfile":
+        config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(session, config, items):
     """README's test command runs the suite on two pytest-xdist workers, a module one unit
     of work (``-n 2 --dist loadfile``: a module's shared launch runs once) handed to the

@@ -157,9 +157,11 @@ def test_fp8_weight_refusals_and_writes():
     want = master.detach() - 0.5 * p.grad
     opt.step()
     assert p.grad is None and torch.equal(master.detach(), want)
-    s = 448.0 / want.abs().max()                          # the write: quantized afresh
+    # the write: quantized afresh, scale = fp8_max / amax divided in float32 (not
+    # ``448.0 / t``: torch computes that as reciprocal(t) * 448, an ulp off at times)
+    s = torch.tensor(448.0) / want.abs().max()
     assert torch.equal(p.codes, (want * s).to(torch.float8_e4m3fn))
-    assert p.scale_inv.item() == (1.0 / s).item()          # float32, as TE stores it
+    assert p.scale_inv.item() == torch.reciprocal(s).item()   # float32, as TE stores it
     with pytest.raises(ValueError, match="holds master weights already"):
         fp8.with_master_weights(opt)
     q = torch.nn.Parameter(fp8.FP8Weight.quantize(w), requires_grad=True)
