@@ -12,8 +12,9 @@ for var in [v for v in os.environ if v.startswith("TPKIT_") and v not in (
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-# The longest modules (launched jobs; wall seconds on the 2-core machine, serial run of
-# docs/testing.md), longest first: under pytest-xdist they start first.
+# The longest test modules, longest first (wall time in a profiled serial run on the
+# 2-core machine, docs/testing.md "What the suite's time is made of"): under pytest-xdist
+# they start first. test_structure checks that each names a test module.
 LONG_MODULES = ("test_ray", "test_userpath", "test_docs", "test_compose", "test_recovery",
                 "test_compile", "test_gpu_tools", "test_byom_launch", "test_fabric_conformance",
                 "test_pipeline", "test_cuda_rules_matrix", "test_train_data_launched",
@@ -35,11 +36,13 @@ def pytest_collection_modifyitems(session, config, items):
     the other modules with a ``slow`` (process-starting) test, then the rest, each module's
     tests in their order: the many short modules fill the gaps at the end instead of one
     worker finishing a long module alone."""
-    slow = {item.module.__name__ for item in items
-            if item.get_closest_marker("slow") is not None and hasattr(item, "module")}
+    def module(item) -> str:
+        return getattr(getattr(item, "module", None), "__name__", "")
+
+    slow = {module(item) for item in items if item.get_closest_marker("slow") is not None}
 
     def rank(item):
-        name = getattr(getattr(item, "module", None), "__name__", "")
+        name = module(item)
         if name in LONG_MODULES:
             return LONG_MODULES.index(name)
         return len(LONG_MODULES) + (name not in slow)

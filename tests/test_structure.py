@@ -381,3 +381,14 @@ def test_shape_check_catches_a_long_module_and_a_crowded_root(tmp_path):
     assert any("3 modules at tpkit's root" in b for b in bad), bad
     assert any(b.startswith(os.path.join("tpkit", "m0.py") + ": 12 lines") for b in bad), bad
     assert len(bad) == 2, bad
+
+
+def test_long_modules_are_test_modules():
+    """conftest.LONG_MODULES (the modules xdist starts first) names existing test modules,
+    each once: a renamed module would silently lose its place."""
+    import conftest
+    tests = os.path.join(ROOT, "tests")
+    found = {f[:-3] for _, _, files in os.walk(tests) for f in files
+             if f.startswith("test_") and f.endswith(".py")}
+    assert len(set(conftest.LONG_MODULES)) == len(conftest.LONG_MODULES)
+    assert set(conftest.LONG_MODULES) <= found, set(conftest.LONG_MODULES) - found
