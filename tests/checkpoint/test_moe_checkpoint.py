@@ -12,6 +12,8 @@ import pytest
 import torch
 
 from dist import run
+from shared import register_trainer_runs, trainer_runs, trainer_work
+from test_moe import MOE, TRAIN_SMALL, _train
 
 H, F, E = 8, 6, 4
 
@@ -122,27 +124,33 @@ def test_expert_checkpoint_reshards_across_ep_etp(tmp_path):
 
 
 # --- the user's road: launch/train.py --save / --resume at another ep ---------------------------
+_STEPS = ["--steps", "12"]
+_STEP6 = os.path.join("{work}", "moe-ckpt", "step000006")
+# launched in tests/shared.py's trainer launch (4 ranks, with other modules' runs)
+LAUNCHED = {name: TRAIN_SMALL + MOE + _STEPS + extra for name, extra in {
+    "moe-ep2tp2": ["--tp", "2", "--ep", "2", "--save", os.path.join("{work}", "moe-ckpt"),
+                   "--save-every", "6"],
+    "moe-resume-ep4": ["--tp", "1", "--ep", "4", "--resume", _STEP6],
+}.items()}
+register_trainer_runs(LAUNCHED)
+
+
 @pytest.mark.slow
-def test_train_resume_at_another_ep(tmp_path):
-    """launch/train.py under tpkit-launch (4 ranks): 12 steps at ep=2 x tp=2 (etp=2) saving
-    after step 6, then --resume of that checkpoint at ep=4 (4 ranks, etp=1) and at ep=1 x
-    tp=1 (one process): the next losses are the uninterrupted single-process run's within
-    1e-5 relative, and so is the saving run's whole curve."""
-    from test_moe import MOE, TRAIN_SMALL, _train
-    from test_pipeline import _launch_train
-    steps = ["--steps", "12"]
-    (reference,) = run(_train, 1, steps + ["--tp", "1", "--ep", "1"])
-    ckpt = str(tmp_path / "ckpt")
-    step6 = os.path.join(ckpt, "step000006")
-    moe = TRAIN_SMALL + MOE + steps   # after _launch_train's own defaults: these win
-    got = _launch_train(4, {
-        "ep2tp2": moe + ["--tp", "2", "--ep", "2", "--save", ckpt, "--save-every", "6"],
-        "resume-ep4": moe + ["--tp", "1", "--ep", "4", "--resume", step6],
-    }, tmp_path)
-    (got["resume-ep1"],) = run(_train, 1, steps + ["--tp", "1", "--ep", "1", "--resume", step6])
+def test_train_resume_at_another_ep(tmp_path_factory):
+    """launch/train.py under tpkit-launch (tests/shared.py's trainer launch, 4 ranks): 12
+    steps at ep=2 x tp=2 (etp=2) saving after step 6, then --resume of that checkpoint at
+    ep=4 (4 ranks, etp=1) and at ep=1 x tp=1 (one process): the next losses are the
+    uninterrupted single-process run's within 1e-5 relative, and so is the saving run's
+    whole curve."""
+    (reference,) = run(_train, 1, _STEPS + ["--tp", "1", "--ep", "1"])
+    runs = trainer_runs(tmp_path_factory)
+    got = {name: runs[name] for name in LAUNCHED}
+    step6 = os.path.join(trainer_work(tmp_path_factory), "moe-ckpt", "step000006")
+    (got["moe-resume-ep1"],) = run(_train, 1, _STEPS + ["--tp", "1", "--ep", "1",
+                                                        "--resume", step6])
     for name, losses in got.items():
-        want = reference[6:] if name.startswith("resume") else reference
-        assert len(want) == (6 if name.startswith("resume") else 12)
+        want = reference[6:] if "resume" in name else reference
+        assert len(want) == (6 if "resume" in name else 12)
         assert len(losses) == len(want), (name, len(losses))
         for i, (x, y) in enumerate(zip(losses, want)):
             assert abs(x - y) <= 1e-5 * abs(y), f"{name} step {i}: {x} vs {y}"

@@ -2,12 +2,11 @@
 CPU/gloo, composed with TP, SP, CP and DP) against the same GPT in one process, and the
 ValueErrors of bad layouts. docs/pipeline.md says what has landed."""
 import os
-import sys
 
 import pytest
 
-import paths
 from dist import run
+from shared import register_trainer_runs, trainer_runs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BATCH, SEQ = 8, 16
@@ -389,34 +388,36 @@ def _train_reference(extra=()):
     return train.main(TRAIN_SMALL + list(extra))
 
 
-def _launch_train(world, runs, tmp_path):
-    """tpkit-launch --nproc-per-node WORLD tests/launch_scripts/pp_train.py: every run of
-    ``runs`` ({name: extra train.py args}) in one launch; {name: losses} (every rank the
-    same, checked)."""
-    import json
-    import subprocess
-    from test_launch_run import launch_env
-    out = tmp_path / f"w{world}"
-    out.mkdir()
-    env = launch_env()
-    env["PYTHONPATH"] = paths.PYTHONPATH
-    argv = {k: TRAIN_SMALL + v for k, v in runs.items()}
-    proc = subprocess.run([sys.executable, "-m", "tpkit.cli.launch", "--nproc-per-node",
-                           str(world), os.path.join(ROOT, "tests", "launch_scripts",
-                                                    "pp_train.py"), str(out),
-                           json.dumps(argv)], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
-    for r in ranks[1:]:
-        assert r == ranks[0]      # every rank reports the same global loss
-    return ranks[0]
+CKPT = os.path.join("{work}", "pp-ckpt")     # in the shared launch's directory
+SAVED = os.path.join(CKPT, f"step{SAVE_AT:06d}")
+_M4 = ["--microbatches", "4"]
+# launched in tests/shared.py's trainer launch (4 ranks, with other modules' runs)
+LAUNCHED = {name: TRAIN_SMALL + extra for name, extra in {
+    "pp2tp2": ["--pp", "2", "--tp", "2", *_M4, "--save", CKPT, "--save-every",
+               str(SAVE_AT)],
+    "pp2cp2": ["--pp", "2", "--cp", "2", *_M4],
+    "pp2dp2": ["--pp", "2", "--microbatches", "2"],
+    "pp4": ["--pp", "4", *_M4],
+    "pp2tp2-interleaved-sp-recompute": ["--pp", "2", "--tp", "2", *_M4, *INTERLEAVED,
+                                        "--sequence-parallel", "--recompute"],
+    "pp2cp2-interleaved-recompute": ["--pp", "2", "--cp", "2", *_M4, *INTERLEAVED,
+                                     "--recompute"],
+    "pp2dp2-interleaved": ["--pp", "2", "--microbatches", "2", *INTERLEAVED],
+    "pp4-interleaved-8layers": ["--pp", "4", "--layers", "8", *_M4, *INTERLEAVED],
+    "moe-pp2dp2-ep2": ["--pp", "2", "--ep", "2", *MOE],
+    "moe-pp2tp2-ep2-sp-interleaved-recompute": [
+        "--pp", "2", "--tp", "2", "--sequence-parallel", "--ep", "2", "--etp", "1",
+        *MOE, *INTERLEAVED, "--recompute"],
+    "resume-pp4": ["--pp", "4", *_M4, "--resume", SAVED],
+    "resume-pp1": ["--tp", "2", "--resume", SAVED],
+}.items()}
+register_trainer_runs(LAUNCHED)
 
 
 @pytest.mark.slow
-def test_train_py_launched_parity(tmp_path):
-    """launch/train.py under tpkit-launch (one launch of 4 ranks), 8 steps at (pp, tp,
-    cp, dp) = (2,2,1,1), (2,1,2,1), (2,1,1,2), (4,1,1,1), with 1F1B and Interleaved1F1B
+def test_train_py_launched_parity(tmp_path_factory):
+    """launch/train.py under tpkit-launch (tests/shared.py's trainer launch, 4 ranks), 8
+    steps at (pp, tp, cp, dp) = (2,2,1,1), (2,1,2,1), (2,1,1,2), (4,1,1,1), with 1F1B and Interleaved1F1B
     (also at pp=4 with 8 layers), with --sequence-parallel and --recompute, and (2,1,1,1)
     in the 2-rank pool (the same train.main; the launched road is the 4-rank launch's):
     the loss curve of one process (pp=1) within 1e-5 relative. A checkpoint written at
@@ -432,28 +433,9 @@ def test_train_py_launched_parity(tmp_path):
     # the aux loss makes the curve depend on the micro-batches: the check can tell
     whole = run(_train_reference, 1, MOE[:-2])[0]
     assert max(abs(a - b) / b for a, b in zip(whole, ref_moe)) > 100 * TOL, (whole, ref_moe)
-    ckpt = str(tmp_path / "ckpt")
-    m4 = ["--microbatches", "4"]
-    saved = os.path.join(ckpt, f"step{SAVE_AT:06d}")
-    got = _launch_train(4, {
-        "pp2tp2": ["--pp", "2", "--tp", "2", *m4, "--save", ckpt, "--save-every",
-                   str(SAVE_AT)],
-        "pp2cp2": ["--pp", "2", "--cp", "2", *m4],
-        "pp2dp2": ["--pp", "2", "--microbatches", "2"],
-        "pp4": ["--pp", "4", *m4],
-        "pp2tp2-interleaved-sp-recompute": ["--pp", "2", "--tp", "2", *m4, *INTERLEAVED,
-                                            "--sequence-parallel", "--recompute"],
-        "pp2cp2-interleaved-recompute": ["--pp", "2", "--cp", "2", *m4, *INTERLEAVED,
-                                         "--recompute"],
-        "pp2dp2-interleaved": ["--pp", "2", "--microbatches", "2", *INTERLEAVED],
-        "pp4-interleaved-8layers": ["--pp", "4", "--layers", "8", *m4, *INTERLEAVED],
-        "moe-pp2dp2-ep2": ["--pp", "2", "--ep", "2", *MOE],
-        "moe-pp2tp2-ep2-sp-interleaved-recompute": [
-            "--pp", "2", "--tp", "2", "--sequence-parallel", "--ep", "2", "--etp", "1",
-            *MOE, *INTERLEAVED, "--recompute"],
-        "resume-pp4": ["--pp", "4", *m4, "--resume", saved],
-        "resume-pp1": ["--tp", "2", "--resume", saved],
-    }, tmp_path)
+    runs = trainer_runs(tmp_path_factory)
+    got = {name: runs[name] for name in LAUNCHED}
+    m4 = _M4
     for name, extra in {"pp2": ["--pp", "2", *m4],
                         "pp2-interleaved": ["--pp", "2", *m4, *INTERLEAVED]}.items():
         ranks = run(_train_reference, 2, extra)

@@ -6,7 +6,6 @@ each trained on the one-process loss curve.
   device; its rows were a tensor with no values there).
 """
 import os
-import re
 import subprocess
 import sys
 
@@ -14,14 +13,13 @@ import pytest
 
 import paths
 from dist import run
+from shared import register_trainer_runs, trainer_runs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LAUNCH = [sys.executable, "-m", "tpkit.cli.launch", "--backend", "gloo"]
 SMALL = ["--steps", "8", "--hidden", "64", "--layers", "2", "--heads", "4",
          "--gqa-groups", "2", "--ffn", "128", "--seq-len", "32", "--global-batch", "4",
          "--warmup", "3", "--log-every", "1"]
-PROGRESS = re.compile(r"^step (\d+)/\d+ .*?\bloss ([0-9.]+)", re.M)
-PRINTED = 2e-6   # the progress line's 6 decimals of a loss near 5, relative
 
 
 def _launch(*argv, timeout=300) -> str:
@@ -33,10 +31,6 @@ def _launch(*argv, timeout=300) -> str:
                        timeout=timeout)
     assert p.returncode == 0, f"exit {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
     return p.stdout
-
-
-def _losses(out: str) -> list[float]:
-    return [float(m.group(2)) for m in PROGRESS.finditer(out)]
 
 
 def _one_process(argv):
@@ -57,16 +51,19 @@ def _same_curve(got, ref, rel):
         assert abs(x - y) <= rel * abs(y) + 1e-6, f"step {i}: {x} vs {y} (one process)"
 
 
+register_trainer_runs({"compose-kv2-tp4": SMALL + ["--tp", "4"]})
+
+
 @pytest.mark.slow
-def test_kv_heads_below_tp_dry_runs_and_trains(reference):
-    """tp=4 with 2 kv heads: the dry run prints its plan, the launch trains on the
-    one-process curve (planted: the rows computed as a tensor again -> the dry run's
-    'Cannot copy out of meta tensor')."""
+def test_kv_heads_below_tp_dry_runs_and_trains(reference, tmp_path_factory):
+    """tp=4 with 2 kv heads: the dry run prints its plan (``tpkit-launch --tp 4 --dry-run
+    -m tpkit.train``), the launched run (tests/shared.py's trainer launch, 4 ranks,
+    ``--tp 4``) trains on the one-process curve (planted: the rows computed as a tensor
+    again -> the dry run's 'Cannot copy out of meta tensor')."""
     out = _launch("--nproc-per-node", "4", "--tp", "4", "--dry-run", "-m", "tpkit.train",
                   *SMALL)
     assert "estimated peak" in out and "rank table" in out, out[-2000:]
-    out = _launch("--nproc-per-node", "4", "--tp", "4", "-m", "tpkit.train", *SMALL)
-    _same_curve(_losses(out), reference, PRINTED)
+    _same_curve(trainer_runs(tmp_path_factory)["compose-kv2-tp4"], reference, 2e-6)
 
 
 # --- FSDP2 per block (tpkit.distributed.fsdp) ----------------------------------------------
