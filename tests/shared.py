@@ -6,8 +6,8 @@ already started rank costs a fraction of one).
 ``once(tmp_path_factory, name, build)`` runs ``build(workdir)`` once per test session,
 also under pytest-xdist: the first worker to ask runs it under a file lock in the
 session's shared temporary directory and writes the (JSON) result there; a worker that
-asks later, or while it runs, waits for the lock and reads it. A build that fails leaves
-no result, so the next asker runs it again (and fails the same way, in its own test).
+asks later, or while it runs, waits for the lock and reads it. A build that fails is not
+run again: every later asker fails with its message.
 
 The trainer launch is one such launch: ``tpkit-launch --nproc-per-node 4
 tests/launch_scripts/pp_train.py``, every registered run of launch/train.py's ``main``
@@ -50,12 +50,19 @@ def _shared_dir(tmp_path_factory):
 def once(tmp_path_factory, name: str, build):
     """``build(workdir)``'s JSON-able result, computed once per session (see above)."""
     root = _shared_dir(tmp_path_factory)
-    done = root / f"shared-{name}.json"
+    done, failed = root / f"shared-{name}.json", root / f"shared-{name}.failed"
     with FileLock(str(root / f"shared-{name}.lock")):
         if done.exists():
             return json.loads(done.read_text())
+        if failed.exists():   # once is enough: every later asker fails with its message
+            raise AssertionError(f"the shared launch {name!r} failed earlier in this "
+                                 f"session:\n{failed.read_text()}")
         work = tempfile.mkdtemp(prefix=f"shared-{name}-", dir=root)
-        result = build(work)
+        try:
+            result = build(work)
+        except Exception as e:
+            failed.write_text(f"{type(e).__name__}: {e}"[-10000:])
+            raise
         done.write_text(json.dumps(result))
         return result
 
@@ -89,11 +96,19 @@ def launch_trainer_runs(world: int, runs: dict[str, list[str]], work: str,
     argv = {k: [a.replace("{work}", work) for a in v] for k, v in runs.items()}
     out = os.path.join(work, f"w{world}")
     os.makedirs(out, exist_ok=True)
-    proc = subprocess.run([sys.executable, "-m", "tpkit.cli.launch", "--nproc-per-node",
-                           str(world), os.path.join(paths.SCRIPTS, "pp_train.py"), out,
-                           json.dumps(argv), json.dumps(list(scripts))], cwd=paths.ROOT,
-                          env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    proc = subprocess.Popen([sys.executable, "-m", "tpkit.cli.launch", "--nproc-per-node",
+                             str(world), os.path.join(paths.SCRIPTS, "pp_train.py"), out,
+                             json.dumps(argv), json.dumps(list(scripts))], cwd=paths.ROOT,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=900)
+    except subprocess.TimeoutExpired:
+        from test_userpath import _kill_tree
+        _kill_tree(proc)              # the ranks too (torchrun starts them in new sessions)
+        stdout, stderr = proc.communicate()
+        raise AssertionError(f"the shared trainer launch did not finish in 900 s:\n"
+                             f"{stdout[-3000:]}\n{stderr[-5000:]}") from None
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-5000:]
     ranks = []
     for r in range(world):
         with open(os.path.join(out, f"rank{r}.json")) as f:

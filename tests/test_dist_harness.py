@@ -61,3 +61,29 @@ def _count_worker():
 def test_collective_counter():
     for summary, real, name in run(_count_worker, 4):
         assert summary == {"all_reduce": 3} and real == 2 and name == "all_reduce"
+
+
+def test_shared_launch_runs_once_and_a_failure_once(tmp_path_factory):
+    """tests/shared.py's ``once``: the build runs once per session (a second asker reads
+    its result), and a build that failed is not run again: later askers fail with its
+    message (planted: without the failure record, the second call ran the build again)."""
+    from shared import once
+    calls = []
+
+    def build(work):
+        calls.append(work)
+        return {"work": work, "n": len(calls)}
+
+    first = once(tmp_path_factory, "harness-ok", build)
+    assert once(tmp_path_factory, "harness-ok", build) == first and len(calls) == 1
+
+    def broken(work):
+        calls.append(work)
+        raise RuntimeError("rank 2 exited 1")
+
+    with pytest.raises(RuntimeError, match="rank 2 exited 1"):
+        once(tmp_path_factory, "harness-broken", broken)
+    with pytest.raises(AssertionError, match="failed earlier in this session:\nRuntimeError: "
+                                             "rank 2 exited 1"):
+        once(tmp_path_factory, "harness-broken", broken)
+    assert len(calls) == 2
