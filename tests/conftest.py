@@ -15,13 +15,12 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # The longest test modules, longest first (wall time in a profiled serial run on the
 # 2-core machine, docs/testing.md "What the suite's time is made of"): under pytest-xdist
 # they start first. test_structure checks that each names a test module.
-# test_byom_launch early: its fixture starts its own 2-rank launch (30 s of it a wait on a
-# timeout) before it asks for tests/shared.py's trainer launch, so the two overlap.
-LONG_MODULES = ("test_ray", "test_userpath", "test_byom_launch", "test_docs", "test_compose",
-                "test_recovery", "test_compile", "test_gpu_tools", "test_fabric_conformance",
-                "test_pipeline", "test_train_data_launched", "test_fp8_recipes", "test_verify",
-                "test_launch_run", "test_models_hf", "test_launch_layout", "test_memory",
-                "test_train_observe", "test_user_features", "test_moe_checkpoint")
+LONG_MODULES = ("test_ray", "test_userpath", "test_docs", "test_compose", "test_recovery",
+                "test_compile", "test_gpu_tools", "test_byom_launch", "test_fabric_conformance",
+                "test_pipeline", "test_cuda_rules_matrix", "test_train_data_launched",
+                "test_fp8_recipes", "test_verify", "test_launch_run", "test_models_hf",
+                "test_launch_layout", "test_memory", "test_train_observe", "test_user_features",
+                "test_moe_checkpoint")
 
 
 def pytest_configure(config):

@@ -12,17 +12,14 @@ run again: every later asker fails with its message.
 The trainer launch is one such launch: ``tpkit-launch --nproc-per-node 4
 tests/launch_scripts/pp_train.py``, every registered run of launch/train.py's ``main``
 (``TRAINER_RUNS``) in registration order (a resume reads what an earlier run saved; runs
-name their files under ``{work}``, the launch's directory), then every registered test
-script (``register_trainer_script``: byom_train.py, and cuda_rules_matrix.py last), each
-run as tpkit-launch's worker runs a script. A module
-registers at import (collection imports every selected module before the first test
-runs, so the table is complete, and the same on every worker, before any build) and
-reads with ``trainer_runs`` / ``script_dir``. What sharing costs: a script runs in a
-process that ran others before it (each frees its layout; the tests that a fresh
-process matters to, exit, kill, restart and re-init, keep launches of their own, and so
-does a script that destroys the default group at its end, as launch/smoke.py does: the
-next script's group would meet the torchelastic store mid-teardown), and a failure
-fails every test that reads the launch, with the launch's output.
+name their files under ``{work}``, the launch's directory). A module registers at import
+(collection imports every selected module before the first test runs, so the table is
+complete, and the same on every worker, before any build) and reads with
+``trainer_runs``. What sharing costs: a run happens in a process that ran others before
+it (each frees its layout; the tests that a fresh process matters to, exit, kill,
+restart and re-init, keep launches of their own); a failure fails every test that reads
+the launch, with the launch's output; and a worker that asks while the other runs it
+waits (so only short runs join: test scripts joined once made the suite slower).
 """
 from __future__ import annotations
 
@@ -37,8 +34,6 @@ from filelock import FileLock
 import paths
 
 TRAINER_RUNS: dict[str, list[str]] = {}
-TRAINER_SCRIPTS: list[list[str]] = []    # [name, script, arg, ...], after the runs
-_LAST: list[list[str]] = []              # scripts that must run last (process-wide changes)
 
 
 def _shared_dir(tmp_path_factory):
@@ -75,18 +70,7 @@ def register_trainer_runs(runs: dict[str, list[str]]) -> None:
     TRAINER_RUNS.update(runs)
 
 
-def register_trainer_script(name: str, script: str, *args: str, last: bool = False) -> None:
-    """Adds ``script`` to the shared trainer launch, run after the train.py runs as
-    tpkit-launch runs a script (``{dir}`` in ``args``: a directory of its own, see
-    ``script_dir``); ``last``: after every other script (it changes the process for good,
-    as CUDA's autocast rules do)."""
-    if any(entry[0] == name for entry in TRAINER_SCRIPTS + _LAST):
-        raise ValueError(f"trainer script {name!r} registered twice")
-    (_LAST if last else TRAINER_SCRIPTS).append([name, script, *args])
-
-
-def launch_trainer_runs(world: int, runs: dict[str, list[str]], work: str,
-                        scripts: list[list[str]] = ()) -> dict:
+def launch_trainer_runs(world: int, runs: dict[str, list[str]], work: str) -> dict:
     """``tpkit-launch --nproc-per-node WORLD tests/launch_scripts/pp_train.py``: every run
     of ``runs`` ({name: argv}, ``{work}`` replaced by ``work``) in one launch; {name:
     losses} (every rank reported the same, checked)."""
@@ -98,8 +82,8 @@ def launch_trainer_runs(world: int, runs: dict[str, list[str]], work: str,
     os.makedirs(out, exist_ok=True)
     proc = subprocess.Popen([sys.executable, "-m", "tpkit.cli.launch", "--nproc-per-node",
                              str(world), os.path.join(paths.SCRIPTS, "pp_train.py"), out,
-                             json.dumps(argv), json.dumps(list(scripts))], cwd=paths.ROOT,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             json.dumps(argv)], cwd=paths.ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         stdout, stderr = proc.communicate(timeout=900)
     except subprocess.TimeoutExpired:
@@ -120,8 +104,7 @@ def launch_trainer_runs(world: int, runs: dict[str, list[str]], work: str,
 
 def _trainer_launch(tmp_path_factory) -> dict:
     return once(tmp_path_factory, "trainer-runs", lambda work: {
-        "work": work, "losses": launch_trainer_runs(4, TRAINER_RUNS, work,
-                                                    TRAINER_SCRIPTS + _LAST)})
+        "work": work, "losses": launch_trainer_runs(4, TRAINER_RUNS, work)})
 
 
 def trainer_runs(tmp_path_factory) -> dict[str, list[float]]:
@@ -132,9 +115,3 @@ def trainer_runs(tmp_path_factory) -> dict[str, list[float]]:
 def trainer_work(tmp_path_factory) -> str:
     """The trainer launch's directory (``{work}`` in the runs' arguments)."""
     return _trainer_launch(tmp_path_factory)["work"]
-
-
-def script_dir(tmp_path_factory, name: str) -> str:
-    """The directory of the shared launch's script ``name`` (``{dir}`` in its arguments;
-    ``stdout.rank<r>`` holds what rank r printed), after the launch."""
-    return os.path.join(trainer_work(tmp_path_factory), "w4", name)
