@@ -7,8 +7,9 @@ and returns the list of the ranks' return values, ordered by rank. If any rank r
 the first failing rank's traceback is raised here as ``RankError``. If the ranks do not
 all finish within ``timeout`` seconds (default ``TPKIT_DIST_TIMEOUT`` or 120), the
 pool is killed and ``TimeoutError`` names the ranks still running — a hang fails the
-test instead of hanging CI. Pools are spawned once per world size and reused across the
-session (spawning costs ~1.5 s per process here); a pool is rebuilt after a failure.
+test instead of hanging CI. Pools are started once per world size and reused across the
+session (workers are forked from a fork server that imported torch, Lightning and tpkit
+once: see ``_context``); a pool is rebuilt after a failure.
 After each call every rank runs ``tpkit.destroy_parallel()`` so tests start clean.
 
 Where the pool is easier than a user's job, and what covers the real road (issue 14):

@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 
+import pytest
 from filelock import FileLock
 
 import paths
@@ -55,7 +56,7 @@ def once(tmp_path_factory, name: str, build):
         work = tempfile.mkdtemp(prefix=f"shared-{name}-", dir=root)
         try:
             result = build(work)
-        except Exception as e:
+        except (Exception, pytest.fail.Exception) as e:   # finish() fails on a timeout
             failed.write_text(f"{type(e).__name__}: {e}"[-10000:])
             raise
         done.write_text(json.dumps(result))
@@ -75,6 +76,7 @@ def launch_trainer_runs(world: int, runs: dict[str, list[str]], work: str) -> di
     of ``runs`` ({name: argv}, ``{work}`` replaced by ``work``) in one launch; {name:
     losses} (every rank reported the same, checked)."""
     from test_launch_run import launch_env
+    from test_userpath import finish
     env = launch_env()
     env["PYTHONPATH"] = paths.PYTHONPATH
     argv = {k: [a.replace("{work}", work) for a in v] for k, v in runs.items()}
@@ -84,15 +86,8 @@ def launch_trainer_runs(world: int, runs: dict[str, list[str]], work: str) -> di
                              str(world), os.path.join(paths.SCRIPTS, "pp_train.py"), out,
                              json.dumps(argv)], cwd=paths.ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=900)
-    except subprocess.TimeoutExpired:
-        from test_userpath import _kill_tree
-        _kill_tree(proc)              # the ranks too (torchrun starts them in new sessions)
-        stdout, stderr = proc.communicate()
-        raise AssertionError(f"the shared trainer launch did not finish in 900 s:\n"
-                             f"{stdout[-3000:]}\n{stderr[-5000:]}") from None
-    assert proc.returncode == 0, stdout[-3000:] + stderr[-5000:]
+    rc, stdout, stderr = finish(proc, timeout=900)   # a timeout kills the ranks too
+    assert rc == 0, stdout[-3000:] + stderr[-5000:]
     ranks = []
     for r in range(world):
         with open(os.path.join(out, f"rank{r}.json")) as f:

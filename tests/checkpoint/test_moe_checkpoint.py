@@ -125,11 +125,11 @@ def test_expert_checkpoint_reshards_across_ep_etp(tmp_path):
 
 # --- the user's road: launch/train.py --save / --resume at another ep ---------------------------
 _STEPS = ["--steps", "12"]
-_STEP6 = os.path.join("{work}", "moe-ckpt", "step000006")
+_CKPT = os.path.join("{work}", "moe-ckpt")
+_STEP6 = os.path.join(_CKPT, "step000006")
 # launched in tests/shared.py's trainer launch (4 ranks, with other modules' runs)
 LAUNCHED = {name: TRAIN_SMALL + MOE + _STEPS + extra for name, extra in {
-    "moe-ep2tp2": ["--tp", "2", "--ep", "2", "--save", os.path.join("{work}", "moe-ckpt"),
-                   "--save-every", "6"],
+    "moe-ep2tp2": ["--tp", "2", "--ep", "2", "--save", _CKPT, "--save-every", "6"],
     "moe-resume-ep4": ["--tp", "1", "--ep", "4", "--resume", _STEP6],
 }.items()}
 register_trainer_runs(LAUNCHED)
@@ -145,7 +145,7 @@ def test_train_resume_at_another_ep(tmp_path_factory):
     (reference,) = run(_train, 1, _STEPS + ["--tp", "1", "--ep", "1"])
     runs = trainer_runs(tmp_path_factory)
     got = {name: runs[name] for name in LAUNCHED}
-    step6 = os.path.join(trainer_work(tmp_path_factory), "moe-ckpt", "step000006")
+    step6 = _STEP6.replace("{work}", trainer_work(tmp_path_factory))
     (got["moe-resume-ep1"],) = run(_train, 1, _STEPS + ["--tp", "1", "--ep", "1",
                                                         "--resume", step6])
     for name, losses in got.items():

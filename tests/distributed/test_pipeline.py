@@ -417,8 +417,8 @@ register_trainer_runs(LAUNCHED)
 @pytest.mark.slow
 def test_train_py_launched_parity(tmp_path_factory):
     """launch/train.py under tpkit-launch (tests/shared.py's trainer launch, 4 ranks), 8
-    steps at (pp, tp, cp, dp) = (2,2,1,1), (2,1,2,1), (2,1,1,2), (4,1,1,1), with 1F1B and Interleaved1F1B
-    (also at pp=4 with 8 layers), with --sequence-parallel and --recompute, and (2,1,1,1)
+    steps at (pp, tp, cp, dp) = (2,2,1,1), (2,1,2,1), (2,1,1,2), (4,1,1,1), with 1F1B and
+    Interleaved1F1B (also at pp=4 with 8 layers), with --sequence-parallel and --recompute, and (2,1,1,1)
     in the 2-rank pool (the same train.main; the launched road is the 4-rank launch's):
     the loss curve of one process (pp=1) within 1e-5 relative. A checkpoint written at
     (pp=2, tp=2) after 4 steps resumes at pp=4 and at pp=1 (tp=2, dp=2) with the losses of
@@ -435,9 +435,8 @@ def test_train_py_launched_parity(tmp_path_factory):
     assert max(abs(a - b) / b for a, b in zip(whole, ref_moe)) > 100 * TOL, (whole, ref_moe)
     runs = trainer_runs(tmp_path_factory)
     got = {name: runs[name] for name in LAUNCHED}
-    m4 = _M4
-    for name, extra in {"pp2": ["--pp", "2", *m4],
-                        "pp2-interleaved": ["--pp", "2", *m4, *INTERLEAVED]}.items():
+    for name, extra in {"pp2": ["--pp", "2", *_M4],
+                        "pp2-interleaved": ["--pp", "2", *_M4, *INTERLEAVED]}.items():
         ranks = run(_train_reference, 2, extra)
         assert ranks[1] == ranks[0], name   # every rank reports the same global loss
         got[name] = ranks[0]

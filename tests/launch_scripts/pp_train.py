@@ -1,4 +1,4 @@
-"""Launched by tests/distributed/test_pipeline.py (``tpkit-launch --nproc-per-node N``): several runs of
+"""Launched by tests/shared.py (``tpkit-launch --nproc-per-node N``): several runs of
 launch/train.py's ``main`` in one process, the layout of each from its own arguments
 (train.py's public options: --pp, --tp, --cp, --pp-schedule, ...).
 
