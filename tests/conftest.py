@@ -14,19 +14,38 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # The longest test modules, longest first (wall time in a profiled serial run on the
 # 2-core machine, docs/testing.md "What the suite's time is made of"): under pytest-xdist
-# they start first. test_structure checks that each names a test module.
-LONG_MODULES = ("test_ray", "test_userpath", "test_docs", "test_compose", "test_recovery",
-                "test_compile", "test_gpu_tools", "test_byom_launch", "test_fabric_conformance",
-                "test_pipeline", "test_cuda_rules_matrix", "test_train_data_launched",
-                "test_fp8_recipes", "test_verify", "test_launch_run", "test_models_hf",
-                "test_launch_layout", "test_memory", "test_train_observe", "test_user_features",
-                "test_moe_checkpoint")
+# they start first, after the modules that read the shared launch (tests/shared.py's
+# READERS, one unit of work, first). test_structure checks that each names a test module.
+LONG_MODULES = ("test_ray", "test_userpath", "test_docs", "test_recovery", "test_compile",
+                "test_gpu_tools", "test_fabric_conformance", "test_train_data_launched",
+                "test_verify", "test_launch_run", "test_models_hf", "test_launch_layout",
+                "test_memory", "test_train_observe", "test_user_features")
 
 
 def pytest_configure(config):
     # pytest-xdist would hand out the modules with the most tests first; keep ours
     if getattr(config.option, "dist", None) == "loadfile":
         config.option.loadscopereorder = False
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadfile`` with one change: the modules that read a shared launch
+    (tests/shared.py's ``READERS``) are one unit of work, so one worker runs the launch
+    and every test that reads it, and the other never waits for it."""
+    if getattr(config.option, "dist", None) != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+    from shared import READERS
+
+    class SharedLaunchScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "tests/shared.py:READERS" if _name(path) in READERS else path
+    return SharedLaunchScheduling(config, log)
+
+
+def _name(path: str) -> str:
+    return os.path.splitext(os.path.basename(path))[0]
 
 
 def pytest_collection_modifyitems(session, config, items):
@@ -41,8 +60,12 @@ def pytest_collection_modifyitems(session, config, items):
 
     slow = {module(item) for item in items if item.get_closest_marker("slow") is not None}
 
+    from shared import READERS
+
     def rank(item):
         name = module(item)
+        if name in READERS:   # one unit of work (see above), the longest: first
+            return -1
         if name in LONG_MODULES:
             return LONG_MODULES.index(name)
         return len(LONG_MODULES) + (name not in slow)

@@ -4,8 +4,10 @@
     tpkit-launch ... tests/doc_runner.py blocks BLOCKS.json -   # launched blocks, every rank
     python tests/doc_runner.py commands COMMANDS.json RESULT.json
 
-``blocks``: each Python block runs as ``__main__`` in a fresh namespace, then
-``tpkit.destroy_parallel()`` if the block left a layout. Single-process runs record every
+``blocks``: each Python block runs as ``__main__`` in a fresh namespace (with its
+``env``, when it has one, in the environment: the ``TPKIT_*`` its launch command exports,
+where one launch runs the blocks of several), then ``tpkit.destroy_parallel()`` if the
+block left a layout. Single-process runs record every
 failure in RESULT; launched runs (RESULT ``-``) raise at the first one, naming the block,
 so tpkit-launch stops every rank and prints it. ``commands``: tpkit-launch invocations
 that start no worker (``--dry-run``, or a bad invocation exiting 2) run through
@@ -41,11 +43,16 @@ def _cleanup() -> None:
 
 def run_blocks(blocks: list[dict], result_path: str) -> int:
     failures = []
+    launched_env = dict(os.environ)
     for block in blocks:
         try:
             _prepare(block["code"])
+            # a launch shared by several launch commands: this block's command's TPKIT_*
+            os.environ.update(block.get("env", {}))
             exec(compile(block["code"], block["where"], "exec"), {"__name__": "__main__"})
             _cleanup()
+            os.environ.clear()
+            os.environ.update(launched_env)
         except BaseException as e:  # noqa: BLE001 (SystemExit from a block is a failure too)
             if result_path == "-":
                 raise DocBlockError(f"{block['where']}: {type(e).__name__}: {e}") from e

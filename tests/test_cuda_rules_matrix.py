@@ -1,5 +1,6 @@
 """tpkit-train's road under CUDA's autocast rules on CPU (issue 48 item 2): one launched
-script (tests/launch_scripts/cuda_rules_matrix.py, ``tpkit-launch --nproc-per-node 4``)
+script (tests/launch_scripts/cuda_rules_matrix.py, in tests/shared.py's trainer launch:
+``tpkit-launch --nproc-per-node 4``, the launch's last script)
 installs tests/cuda_autocast.py for the whole process and runs 42 configurations one after
 another (each layout freed before the next): dense; MoE with a capacity factor, at tp 2,
 tp 2 + SP and ep 2; packing at cp 1 and cp 2; cp 2 with p2p, all_gather and a2a, and
@@ -18,22 +19,24 @@ the previous layout's mesh). The script checks the rules are active (softmax in 
 bf16 autocast) before the first run.
 """
 import json
+import os
 
 import pytest
 
-from test_userpath import LAUNCH, SCRIPTS, finish, start
+from paths import SCRIPTS
+from shared import register_trainer_script, script_dir
 
 pytestmark = pytest.mark.slow
+# last: it installs CUDA's autocast rules for the whole process
+register_trainer_script("cuda-rules", os.path.join(SCRIPTS, "cuda_rules_matrix.py"), "{dir}",
+                        last=True)
 
 
-def test_trainer_matrix_under_cuda_autocast_rules(tmp_path):
+def test_trainer_matrix_under_cuda_autocast_rules(tmp_path_factory):
     from launch_scripts.cuda_rules_matrix import runs
-    want = set(runs(str(tmp_path))) | {"generate/bf16-mixed", "generate/16-mixed"}
-    rc, out, err = finish(start([*LAUNCH, "--nproc-per-node", "4",
-                                 f"{SCRIPTS}/cuda_rules_matrix.py", str(tmp_path)]),
-                          timeout=600)
-    assert rc == 0, f"exit {rc}\n{out[-3000:]}\n{err[-5000:]}"
-    ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(4)]
+    work = script_dir(tmp_path_factory, "cuda-rules")   # the launch exited 0
+    want = set(runs(work)) | {"generate/bf16-mixed", "generate/16-mixed"}
+    ranks = [json.load(open(os.path.join(work, f"rank{r}.json"))) for r in range(4)]
     assert len(want) == 42
     for r, res in enumerate(ranks):
         assert set(res) == want, (r, sorted(set(res) ^ want))

@@ -4,9 +4,10 @@ every ``tpkit-launch`` command of the ```bash blocks runs, as docs/testing.md de
 does not define or import.
 
 Batched, because a process start costs ~1.5 s here: all single-process blocks run in one
-subprocess, all blocks with the same launch command in one launch, and all commands that
-start no worker in one process (tests/doc_runner.py runs them); only commands that start
-workers run one by one.
+subprocess, all blocks of the launch commands that start 4 ranks in one launch (each block
+with the ``TPKIT_*`` variables tpkit-launch exports for its own command), the others' per
+command, and all commands that start no worker in one process (tests/doc_runner.py runs
+them); only commands that start workers run one by one.
 """
 from __future__ import annotations
 
@@ -138,12 +139,12 @@ def env_for_blocks() -> dict:
     return env
 
 
-def run(cmd, *, cwd, env) -> subprocess.CompletedProcess:
+def run(cmd, *, cwd, env, timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
     try:
         return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True,
-                              timeout=TIMEOUT)
+                              timeout=timeout)
     except subprocess.TimeoutExpired as e:
-        pytest.fail(f"{shlex.join(cmd)} did not finish in {TIMEOUT} s:\n{e.stdout}\n{e.stderr}")
+        pytest.fail(f"{shlex.join(cmd)} did not finish in {timeout} s:\n{e.stdout}\n{e.stderr}")
 
 
 # --- static checks -----------------------------------------------------------------------
@@ -200,15 +201,48 @@ def test_single_process_blocks(tmp_path):
 LAUNCHES = sorted({b.markers["launch"] for b in PYTHON if "launch" in b.markers})
 
 
+def _plan(launch: str):
+    """tpkit-launch's own plan for a block's launch command (its world and exports)."""
+    from tpkit.cli.launch import build_parser, resolve
+    return resolve(build_parser().parse_args([*shlex.split(launch)[1:], RUNNER]),
+                   env_for_blocks())
+
+
+def _launch_blocks(argv: list[str], blocks: list[dict], tmp_path) -> subprocess.CompletedProcess:
+    path = tmp_path / "b.json"
+    path.write_text(json.dumps(blocks))
+    return run([sys.executable, "-m", "tpkit.cli.launch", *argv, RUNNER, "blocks", str(path),
+                "-"], cwd=tmp_path, env=env_for_blocks(), timeout=2 * TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def four_rank_launch(tmp_path_factory):
+    """The blocks of every 4-rank launch command in one ``tpkit-launch --nproc-per-node 4``
+    (a launch of 4 ranks costs ~20 CPU-seconds before its first block): each block runs
+    with the ``TPKIT_*`` tpkit-launch exports for its own command (its ``resolve``)."""
+    plans = {launch: _plan(launch) for launch in LAUNCHES}
+    mine = [launch for launch, plan in plans.items() if plan.nproc_per_node == 4]
+    blocks = [{"where": b.where, "code": b.code, "env": plans[launch].exports}
+              for launch in mine for b in PYTHON if b.markers.get("launch") == launch]
+    proc = _launch_blocks(["--nproc-per-node", "4"], blocks,
+                          tmp_path_factory.mktemp("four_rank_blocks"))
+    return mine, proc
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("launch", LAUNCHES)
-def test_launched_blocks(launch, tmp_path):
+def test_launched_blocks(launch, request, tmp_path):
     blocks = [b for b in PYTHON if b.markers.get("launch") == launch]
-    argv = shlex.split(launch)[1:]
-    proc = run([sys.executable, "-m", "tpkit.cli.launch", *argv, RUNNER, "blocks",
-                _as_json(blocks, tmp_path / "b.json"), "-"], cwd=tmp_path, env=env_for_blocks())
+    if _plan(launch).nproc_per_node == 4:
+        shared, proc = request.getfixturevalue("four_rank_launch")
+        assert launch in shared
+        what = f"{shared} (one launch)"
+    else:
+        proc = _launch_blocks(shlex.split(launch)[1:],
+                              [{"where": b.where, "code": b.code} for b in blocks], tmp_path)
+        what = launch
     assert proc.returncode == 0, \
-        f"{launch} over {[b.where for b in blocks]} exited {proc.returncode}:\n" \
+        f"{what} over {[b.where for b in blocks]} exited {proc.returncode}:\n" \
         f"{proc.stderr[-6000:]}"
 
 

@@ -384,11 +384,15 @@ def test_shape_check_catches_a_long_module_and_a_crowded_root(tmp_path):
 
 
 def test_long_modules_are_test_modules():
-    """conftest.LONG_MODULES (the modules xdist starts first) names existing test modules,
-    each once: a renamed module would silently lose its place."""
+    """conftest.LONG_MODULES (the modules xdist starts first) and shared.READERS (the
+    modules of the shared launch's unit of work) name existing test modules, each once: a
+    renamed module would silently lose its place."""
     import conftest
     tests = os.path.join(ROOT, "tests")
     found = {f[:-3] for _, _, files in os.walk(tests) for f in files
              if f.startswith("test_") and f.endswith(".py")}
     assert len(set(conftest.LONG_MODULES)) == len(conftest.LONG_MODULES)
     assert set(conftest.LONG_MODULES) <= found, set(conftest.LONG_MODULES) - found
+    from shared import READERS   # one unit of work: a misspelt one would run elsewhere
+    assert len(set(READERS)) == len(READERS) and set(READERS) <= found, set(READERS) - found
+    assert not set(READERS) & set(conftest.LONG_MODULES)

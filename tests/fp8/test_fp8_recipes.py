@@ -4,6 +4,8 @@ torch's float8 casts), the emulated linear's GEMMs against float64 products of t
 reference's operands, recompute, recipe parsing, and at tp=2 with sequence parallelism:
 which scales every rank shares (docs/precision.md) and that no amax is reduced."""
 import math
+import os
+import pathlib
 import sys
 
 import numpy as np
@@ -13,6 +15,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dist import run
+from paths import SCRIPTS
+from shared import register_trainer_script, script_dir, script_output
 from te_fake import fake_te  # noqa: F401  (fixture)
 from tpkit import fp8
 from tpkit.fp8 import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling,
@@ -522,20 +526,22 @@ def test_sp_scales_and_reductions_at_tp2():
 FP8_REL = 0.03   # the issue's bound: each recipe's loss within 3 % of float32's, every step
 
 
+register_trainer_script("fp8-recipes", os.path.join(SCRIPTS, "fp8_recipes.py"),
+                        "{dir}/fp8.json", flags=("--tp", "2", "--cp", "2", "--sequence-parallel"))
+
+
 @pytest.mark.slow
-def test_every_recipe_launched(tmp_path):
-    """tests/launch_scripts/fp8_recipes.py under ``tpkit-launch --nproc-per-node 4 --tp 2
-    --cp 2 --sequence-parallel``: launch/train.py trains with each recipe on the float32
+def test_every_recipe_launched(tmp_path_factory):
+    """tests/launch_scripts/fp8_recipes.py as under ``tpkit-launch --nproc-per-node 4 --tp 2
+    --cp 2 --sequence-parallel`` (in tests/shared.py's trainer launch, with the variables
+    those flags export): launch/train.py trains with each recipe on the float32
     curve (3 %); the column -> row pair's current-scaling scales are the full (gathered)
     tensors' and the same on both TP ranks of a CP rank, its own on each CP rank; delayed
     scaling's are one over all four ranks (tp x cp amax group)."""
     import json
-    import os
 
-    from test_userpath import SCRIPTS, launched
-    out_file = tmp_path / "fp8.json"
-    out, _ = launched("--nproc-per-node", "4", "--tp", "2", "--cp", "2", "--sequence-parallel",
-                      os.path.join(SCRIPTS, "fp8_recipes.py"), str(out_file))
+    out = script_output(tmp_path_factory, "fp8-recipes")   # the launch exited 0
+    out_file = pathlib.Path(script_dir(tmp_path_factory, "fp8-recipes"), "fp8.json")
     assert out.count("FP8 RECIPES OK") == 4, out[-2000:]
     res = json.loads(out_file.read_text())
     assert all(c == res["curves"][0] for c in res["curves"])   # every rank's global loss

@@ -103,12 +103,14 @@ def main(workdir: str, only: list[str]) -> None:
         assert torch.ones(2, 2).softmax(-1).dtype == torch.float32, "CUDA rules not active"
     rank = int(os.environ.get("RANK", 0))
     results = {}
+    hf_made = False   # decided alike on every rank (hf_base is collective: its barrier)
     for name, extra in runs(workdir).items():
         if only and name.split("/")[0] not in only:
             continue
         argv = TRAIN + extra
-        if name.startswith("hf/") and not os.path.exists(os.path.join(workdir, "hf")):
+        if name.startswith("hf/") and not hf_made:
             hf_base(os.path.join(workdir, "hf"))
+            hf_made = True
         # a2a+p2p's inner all-to-all size comes from the launcher's variable
         os.environ.pop("TPKIT_CP_A2A_SIZE", None)
         if "a2a+p2p" in extra:

@@ -15,6 +15,8 @@ import pytest
 import torch
 
 from dist import run
+from paths import SCRIPTS
+from shared import register_trainer_script, script_output
 
 S, B, H, F, E = 8, 2, 8, 6, 4
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -444,16 +446,18 @@ def test_launcher_checks_ep(capsys):
                                              ["0", "0", "1"], ["0", "1", "1"]]
 
 
+register_trainer_script("moe-layouts", os.path.join(SCRIPTS, "moe_layouts.py"),
+                        flags=("--tp", "2", "--ep", "2", "--sequence-parallel"))
+
+
 @pytest.mark.slow
-def test_launched_moe_layouts():
-    """tests/launch_scripts/moe_layouts.py under tpkit-launch (4 gloo ranks): the launched
-    layout's expert groups and getters, MoE vs its dense reference at four layouts,
-    a bad ep refused before any group (the script's docstring lists the checks)."""
-    from test_launch_run import finish, launch
-    script = os.path.join(ROOT, "tests", "launch_scripts", "moe_layouts.py")
-    rc, out, err = finish(launch("--nproc-per-node", "4", "--tp", "2", "--ep", "2",
-                                 "--sequence-parallel", script))
-    assert rc == 0, err[-3000:]
+def test_launched_moe_layouts(tmp_path_factory):
+    """tests/launch_scripts/moe_layouts.py as under ``tpkit-launch --nproc-per-node 4 --tp 2
+    --ep 2 --sequence-parallel`` (in tests/shared.py's trainer launch, with the variables
+    those flags export): the launched layout's expert groups and getters, MoE vs its
+    dense reference at four layouts, a bad ep refused before any group (the script's
+    docstring lists the checks)."""
+    out = script_output(tmp_path_factory, "moe-layouts")   # the launch exited 0
     assert sorted(re.findall(r"rank \d+ OK", out)) == \
         [f"rank {r} OK" for r in range(4)], out
 

@@ -2,12 +2,15 @@
 DotProductAttention(qkv_format="thd") at cp 1, 2, 4 on every comm type, against an
 independent reference: each document run on its own through PyTorch's SDPA (one process,
 no packing, no CP), outputs and q/k/v gradients, in float32 and float64."""
+import os
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from dist import run
+from paths import SCRIPTS
+from shared import register_trainer_script, script_output
 from te_fake import cuda, fake_te  # noqa: F401  (fixtures)
 
 TOL, TOL64 = 1e-6, 1e-10
@@ -337,15 +340,15 @@ def test_train_pack_same_curve_at_every_layout(packed_reference, tp, cp, extra):
     assert len(res[0]) == 20 and not bad, bad
 
 
-@pytest.mark.slow
-def test_packed_launched():
-    """tests/launch_scripts/packed.py under ``tpkit-launch --nproc-per-node 4 --tp 2 --cp 2``
-    (public API): per-document positions, THD attention on three comm types vs
-    per-document SDPA in float64, and bad inputs refused on every rank before any
-    collective."""
-    import os
+register_trainer_script("packed", os.path.join(SCRIPTS, "packed.py"),
+                        flags=("--tp", "2", "--cp", "2"))
 
-    from test_userpath import SCRIPTS, launched
-    out, _ = launched("--nproc-per-node", "4", "--tp", "2", "--cp", "2",
-                      os.path.join(SCRIPTS, "packed.py"))
+
+@pytest.mark.slow
+def test_packed_launched(tmp_path_factory):
+    """tests/launch_scripts/packed.py as under ``tpkit-launch --nproc-per-node 4 --tp 2 --cp
+    2`` (in tests/shared.py's trainer launch, with the variables those flags export; public
+    API): per-document positions, THD attention on three comm types vs per-document SDPA in
+    float64, and bad inputs refused on every rank before any collective."""
+    out = script_output(tmp_path_factory, "packed")   # the launch exited 0
     assert out.count("PACKED OK") == 4, out[-2000:]

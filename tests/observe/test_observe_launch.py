@@ -1,5 +1,7 @@
 """tpkit.observe the user's way: a launched tp 2 x cp 2 loop (tests/launch_scripts/
-observe_run.py) logs with MetricsLogger; the TensorBoard event files, read back with
+observe_run.py, as under ``tpkit-launch --nproc-per-node 4 --tp 2 --cp 2``, in
+tests/shared.py's trainer launch with the variables those flags export) logs with
+MetricsLogger; the TensorBoard event files, read back with
 tensorboard's EventAccumulator, hold exactly the rows rank 0 printed, metrics.csv holds
 the same rows, the phase times are the ranks' mean (a checkpoint's stall in its window),
 and each rank's profiler trace of steps 2..3 loads as a Chrome trace."""
@@ -10,16 +12,19 @@ import os
 
 import pytest
 
-from test_userpath import SCRIPTS, launched
+from paths import SCRIPTS
+from shared import register_trainer_script, script_dir, script_output
 
 pytestmark = pytest.mark.slow
+# as under tpkit-launch --nproc-per-node 4 --tp 2 --cp 2, in tests/shared.py's launch
+register_trainer_script("observe-run", os.path.join(SCRIPTS, "observe_run.py"), "{dir}",
+                        flags=("--tp", "2", "--cp", "2"))
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    work = str(tmp_path_factory.mktemp("observe"))
-    out, _ = launched("--nproc-per-node", "4", "--tp", "2", "--cp", "2",
-                      os.path.join(SCRIPTS, "observe_run.py"), work)
+    work = script_dir(tmp_path_factory, "observe-run")
+    out = script_output(tmp_path_factory, "observe-run")   # the launch exited 0
     rows = [json.loads(line[4:]) for line in out.splitlines() if line.startswith("ROW ")]
     ranks = [json.loads(line[6:]) for line in out.splitlines() if line.startswith("RANKS ")]
     return work, rows, out, ranks

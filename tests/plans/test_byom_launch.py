@@ -1,6 +1,6 @@
 """Issue 35's acceptance, the user's way: tests/launch_scripts/byom_train.py under
-tpkit-launch + Fabric (one launch of 4 ranks and one of 2, run side by side). nanoGPT's
-GPT and a transformers LlamaForCausalLM, parallelized by their ready plans, follow the
+tpkit-launch + Fabric (at 4 ranks in tests/shared.py's trainer launch, and a launch of 2
+ranks of its own, run side by side). nanoGPT's GPT and a transformers LlamaForCausalLM, parallelized by their ready plans, follow the
 unparallelized model's loss curve (one process, computed by rank 0 of the 4-rank launch)
 within 1e-5 for 8 steps at (tp, cp, dp) = (2, 1, 1), (2, 2, 1) + SP and (1, 2, 2), and
 a checkpoint saved at (2, 2, 1) + SP resumes at (1, 2, 2) on the same curve. The five
@@ -15,6 +15,7 @@ import sys
 import pytest
 
 from paths import PYTHONPATH, ROOT, SCRIPTS
+from shared import register_trainer_script, script_dir
 
 SCRIPT = os.path.join(SCRIPTS, "byom_train.py")
 pytestmark = pytest.mark.slow
@@ -27,25 +28,24 @@ def _start(world: int, work: str, **env) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+register_trainer_script("byom4", SCRIPT, "{dir}")   # the 4-rank launch: tests/shared.py's
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    work4, work2 = (str(tmp_path_factory.mktemp(f"byom{w}")) for w in (4, 2))
+    work2 = str(tmp_path_factory.mktemp("byom2"))
     # 30 s: long enough that ranks lagging under load never time out before the rank-0-only
     # save, which runs beside the 4-rank launch (its wait costs no wall time of its own)
-    procs = {4: _start(4, work4), 2: _start(2, work2, TPKIT_PG_TIMEOUT="30")}
-    out = {}
-    for world, proc in procs.items():
-        try:
-            stdout, stderr = proc.communicate(timeout=280)
-        except subprocess.TimeoutExpired:
-            for p in procs.values():
-                p.kill()
-            pytest.fail(f"the byom launch at world {world} did not finish in 280 s")
-        assert proc.returncode == 0, (world, stdout[-2000:], stderr[-4000:])
-        work = work4 if world == 4 else work2
-        out[world] = [json.load(open(os.path.join(work, f"rank{r}.json")))
-                      for r in range(world)]
-    return out
+    proc = _start(2, work2, TPKIT_PG_TIMEOUT="30")
+    try:
+        work4 = script_dir(tmp_path_factory, "byom4")    # the shared launch exited 0
+        stdout, stderr = proc.communicate(timeout=280)
+    except BaseException:
+        proc.kill()
+        raise
+    assert proc.returncode == 0, (2, stdout[-2000:], stderr[-4000:])
+    return {world: [json.load(open(os.path.join(work, f"rank{r}.json"))) for r in range(world)]
+            for world, work in ((4, work4), (2, work2))}
 
 
 def test_ready_plans_follow_the_unparallelized_curve(results):
