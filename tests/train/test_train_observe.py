@@ -18,7 +18,7 @@ import re
 
 import pytest
 
-from test_userpath import launched
+from shared import register_trainer_script, script_dir, script_output
 
 pytestmark = pytest.mark.slow
 
@@ -33,13 +33,18 @@ def _reference(argv):
     return main(argv)
 
 
+# as under tpkit-launch --nproc-per-node 4 --tp 2 --cp 2, in tests/shared.py's launch
+# (last: tpkit.train's __main__ destroys the default group at its end)
+register_trainer_script("train-observe", "-m tpkit.train", *ARGS, "--log-dir", "{dir}/run",
+                        "--profile-steps", "2:4", flags=("--tp", "2", "--cp", "2"),
+                        ends_group=True)
+
+
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     from dist import run
-    work = str(tmp_path_factory.mktemp("train_observe"))
-    log_dir = os.path.join(work, "run")
-    out, _ = launched("--nproc-per-node", "4", "--tp", "2", "--cp", "2", "-m", "tpkit.train",
-                      *ARGS, "--log-dir", log_dir, "--profile-steps", "2:4")
+    log_dir = os.path.join(script_dir(tmp_path_factory, "train-observe"), "run")
+    out = script_output(tmp_path_factory, "train-observe")   # the launch exited 0
     (reference,) = run(_reference, 1, ARGS)      # one process, no logging files
     return log_dir, out, reference
 
