@@ -19,7 +19,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 LONG_MODULES = ("test_ray", "test_userpath", "test_docs", "test_recovery", "test_compile",
                 "test_gpu_tools", "test_fabric_conformance", "test_train_data_launched",
                 "test_verify", "test_launch_run", "test_models_hf", "test_launch_layout",
-                "test_memory", "test_user_features")
+                "test_memory")
 
 
 def pytest_configure(config):

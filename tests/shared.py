@@ -13,8 +13,7 @@ The trainer launch is one such launch: ``tpkit-launch --nproc-per-node 4
 tests/launch_scripts/pp_train.py``, every registered run of launch/train.py's ``main``
 (``TRAINER_RUNS``) in registration order (a resume reads what an earlier run saved; runs
 name their files under ``{work}``, the launch's directory), then every registered test
-script (``register_trainer_script``; cuda_rules_matrix.py last but one, ``python -m
-tpkit.train`` of test_train_observe, which ends the default group, last), each run as
+script (``register_trainer_script``; cuda_rules_matrix.py last), each run as
 tpkit-launch's worker runs a script (``-m MODULE`` as ``python -m``), with the
 ``TPKIT_*`` variables tpkit-launch's own ``resolve`` exports for the layout flags the
 script is written for (``--tp 2 --cp 2``: what the script's own launch would have given
@@ -26,10 +25,11 @@ inside that unit of work, so no worker waits for it.
 
 What sharing costs: a script runs in a process that ran others before it (each frees
 its layout; the tests that a fresh process matters to, exit, kill, restart and re-init,
-keep launches of their own, and a script that destroys the default group at its end,
-as launch/smoke.py, tests/fabric_conformance.py and ``python -m tpkit.train`` do, runs
-last or in a launch of its own: the next script's group, created again on the launch's
-store, finds the old one's keys and hangs), a script whose ranks must
+keep launches of their own; after a script that destroys the default group at its end,
+as launch/smoke.py and ``python -m tpkit.train`` do, pp_train.py makes the next one a
+new default group on a key prefix of the launch's store of its own: created again on the
+old keys, it finds the old group's peers and hangs, as test_train_observe's run once
+hung cuda_rules_matrix.py), a script whose ranks must
 agree on a collective must decide it alike on every rank (cuda_rules_matrix.py's
 ``hf_base`` once hung here: its ranks decided by a file rank 0 had just written), and a
 failure fails every test that reads the launch, with the launch's output.
@@ -53,12 +53,11 @@ import paths
 # registering from a module not named here is an error.
 READERS = ("test_compose", "test_pipeline", "test_moe_checkpoint", "test_byom_launch",
            "test_cuda_rules_matrix", "test_fp8_recipes", "test_moe", "test_packed",
-           "test_observe_launch", "test_train_observe")
+           "test_observe_launch", "test_train_observe", "test_user_features")
 
 TRAINER_RUNS: dict[str, list[str]] = {}
 TRAINER_SCRIPTS: list[dict] = []    # {name, script, args, flags}, run after the runs
 _LAST: list[dict] = []              # scripts that must run last (process-wide changes)
-_FINAL: list[dict] = []             # at most one script that ends the default group
 
 
 def _shared_dir(tmp_path_factory):
@@ -105,23 +104,18 @@ def register_trainer_runs(runs: dict[str, list[str]]) -> None:
 
 
 def register_trainer_script(name: str, script: str, *args: str, flags: tuple = (),
-                            last: bool = False, ends_group: bool = False) -> None:
+                            last: bool = False) -> None:
     """Adds ``script`` to the shared trainer launch, run after the train.py runs as
     tpkit-launch runs a script (``-m MODULE`` as ``python -m``; ``{dir}`` in ``args``: a
     directory of its own, see ``script_dir``). ``flags``: tpkit-launch's layout flags the
     script is written for (``--tp 2 --cp 2``): it runs with the ``TPKIT_*`` variables
     tpkit-launch's own ``resolve`` exports for them at 4 ranks, in place of the launch's.
     ``last``: after every other script (it changes the process for good, as CUDA's
-    autocast rules do). ``ends_group``: the script destroys the default group at its end
-    (``-m tpkit.train`` does): it runs after all of them, and only one may."""
+    autocast rules do)."""
     _reader()
-    if any(entry["name"] == name for entry in TRAINER_SCRIPTS + _LAST + _FINAL):
+    if any(entry["name"] == name for entry in TRAINER_SCRIPTS + _LAST):
         raise ValueError(f"trainer script {name!r} registered twice")
-    if ends_group and _FINAL:
-        raise ValueError(f"trainer script {name!r} ends the default group, as "
-                         f"{_FINAL[0]['name']!r} does: only one such script can run (after "
-                         f"it, a new default group on the launch's store hangs)")
-    (_FINAL if ends_group else _LAST if last else TRAINER_SCRIPTS).append(
+    (_LAST if last else TRAINER_SCRIPTS).append(
         {"name": name, "script": script, "args": list(args), "flags": list(flags)})
 
 
@@ -165,7 +159,7 @@ def launch_trainer_runs(world: int, runs: dict[str, list[str]], work: str,
 def _trainer_launch(tmp_path_factory) -> dict:
     return once(tmp_path_factory, "trainer-runs", lambda work: {
         "work": work, "losses": launch_trainer_runs(4, TRAINER_RUNS, work,
-                                                    TRAINER_SCRIPTS + _LAST + _FINAL)})
+                                                    TRAINER_SCRIPTS + _LAST)})
 
 
 def trainer_runs(tmp_path_factory) -> dict[str, list[float]]:

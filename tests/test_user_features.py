@@ -1,5 +1,6 @@
 """Features that no other test ran the user's way (issue 26), in one launched script
-(tests/launch_scripts/user_features.py, ``tpkit-launch --nproc-per-node 4``): launch/train.py's
+(tests/launch_scripts/user_features.py, as under ``tpkit-launch --nproc-per-node 4``, in
+tests/shared.py's trainer launch): launch/train.py's
 --data-parallel fsdp, --resume DIR (the latest checkpoint), --precision bf16-mixed /
 16-mixed, --dropout, --cp-comm-type; Fabric's parallelize_fn, seed= and
 fallback_compute_dtype. Every rank's results are compared with single-process references
@@ -12,7 +13,8 @@ import pytest
 
 from dist import run
 from fabric_helpers import reference_losses
-from test_userpath import LAUNCH, SCRIPTS, _env, finish, start
+from shared import register_trainer_script, script_dir, script_output
+from test_userpath import LAUNCH, SCRIPTS, _env, _kill_tree, finish, start
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 from launch_scripts.user_features import LR, TRAIN
@@ -36,18 +38,23 @@ def _rel(a, b):
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
 
 
+# as under tpkit-launch --nproc-per-node 4, in tests/shared.py's trainer launch
+register_trainer_script("user-features", os.path.join(SCRIPTS, "user_features.py"), "{dir}")
+
+
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
-    work = str(tmp_path_factory.mktemp("features"))
-    proc = start([*LAUNCH, "--nproc-per-node", "4",
-                  os.path.join(SCRIPTS, "user_features.py"), work])
     # --run-path (torchrun runs the script with runpy in its own worker processes) spends
     # most of its time waiting on torchrun's worker shutdown, so it runs alongside
     run_path = start([*LAUNCH, "--nproc-per-node", "2", "--tp", "2", "--run-path",
                       os.path.join(SCRIPTS, "check_layout.py"), "2", "1", "--x"])
-    (single,) = run(_single_process_train, 1, timeout=300)   # while the launched ranks work
-    rc, out, err = finish(proc)
-    assert rc == 0, (out[-3000:], err[-5000:])
+    try:
+        (single,) = run(_single_process_train, 1, timeout=300)
+        work = script_dir(tmp_path_factory, "user-features")   # the launch exited 0
+        out = script_output(tmp_path_factory, "user-features")
+    except BaseException:
+        _kill_tree(run_path)
+        raise
     ranks = [json.load(open(os.path.join(work, f"rank{r}.json"))) for r in range(4)]
     return single, ranks, out, finish(run_path)
 

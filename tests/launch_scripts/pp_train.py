@@ -13,13 +13,16 @@ Every rank writes ``OUT_DIR/rank<r>.json``: {name: the losses train.py reported}
 after the runs, in order, with ``{dir}`` in its arguments replaced by ``OUT_DIR/<name>``
 (created for it) and ``exports`` (what tpkit-launch exports for the script's layout
 ``flags``) in its environment; what it prints goes to ``OUT_DIR/<name>/stdout.rank<r>``.
-A script ``-m MODULE`` runs the module as ``python -m`` does.
+A script ``-m MODULE`` runs the module as ``python -m`` does. A script that destroys the
+default group at its end (launch/smoke.py, ``python -m tpkit.train``) leaves the next one
+a new default group on a key prefix of the launch's store of its own.
 """
 import contextlib
 import json
 import os
 import runpy
 import sys
+from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -35,6 +38,18 @@ for name, argv in runs.items():
     tpkit.destroy_parallel()
 with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
     json.dump(losses, f)
+
+
+def restore_default_group(after: str) -> None:
+    """A default group for the next script, on a key prefix of the launch's store of its
+    own: a group made again on the old one's keys finds the old group's peers and hangs."""
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          is_master=False, timeout=timedelta(seconds=120))
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"pp_train/after-{after}", store),
+                            rank=rank, world_size=int(os.environ["WORLD_SIZE"]),
+                            timeout=timedelta(seconds=120))
+
+
 launched_env = dict(os.environ)
 for entry in scripts:
     name, script = entry["name"], entry["script"]
@@ -53,5 +68,7 @@ for entry in scripts:
     tpkit.destroy_parallel()
     os.environ.clear()
     os.environ.update(launched_env)
+    if not dist.is_initialized():   # the script destroyed the default group (smoke.py does)
+        restore_default_group(name)
 if dist.is_initialized():
     dist.destroy_process_group()

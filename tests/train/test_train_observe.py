@@ -34,10 +34,8 @@ def _reference(argv):
 
 
 # as under tpkit-launch --nproc-per-node 4 --tp 2 --cp 2, in tests/shared.py's launch
-# (last: tpkit.train's __main__ destroys the default group at its end)
 register_trainer_script("train-observe", "-m tpkit.train", *ARGS, "--log-dir", "{dir}/run",
-                        "--profile-steps", "2:4", flags=("--tp", "2", "--cp", "2"),
-                        ends_group=True)
+                        "--profile-steps", "2:4", flags=("--tp", "2", "--cp", "2"))
 
 
 @pytest.fixture(scope="module")
