@@ -14,7 +14,7 @@ import pytest
 from dist import run
 from fabric_helpers import reference_losses
 from shared import register_trainer_script, script_dir, script_output
-from test_userpath import LAUNCH, SCRIPTS, _env, _kill_tree, finish, start
+from test_userpath import LAUNCH, SCRIPTS, _kill_tree, finish, start
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 from launch_scripts.user_features import LR, TRAIN
