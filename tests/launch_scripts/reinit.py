@@ -184,7 +184,9 @@ def main():
             del groups, state
             cycles += 1
         threads.append(len(os.listdir("/proc/self/task")))
-    assert len(set(threads)) == 1, f"threads after each round grew: {threads}"
+    # a leak grows the count round after round; a gloo thread of the previous round still
+    # exiting on a loaded machine may count once ([8, 7] was seen): no round above the first
+    assert max(threads) == threads[0], f"threads after each round grew: {threads}"
     gc.enable()
     recreate_error = None
     if created and "RANK" in os.environ:
