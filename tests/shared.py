@@ -119,12 +119,16 @@ def register_trainer_script(name: str, script: str, *args: str, flags: tuple = (
         {"name": name, "script": script, "args": list(args), "flags": list(flags)})
 
 
-def launch_exports(flags: list[str], world: int, env: dict) -> dict[str, str]:
-    """What ``tpkit-launch --nproc-per-node WORLD FLAGS script`` exports to its workers
-    (tpkit.cli.launch's own resolve), from ``env``."""
+def launch_plan(argv: list[str], env: dict):
+    """tpkit-launch's own plan (tpkit.cli.launch's resolve: its world and what it exports
+    to its workers) for ``tpkit-launch ARGV``, from ``env``."""
     from tpkit.cli.launch import build_parser, resolve
-    args = build_parser().parse_args(["--nproc-per-node", str(world), *flags, "script.py"])
-    return dict(resolve(args, env).exports)
+    return resolve(build_parser().parse_args(argv), env)
+
+
+def launch_exports(flags: list[str], world: int, env: dict) -> dict[str, str]:
+    """What ``tpkit-launch --nproc-per-node WORLD FLAGS script`` exports to its workers."""
+    return dict(launch_plan(["--nproc-per-node", str(world), *flags, "script.py"], env).exports)
 
 
 def launch_trainer_runs(world: int, runs: dict[str, list[str]], work: str,

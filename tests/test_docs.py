@@ -25,6 +25,7 @@ import sys
 import pytest
 
 import paths
+from shared import launch_plan
 from test_launch_run import launch_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -203,9 +204,7 @@ LAUNCHES = sorted({b.markers["launch"] for b in PYTHON if "launch" in b.markers}
 
 def _plan(launch: str):
     """tpkit-launch's own plan for a block's launch command (its world and exports)."""
-    from tpkit.cli.launch import build_parser, resolve
-    return resolve(build_parser().parse_args([*shlex.split(launch)[1:], RUNNER]),
-                   env_for_blocks())
+    return launch_plan([*shlex.split(launch)[1:], RUNNER], env_for_blocks())
 
 
 def _launch_blocks(argv: list[str], blocks: list[dict], tmp_path) -> subprocess.CompletedProcess:
