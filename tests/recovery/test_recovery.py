@@ -156,6 +156,16 @@ def _orphans(marker: str) -> list[str]:
     return found
 
 
+def _wait_until(predicate, what: str, timeout: float = TIMEOUT):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = predicate()
+        if got:
+            return got
+        time.sleep(0.05)
+    pytest.fail(f"waited {timeout} s for {what}")
+
+
 def _step_dirs(ckpt) -> list[str]:
     return sorted(d for d in os.listdir(ckpt) if re.fullmatch(r"step\d{6}", d))
 
@@ -166,25 +176,34 @@ def _step_dirs(ckpt) -> list[str]:
 def test_sigterm_then_resume_then_kill_during_async_save(tmp_path):
     """Acceptance of issue 21 for preemption, killed ranks and --async-save (module
     docstring), in three worker starts. Checkpoint writes are held (``--hold-writes``)
-    while the test needs a save in flight. The reference is train.main in the pool."""
+    while the test needs a save in flight, and the ranks inside the step it signals
+    (``--pause-at``): no timing depends on the machine's speed. The reference is
+    train.main in the pool."""
     from tpkit.recovery import is_complete, unfinished_saves
     (reference, _) = run(_reference, 2, TRAIN_ARGS + ["--steps", str(STEPS), "--tp", "2"])
-    ckpt, hold = tmp_path / "ckpt", tmp_path / "hold"
-    cmd = ["--nproc-per-node", "2", "--tp", "2", "--max-restarts", "1", "--shutdown-timeout",
-           "120", FAULTS, "--hold-writes", str(hold), "--", *TRAIN_ARGS, "--steps", str(STEPS),
-           "--save", str(ckpt), "--save-every", "10", "--keep", "2", "--async-save",
-           "--auto-resume"]
+    ckpt, hold, pause = tmp_path / "ckpt", tmp_path / "hold", tmp_path / "pause"
     rng = random.Random()
     term_at, kill_at = rng.randint(2, 6), rng.randint(20, 25)
+    cmd = ["--nproc-per-node", "2", "--tp", "2", "--max-restarts", "1", "--shutdown-timeout",
+           "120", FAULTS, "--hold-writes", str(hold), "--pause-at", str(term_at + 1),
+           "--pause-file", str(pause), "--", *TRAIN_ARGS, "--steps", str(STEPS),
+           "--save", str(ckpt), "--save-every", "10", "--keep", "2", "--async-save",
+           "--auto-resume"]
 
-    # 1. SIGTERM to tpkit-launch mid-run; during the save it causes, again to it and to
-    # the workers: exit 143 with a complete checkpoint of the step
+    # 1. SIGTERM to tpkit-launch while every rank is held inside step term_at (however
+    # slow the machine, the signal arrives in that step); during the save it causes,
+    # again to it and to the workers: exit 143 with a complete checkpoint of that step
+    pause.touch()
     job = Job(cmd)
     job.wait_for(r"starting fresh")
-    job.wait_for(rf"^step {term_at + 1}/")
+    job.wait_for_each(r"rank 0: paused in optimizer step", r"rank 1: paused in optimizer step")
     hold.touch()
     job.proc.send_signal(signal.SIGTERM)
-    job.wait_for(r"rank \d: SIGTERM: finishing this step")
+    job.wait_for_each(r"rank 0: SIGTERM: finishing this step",
+                      r"rank 1: SIGTERM: finishing this step")
+    pause.unlink()
+    _wait_until(lambda: ckpt.is_dir() and unfinished_saves(ckpt),
+                "the staging directory of the save SIGTERM caused")
     for pid in [job.proc.pid, *job.workers()]:
         os.kill(pid, signal.SIGTERM)
     job.wait_for_each(r"SIGTERM again: still waiting",   # tpkit-launch's
@@ -192,7 +211,7 @@ def test_sigterm_then_resume_then_kill_during_async_save(tmp_path):
     hold.unlink()
     saved = int(job.wait_for(r"recovery: SIGTERM: saved after step (\d+)").group(1))
     assert job.finish() == 143, job.text()[-5000:]
-    assert term_at <= saved < 9 and _step_dirs(ckpt) == [f"step{saved + 1:06d}"]
+    assert saved == term_at and _step_dirs(ckpt) == [f"step{saved + 1:06d}"]
     assert is_complete(ckpt / f"step{saved + 1:06d}")
     _check_curve(job.text(), reference)
     assert not _orphans(str(ckpt))
