@@ -9,7 +9,9 @@
 all-reduce (the loss report), so the others wait for it in the collective.
 --hold-writes: while the file PATH exists, every rank's checkpoint writes wait (storage
 that stalls), so that a test can kill or signal a job while a save is in flight, for as
-long as it needs and no longer.
+long as it needs and no longer; if PATH holds a text, only the writes of a save whose
+directory's path contains it (e.g. step000020), so that a test can stall a save long
+before it starts.
 --pause-at: inside its N-th optimizer step (counted from 1; step N - 1 of the recovery
 messages) every rank waits while the file PATH of --pause-file exists, so that a test can
 signal the job at a known step, however slow the machine (a signal still reaches the
@@ -61,8 +63,18 @@ def stuck_all_reduce(*a, **k):
     return all_reduce(*a, **k)
 
 
+def held(path: str) -> bool:
+    """--hold-writes: the file exists, and is empty or names a part of ``path``."""
+    try:
+        with open(args.hold_writes) as f:
+            only = f.read().strip()
+    except FileNotFoundError:
+        return False
+    return not only or only in path
+
+
 def held_write(self, *a, **k):
-    while os.path.exists(args.hold_writes):
+    while held(str(self.path)):
         time.sleep(0.02)
     return write_data(self, *a, **k)
 

@@ -219,10 +219,10 @@ def test_sigterm_then_resume_then_kill_during_async_save(tmp_path):
     # 2. the same command resumes from it; kill -9 of one worker at a random step while
     # the async save of step000020 is in flight: nothing at its final path; the agent
     # restarts both workers, they resume from step000010 and the job completes
+    hold.write_text("step000020")                      # the save after step 19 will stall
     job = Job(cmd)
     job.wait_for(rf"recovery: resuming from \S+step{saved + 1:06d} ")
     job.wait_for(r"recovery: saved \S+step000010")
-    hold.touch()                                       # the save after step 19 stalls
     job.wait_for(rf"^step {kill_at + 1}/")
     staging = unfinished_saves(ckpt)
     assert [os.path.basename(p)[:15] for p in staging] == ["step000020.tmp-"], staging
