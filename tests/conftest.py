@@ -16,8 +16,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # 2-core machine, docs/testing.md "What the suite's time is made of"): under pytest-xdist
 # they start first, after the modules that read the shared launch (tests/shared.py's
 # READERS, one unit of work, first). test_structure checks that each names a test module.
-LONG_MODULES = ("test_ray", "test_userpath", "test_docs", "test_recovery", "test_compile",
-                "test_gpu_tools", "test_fabric_conformance", "test_train_data_launched",
+LONG_MODULES = ("test_userpath", "test_docs", "test_recovery", "test_compile",
+                "test_gpu_tools", "test_train_data_launched",
                 "test_verify", "test_launch_run", "test_models_hf", "test_launch_layout",
                 "test_memory")
 

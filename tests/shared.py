@@ -53,7 +53,8 @@ import paths
 # registering from a module not named here is an error.
 READERS = ("test_compose", "test_pipeline", "test_moe_checkpoint", "test_byom_launch",
            "test_cuda_rules_matrix", "test_fp8_recipes", "test_moe", "test_packed",
-           "test_observe_launch", "test_train_observe", "test_user_features")
+           "test_observe_launch", "test_train_observe", "test_user_features",
+           "test_fabric_conformance", "test_ray")
 
 TRAINER_RUNS: dict[str, list[str]] = {}
 TRAINER_SCRIPTS: list[dict] = []    # {name, script, args, flags}, run after the runs
@@ -104,19 +105,20 @@ def register_trainer_runs(runs: dict[str, list[str]]) -> None:
 
 
 def register_trainer_script(name: str, script: str, *args: str, flags: tuple = (),
-                            last: bool = False) -> None:
+                            env: dict | None = None, last: bool = False) -> None:
     """Adds ``script`` to the shared trainer launch, run after the train.py runs as
     tpkit-launch runs a script (``-m MODULE`` as ``python -m``; ``{dir}`` in ``args``: a
     directory of its own, see ``script_dir``). ``flags``: tpkit-launch's layout flags the
     script is written for (``--tp 2 --cp 2``): it runs with the ``TPKIT_*`` variables
-    tpkit-launch's own ``resolve`` exports for them at 4 ranks, in place of the launch's.
-    ``last``: after every other script (it changes the process for good, as CUDA's
+    tpkit-launch's own ``resolve`` exports for them at 4 ranks, in place of the launch's;
+    ``env``: more variables of its own launch's environment (set while it runs). ``last``: after every other script (it changes the process for good, as CUDA's
     autocast rules do)."""
     _reader()
     if any(entry["name"] == name for entry in TRAINER_SCRIPTS + _LAST):
         raise ValueError(f"trainer script {name!r} registered twice")
     (_LAST if last else TRAINER_SCRIPTS).append(
-        {"name": name, "script": script, "args": list(args), "flags": list(flags)})
+        {"name": name, "script": script, "args": list(args), "flags": list(flags),
+         "env": dict(env or {})})
 
 
 def launch_plan(argv: list[str], env: dict):
@@ -140,7 +142,8 @@ def launch_trainer_runs(world: int, runs: dict[str, list[str]], work: str,
     from test_userpath import finish
     env = launch_env()
     env["PYTHONPATH"] = paths.PYTHONPATH
-    scripts = [dict(entry, exports=launch_exports(entry["flags"], world, env))
+    scripts = [dict(entry, exports={**launch_exports(entry["flags"], world, env),
+                                    **entry["env"]})
                for entry in scripts]
     argv = {k: [a.replace("{work}", work) for a in v] for k, v in runs.items()}
     out = os.path.join(work, f"w{world}")

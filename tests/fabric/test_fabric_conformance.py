@@ -3,7 +3,8 @@ TPKitStrategy at tp=2 x dp=2 with sequence parallelism on and off, each call aga
 single-process reference, launched the way users launch: ``tpkit-launch`` and Fabric's own
 launcher (``python script.py``), and at an expert layout (ep=2, etp=1, tp=2, SP: a model
 with a tpkit.nn.MoE; in the tpkit-launch run, after the other layouts: a process start
-costs more than a layout's checks). The checks are tests/fabric_conformance.py's; here each
+costs more than a layout's checks; that run is one script of tests/shared.py's trainer
+launch). The checks are tests/fabric_conformance.py's; here each
 becomes one test item, so a failing call is named."""
 import json
 import os
@@ -14,6 +15,7 @@ import sys
 import pytest
 
 import paths
+from shared import register_trainer_script, script_dir
 
 pytestmark = pytest.mark.slow
 
@@ -63,13 +65,17 @@ def _env(**extra):
     return env
 
 
-def _run(cmd, env, tmp, cwd=None, experts=False) -> dict:
+def _run(cmd, env, tmp, cwd=None) -> dict:
     out, ckpts = tmp / "report.json", tmp / "ckpts"
     ckpts.mkdir()
     proc = subprocess.run([*cmd, SCRIPT, str(out), str(ckpts)], env=env, cwd=cwd,
                           capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
-    report = json.loads(out.read_text())
+    return _complete(json.loads(out.read_text()))
+
+
+def _complete(report, experts=False) -> dict:
+    """``report``, after checking that it holds every check of every layout it ran."""
     want = [f"{lay}/{c}" for lay in LAYOUTS for c in CHECKS]
     want += [f"pp/{c}" for c in PP_CHECKS]   # the pipeline layout runs in the same launch
     if experts:                              # and the expert layout, asked for
@@ -83,17 +89,24 @@ def _failures(report, check, layouts=LAYOUTS):
                      for rank, err in report[key].items())
 
 
+# In tests/shared.py's trainer launch (tpkit-launch --nproc-per-node 4), with the TPKIT_*
+# variables tpkit-launch's own resolve exports for --tp 2 --sequence-parallel at 4 ranks
+register_trainer_script("fabric-conformance", SCRIPT, "{dir}/report.json", "{dir}",
+                        flags=("--tp", "2", "--sequence-parallel"),
+                        env={"CONFORMANCE_EXPERTS": "1"})
+
+
 @pytest.fixture(scope="module")
 def tpkit_launch_report(tmp_path_factory):
     """Layouts sp (TPKIT_* from tpkit-launch's flags), nosp, pp and ep (ep=2 x etp=1 given
-    to TPKitStrategy beside the launch's tp=2 and SP) in one launch. tpkit-launch exporting
-    --ep/--etp as TPKIT_EP/TPKIT_ETP and their reading back are tests/nn/test_moe.py's
+    to TPKitStrategy beside the launch's tp=2 and SP) in one run of the script, under
+    tpkit-launch (the shared trainer launch). tpkit-launch exporting --ep/--etp as
+    TPKIT_EP/TPKIT_ETP and their reading back are tests/nn/test_moe.py's
     test_launcher_checks_ep and tests/layout/test_config.py's test_has_experts_and_expert_env;
     the strategy reads every TPKIT_* size alike (layout sp here)."""
-    return _run([sys.executable, "-m", "tpkit.cli.launch", "--standalone", "--nproc-per-node",
-                 "4", "--tp", "2", "--sequence-parallel", "--backend", "gloo"],
-                _env(CONFORMANCE_EXPERTS="1"), tmp_path_factory.mktemp("tpkit_launch"),
-                experts=True)
+    where = script_dir(tmp_path_factory, "fabric-conformance")   # the launch exited 0
+    with open(os.path.join(where, "report.json")) as f:
+        return _complete(json.load(f), experts=True)
 
 
 @pytest.mark.parametrize("check", CHECKS)

@@ -4,8 +4,9 @@ The acceptance run: a real local Ray cluster (``ray`` from PyPI, 4 CPU workers, 
 trains the reference GPT at tp=2 x dp=2; the worker of rank 1 SIGKILLs itself at step 4
 of the first attempt, Ray restarts the worker group (FailureConfig(max_failures=1)) and
 the new workers resume from the last complete checkpoint in the run's storage. The
-reference is tpkit-launch running the same job (same flags, same layout): the Ray curve,
-both attempts together, must equal it bit for bit. Bounded: 1 layer, 8 steps; ray is an
+reference is tpkit-launch running the same job (same flags, same layout; a script of
+tests/shared.py's trainer launch): the Ray curve, both attempts together, must equal it
+bit for bit. Bounded: 1 layer, 8 steps; ray is an
 optional extra (tpkit[ray]) and the test is skipped where it is not installed."""
 import json
 import os
@@ -14,6 +15,7 @@ import sys
 
 import pytest
 
+from shared import register_trainer_script, script_dir
 from test_launch_run import launch_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -22,6 +24,10 @@ JOB = ["--steps", "8", "--hidden", "64", "--layers", "1", "--heads", "4", "--gqa
        "--ffn", "128", "--seq-len", "16", "--global-batch", "4", "--log-every", "1",
        "--save-every", "2", "--tp", "2"]
 KILL_STEP = 4
+# the reference: the same job under tpkit-launch, one script of tests/shared.py's trainer
+# launch (4 ranks, with the TPKIT_* tpkit-launch's own resolve exports for --tp 2 --dp 2)
+register_trainer_script("ray-reference", SCRIPT, "launch", "{dir}/ref.json", *JOB, "--save",
+                        "{dir}/ref-ckpt", flags=("--tp", "2", "--dp", "2"))
 
 
 def _run(cmd, timeout):
@@ -34,12 +40,11 @@ def _run(cmd, timeout):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)   # Ray's start and two worker groups' imports: ~2 min on 2 idle cores
-def test_ray_curve_equals_tpkit_launch_and_survives_a_killed_worker(tmp_path):
+def test_ray_curve_equals_tpkit_launch_and_survives_a_killed_worker(tmp_path,
+                                                                      tmp_path_factory):
     pytest.importorskip("ray.train.torch", reason="pip install 'tpkit[ray]'")
-    ref = tmp_path / "ref.json"
-    _run([sys.executable, "-m", "tpkit.cli.launch", "--tp", "2", "--dp", "2", SCRIPT, "launch",
-          str(ref), *JOB, "--save", str(tmp_path / "ref-ckpt")], timeout=300)
-    reference = json.loads(ref.read_text())
+    with open(os.path.join(script_dir(tmp_path_factory, "ray-reference"), "ref.json")) as f:
+        reference = json.load(f)
     assert len(reference) == 8
 
     out = tmp_path / "ray"
