@@ -51,14 +51,15 @@ def run_blocks(blocks: list[dict], result_path: str) -> int:
             os.environ.update(block.get("env", {}))
             exec(compile(block["code"], block["where"], "exec"), {"__name__": "__main__"})
             _cleanup()
-            os.environ.clear()
-            os.environ.update(launched_env)
         except BaseException as e:  # noqa: BLE001 (SystemExit from a block is a failure too)
             if result_path == "-":
                 raise DocBlockError(f"{block['where']}: {type(e).__name__}: {e}") from e
             failures.append({"where": block["where"], "error": traceback.format_exc()})
             with contextlib.suppress(Exception):
                 _cleanup()
+        finally:
+            os.environ.clear()
+            os.environ.update(launched_env)
     if result_path != "-":
         with open(result_path, "w") as f:
             json.dump({"ran": len(blocks), "failures": failures}, f)

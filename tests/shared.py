@@ -57,7 +57,7 @@ READERS = ("test_compose", "test_pipeline", "test_moe_checkpoint", "test_byom_la
            "test_fabric_conformance", "test_ray")
 
 TRAINER_RUNS: dict[str, list[str]] = {}
-TRAINER_SCRIPTS: list[dict] = []    # {name, script, args, flags}, run after the runs
+TRAINER_SCRIPTS: list[dict] = []    # {name, script, args, flags, env}, after the runs
 _LAST: list[dict] = []              # scripts that must run last (process-wide changes)
 
 
@@ -111,8 +111,9 @@ def register_trainer_script(name: str, script: str, *args: str, flags: tuple = (
     directory of its own, see ``script_dir``). ``flags``: tpkit-launch's layout flags the
     script is written for (``--tp 2 --cp 2``): it runs with the ``TPKIT_*`` variables
     tpkit-launch's own ``resolve`` exports for them at 4 ranks, in place of the launch's;
-    ``env``: more variables of its own launch's environment (set while it runs). ``last``: after every other script (it changes the process for good, as CUDA's
-    autocast rules do)."""
+    ``env``: more variables of its own launch's environment (set while it runs). ``last``:
+    after every other script (it changes the process for good, as CUDA's autocast rules
+    do)."""
     _reader()
     if any(entry["name"] == name for entry in TRAINER_SCRIPTS + _LAST):
         raise ValueError(f"trainer script {name!r} registered twice")

@@ -181,9 +181,14 @@ def test_block_is_complete_and_marked(block):
 
 
 # --- running -------------------------------------------------------------------------------
-def _as_json(blocks: list[Block], path) -> str:
+def _entry(block: Block, env: dict | None = None) -> dict:
+    """A block as tests/doc_runner.py reads it (``env``: its launch command's TPKIT_*)."""
+    return {"where": block.where, "code": block.code, **({"env": env} if env else {})}
+
+
+def _as_json(entries: list[dict], path) -> str:
     with open(path, "w") as f:
-        json.dump([{"where": b.where, "code": b.code} for b in blocks], f)
+        json.dump(entries, f)
     return str(path)
 
 
@@ -191,7 +196,8 @@ def _as_json(blocks: list[Block], path) -> str:
 def test_single_process_blocks(tmp_path):
     blocks = [b for b in PYTHON if not b.markers]
     result = tmp_path / "result.json"
-    proc = run([sys.executable, RUNNER, "blocks", _as_json(blocks, tmp_path / "b.json"),
+    proc = run([sys.executable, RUNNER, "blocks",
+                _as_json([_entry(b) for b in blocks], tmp_path / "b.json"),
                 str(result)], cwd=tmp_path, env=env_for_blocks())
     assert result.exists(), proc.stderr[-4000:]
     out = json.loads(result.read_text())
@@ -207,11 +213,10 @@ def _plan(launch: str):
     return launch_plan([*shlex.split(launch)[1:], RUNNER], env_for_blocks())
 
 
-def _launch_blocks(argv: list[str], blocks: list[dict], tmp_path) -> subprocess.CompletedProcess:
-    path = tmp_path / "b.json"
-    path.write_text(json.dumps(blocks))
-    return run([sys.executable, "-m", "tpkit.cli.launch", *argv, RUNNER, "blocks", str(path),
-                "-"], cwd=tmp_path, env=env_for_blocks(), timeout=2 * TIMEOUT)
+def _launch_blocks(argv: list[str], entries: list[dict], tmp_path) -> subprocess.CompletedProcess:
+    return run([sys.executable, "-m", "tpkit.cli.launch", *argv, RUNNER, "blocks",
+                _as_json(entries, tmp_path / "b.json"), "-"], cwd=tmp_path, env=env_for_blocks(),
+               timeout=2 * TIMEOUT)
 
 
 @pytest.fixture(scope="module")
@@ -221,7 +226,7 @@ def four_rank_launch(tmp_path_factory):
     with the ``TPKIT_*`` tpkit-launch exports for its own command (its ``resolve``)."""
     plans = {launch: _plan(launch) for launch in LAUNCHES}
     mine = [launch for launch, plan in plans.items() if plan.nproc_per_node == 4]
-    blocks = [{"where": b.where, "code": b.code, "env": plans[launch].exports}
+    blocks = [_entry(b, dict(plans[launch].exports))
               for launch in mine for b in PYTHON if b.markers.get("launch") == launch]
     proc = _launch_blocks(["--nproc-per-node", "4"], blocks,
                           tmp_path_factory.mktemp("four_rank_blocks"))
@@ -237,8 +242,7 @@ def test_launched_blocks(launch, request, tmp_path):
         assert launch in shared
         what = f"{shared} (one launch)"
     else:
-        proc = _launch_blocks(shlex.split(launch)[1:],
-                              [{"where": b.where, "code": b.code} for b in blocks], tmp_path)
+        proc = _launch_blocks(shlex.split(launch)[1:], [_entry(b) for b in blocks], tmp_path)
         what = launch
     assert proc.returncode == 0, \
         f"{what} over {[b.where for b in blocks]} exited {proc.returncode}:\n" \

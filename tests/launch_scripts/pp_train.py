@@ -12,7 +12,8 @@ Every rank writes ``OUT_DIR/rank<r>.json``: {name: the losses train.py reported}
 ``SCRIPTS_JSON`` is a list of ``{name, script, args, flags, exports}``: each script runs
 after the runs, in order, with ``{dir}`` in its arguments replaced by ``OUT_DIR/<name>``
 (created for it) and ``exports`` (what tpkit-launch exports for the script's layout
-``flags``) in its environment; what it prints goes to ``OUT_DIR/<name>/stdout.rank<r>``.
+``flags``, and the script's own ``env``) in its environment; what it prints goes to
+``OUT_DIR/<name>/stdout.rank<r>``.
 A script ``-m MODULE`` runs the module as ``python -m`` does. A script that destroys the
 default group at its end (launch/smoke.py, ``python -m tpkit.train``) leaves the next one
 a new default group on a key prefix of the launch's store of its own.
