@@ -5,9 +5,11 @@ import os
 
 import pytest
 
-# Layout variables from a surrounding tpkit-launch must not leak into tests (or workers).
+# Layout variables from a surrounding tpkit-launch must not leak into tests (or workers);
+# the test harness' own settings stay (TPKIT_SEEDS: where test_te_api_table finds TE's
+# documentation pages when ../shared/seeds is not beside the checkout).
 for var in [v for v in os.environ if v.startswith("TPKIT_") and v not in (
-        "TPKIT_DIST_TIMEOUT", "TPKIT_DIST_PG_TIMEOUT", "TPKIT_PG_TIMEOUT")]:
+        "TPKIT_DIST_TIMEOUT", "TPKIT_DIST_PG_TIMEOUT", "TPKIT_PG_TIMEOUT", "TPKIT_SEEDS")]:
     del os.environ[var]
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
